@@ -1,0 +1,160 @@
+"""The Python API: `SpeculativeDecoder.from_pretrained(...).generate(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec.engine import EngineOutput, SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.models.loading import (
+    bundled_draft,
+    bundled_target,
+    check_same_tokenizer,
+    context_length,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
+from specdec.sampling import SamplingParams
+from specdec.sources.model import ModelDraftSource
+from specdec.stats import GenerationStats
+from specdec.verification import make_rule
+
+
+@dataclass
+class GenerationResult:
+    """One completion."""
+
+    text: str
+    """the generated text only (prompt excluded)"""
+    token_ids: list[int]
+    """the generated token ids only (prompt excluded)"""
+    finish_reason: str
+    """'eos' or 'length'"""
+    stats: GenerationStats
+
+
+def resolve_verify(verify: str | None, temperature: float) -> str:
+    """'auto'/None -> greedy at temperature 0, lossless sampling above it."""
+    if verify in (None, "auto"):
+        return "greedy" if temperature == 0 else "sampling"
+    if verify == "greedy" and temperature > 0:
+        raise SpecDecError(f"--verify greedy needs temperature 0 (got {temperature}); use --verify sampling to sample losslessly")
+    return verify
+
+
+class SpeculativeDecoder:
+    """A target model, an optional draft model sharing its tokenizer, and a method."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        draft: PreTrainedModel | None = None,
+        method: str = "chain",
+        verify: str | None = None,
+        **method_options: Any,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.method = method
+        self.verify = verify
+        self.policy = make_policy(method, **method_options)
+        if self.policy.uses_draft and draft is None:
+            raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH or use --method ar")
+        limits = [c for c in (context_length(target), context_length(draft) if draft is not None else None) if c]
+        self.max_context = min(limits) if limits else None
+        self.eos_token_ids = eos_token_ids(target, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        self.pad_token_id = pad
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | None = None,
+        draft: str | None = None,
+        method: str = "chain",
+        verify: str | None = None,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        **method_options: Any,
+    ) -> SpeculativeDecoder:
+        """Load from local folders or hub ids; with neither given, the bundled pair."""
+        make_policy(method, **method_options)  # fail on bad options before loading anything
+        if target is None:
+            target = bundled_target()
+            draft = draft or bundled_draft()
+        dev = resolve_device(device)
+        tokenizer = load_tokenizer(target, "target")
+        draft_model = None
+        if method != "ar":
+            if draft is None:
+                raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH or use --method ar")
+            check_same_tokenizer(tokenizer, load_tokenizer(draft, "draft"))
+            draft_model = load_model(draft, "draft", dev, dtype)
+        target_model = load_model(target, "target", dev, dtype)
+        return cls(target_model, tokenizer, draft_model, method=method, verify=verify, **method_options)
+
+    def engine(self, verify: str) -> SpeculativeEngine:
+        source = ModelDraftSource(self.draft) if self.draft is not None and self.policy.uses_draft else None
+        return SpeculativeEngine(
+            self.target,
+            self.policy,
+            make_rule(verify),
+            source,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            max_context=self.max_context,
+        )
+
+    def encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise SpecDecError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise SpecDecError("the prompt is empty; give some text to continue")
+        return self.tokenizer(prompt)["input_ids"]
+
+    def generate(
+        self,
+        prompt: str | list[str],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stream: Callable[[int, list[int]], None] | None = None,
+    ) -> GenerationResult | list[GenerationResult]:
+        """Continue `prompt` (or each prompt of a list, decoded as one batch)."""
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        verify = resolve_verify(self.verify, temperature)
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        ids = [self.encode(p) for p in prompts]
+        outputs = self.generate_ids(ids, max_new_tokens, params, verify, seed, stream)
+        results = [self._result(o) for o in outputs]
+        return results[0] if isinstance(prompt, str) else results
+
+    def generate_ids(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        params: SamplingParams,
+        verify: str | None = None,
+        seed: int | None = None,
+        stream: Callable[[int, list[int]], None] | None = None,
+        keep_steps: bool = False,
+    ) -> list[EngineOutput]:
+        """Token-level entry point (benchmarks use it)."""
+        verify = resolve_verify(verify or self.verify, params.temperature)
+        return self.engine(verify).generate(prompt_ids, max_new_tokens, params, seed=seed, stream=stream, keep_steps=keep_steps)
+
+    def _result(self, out: EngineOutput) -> GenerationResult:
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return GenerationResult(text=text, token_ids=out.token_ids, finish_reason=out.finish_reason, stats=out.stats)

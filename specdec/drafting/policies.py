@@ -1,0 +1,156 @@
+"""Baseline tree policies: AR (no draft), chain, static tree, EAGLE-2 dynamic tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.errors import SpecDecError
+from specdec.sampling import sample_from_probs
+from specdec.tree import TokenTree
+
+if TYPE_CHECKING:
+    from specdec.sources.base import DraftSource
+    from specdec.stats import StepRecord
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise SpecDecError(f"{name}={value!r} must be a positive integer")
+
+
+class _Stateless:
+    def feedback(self, record: StepRecord) -> None:
+        return None
+
+
+class ARPolicy(_Stateless):
+    """Plain autoregressive decoding: every step verifies only the root (one target token)."""
+
+    name = "ar"
+    uses_draft = False
+
+    def draft(self, source: DraftSource | None, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, None, torch.Tensor]:
+        return TokenTree.root_only(roots), None, torch.zeros(roots.shape[0], 1, dtype=torch.long, device=roots.device)
+
+
+@dataclass
+class ChainPolicy(_Stateless):
+    """Classic speculative decoding: a chain of K draft tokens.
+
+    Greedy: each token is the draft's argmax. Sampling: each token is sampled from the
+    draft distribution, which the lossless rule then uses as its proposal.
+    """
+
+    k: int = 5
+    """draft tokens per step"""
+    name: str = "chain"
+    uses_draft: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("k", self.k)
+
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder, torch.Tensor]:
+        sampling = not ctx.params.greedy
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling)
+        b = roots.shape[0]
+        logprobs = builder.root_logprobs  # [B, V]
+        parent = torch.zeros(b, 1, dtype=torch.long, device=roots.device)
+        valid = torch.ones(b, 1, dtype=torch.bool, device=roots.device)
+        depth = min(self.k, ctx.max_depth)
+        for level in range(1, depth + 1):
+            tok = sample_from_probs(logprobs.exp(), ctx.generator)[:, None] if sampling else logprobs.argmax(-1, keepdim=True)  # [B, 1]
+            node = builder.add(parent, tok, logprobs.gather(1, tok), valid, sampled=sampling)
+            valid = builder.valid.gather(1, node)
+            if level < depth:
+                logprobs = builder.expand(node, valid)[:, 0]
+            parent = node
+        tree, origin = builder.finish()
+        return tree, builder, origin
+
+
+@dataclass
+class StaticTreePolicy(_Stateless):
+    """A fixed tree: every node up to `depth` gets its `branching` most likely children,
+    in BFS order until `max_nodes` draft tokens."""
+
+    depth: int = 4
+    """levels below the root"""
+    branching: int = 2
+    """children per node"""
+    max_nodes: int = 64
+    """node budget (draft tokens per step)"""
+    name: str = "static"
+    uses_draft: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "branching", "max_nodes"):
+            _positive(name, getattr(self, name))
+
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder, torch.Tensor]:
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
+        b = roots.shape[0]
+        frontier = torch.zeros(b, 1, dtype=torch.long, device=roots.device)
+        frontier_valid = torch.ones(b, 1, dtype=torch.bool, device=roots.device)
+        logprobs = builder.root_logprobs[:, None, :]
+        budget = self.max_nodes
+        depth = min(self.depth, ctx.max_depth)
+        for level in range(1, depth + 1):
+            k = min(self.branching, logprobs.shape[-1])
+            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)
+            take = min(parents.shape[1], budget)
+            if take <= 0:
+                break
+            nodes = builder.add(parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take])
+            budget -= take
+            frontier, frontier_valid = nodes, builder.valid.gather(1, nodes)
+            if level < depth and budget > 0:
+                logprobs = builder.expand(frontier, frontier_valid)
+        tree, origin = builder.finish()
+        return tree, builder, origin
+
+
+@dataclass
+class Eagle2Policy(_Stateless):
+    """EAGLE-2's dynamic tree: expand the `top_k` frontier nodes with the highest cumulative
+    draft log-probability for `depth` levels (each gets its `top_k` best children as
+    candidates), then rerank all candidates and keep the best `total_tokens` (a valid subtree).
+    """
+
+    depth: int = 6
+    top_k: int = 8
+    total_tokens: int = 32
+    """draft tokens kept for verification"""
+    name: str = "eagle2"
+    uses_draft: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "total_tokens"):
+            _positive(name, getattr(self, name))
+
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder, torch.Tensor]:
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
+        b = roots.shape[0]
+        dev = roots.device
+        depth = min(self.depth, ctx.max_depth)
+        if depth == 0:
+            tree, origin = builder.finish()
+            return tree, builder, origin
+        k = min(self.top_k, builder.root_logprobs.shape[-1])
+        root = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        parents, tokens, logq, valid = builder.top_children(root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev))
+        frontier = builder.add(parents, tokens, logq, valid)  # [B, k]
+        for _ in range(2, depth + 1):
+            frontier_valid = builder.valid.gather(1, frontier)
+            logprobs = builder.expand(frontier, frontier_valid)  # [B, k, V]
+            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)
+            nodes = builder.add(parents, tokens, logq, valid)  # [B, k*k]
+            score = builder.cum_logq.gather(1, nodes).masked_fill(~builder.valid.gather(1, nodes), float("-inf"))
+            best = torch.topk(score, k, dim=1).indices  # [B, k]
+            frontier = nodes.gather(1, best)
+        keep = builder.top_by_score(builder.cum_logq, self.total_tokens)
+        tree, origin = builder.finish(keep)
+        return tree, builder, origin

@@ -1,0 +1,43 @@
+"""Method names -> tree policies, with their options validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specdec.drafting.base import TreePolicy
+from specdec.drafting.policies import ARPolicy, ChainPolicy, Eagle2Policy, StaticTreePolicy
+from specdec.errors import SpecDecError
+
+POLICY_CLASSES: dict[str, type] = {
+    "ar": ARPolicy,
+    "chain": ChainPolicy,
+    "static": StaticTreePolicy,
+    "eagle2": Eagle2Policy,
+}
+"""every `--method` name and the policy class that implements it"""
+
+
+def method_options(method: str) -> list[str]:
+    """The option names a method accepts (its config fields)."""
+    cls = _policy_class(method)
+    if not dataclasses.is_dataclass(cls):
+        return []
+    return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("name", "uses_draft")]
+
+
+def _policy_class(method: str) -> type:
+    if method not in POLICY_CLASSES:
+        raise SpecDecError(f"--method {method!r} is not known; choose one of {', '.join(POLICY_CLASSES)}")
+    return POLICY_CLASSES[method]
+
+
+def make_policy(method: str, **options: Any) -> TreePolicy:
+    """A fresh policy for `method`; an option the method does not take is an error."""
+    cls = _policy_class(method)
+    allowed = method_options(method)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        hint = f"it takes {', '.join(allowed)}" if allowed else "it takes no options"
+        raise SpecDecError(f"option(s) {', '.join(unknown)} do not apply to --method {method}; {hint}")
+    return cls(**options)

@@ -1,0 +1,76 @@
+"""Sampling parameters and the one place logits become probabilities.
+
+Both models' distributions go through `logits_to_logprobs` with the same
+`SamplingParams`, so temperature, top-p and top-k act on draft and target alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import SpecDecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from a distribution."""
+
+    temperature: float = 0.0
+    """0 = greedy (argmax); > 0 = sample from softmax(logits / temperature)"""
+    top_p: float = 1.0
+    """nucleus: keep the smallest set of tokens whose probability reaches top_p; in (0, 1]"""
+    top_k: int = 0
+    """keep only the k most likely tokens; 0 = no limit"""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
+            raise SpecDecError(f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise SpecDecError(f"top_p={self.top_p!r} must be in (0, 1]; use 1.0 to disable nucleus sampling")
+        if self.top_k < 0:
+            raise SpecDecError(f"top_k={self.top_k!r} must be >= 0; use 0 to disable top-k filtering")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities after temperature, top-k and top-p; masked tokens get -inf.
+
+    logits: [..., V] (any float dtype). Returns float32 [..., V].
+    Greedy params use temperature 1 and no masks: the result then is the model's own
+    distribution, used for draft confidences (tree shaping) while tokens are chosen by argmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample per row. probs: [..., V] (need not be normalised). Returns [...] int64."""
+    flat = probs.reshape(-1, probs.shape[-1]).float()
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token from target logits [..., V]: argmax when greedy, else a sample. Returns [...] int64."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return sample_from_probs(logits_to_logprobs(logits, params).exp(), generator)

@@ -1,0 +1,142 @@
+"""Per-step records and every metric, defined once.
+
+- **τ (tau)**: mean tokens committed per verification step when nothing is cut off,
+  i.e. mean of (accepted_len + 1) over steps: accepted draft tokens plus the bonus token.
+- **acceptance rate**: accepted draft tokens / drafted tokens (drafted = tree nodes
+  sent to verification, root excluded). For a tree this counts every sibling drafted.
+- **tokens/s**: new tokens / wall time of the whole call (prefill included).
+- **TTFT**: time from the call to the first new token (prefill + its choice).
+- **TPOT**: (wall time - TTFT) / (new tokens - 1): the time per later token.
+- **engine efficiency**: share of wall time spent inside model forwards.
+Reports, benchmarks and tests use these functions and properties, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+
+def tau(accepted_lens: Sequence[int]) -> float:
+    """Mean committed tokens per verification step: mean(accepted_len + 1); 0 without steps."""
+    return sum(a + 1 for a in accepted_lens) / len(accepted_lens) if accepted_lens else 0.0
+
+
+def acceptance_rate(accepted_tokens: int, drafted_tokens: int) -> float:
+    """Accepted draft tokens / drafted tokens; 0 when nothing was drafted."""
+    return accepted_tokens / drafted_tokens if drafted_tokens else 0.0
+
+
+def speedup(tokens_per_s: float, baseline_tokens_per_s: float) -> float:
+    """Throughput ratio against a baseline measured in the same run."""
+    return tokens_per_s / baseline_tokens_per_s if baseline_tokens_per_s else 0.0
+
+
+@dataclass
+class StepRecord:
+    """One verification step of a batch. Lists are per row."""
+
+    step: int
+    active: list[bool]
+    drafted: list[int]
+    """draft tokens verified per row"""
+    accepted_len: list[int]
+    committed: list[int]
+    """tokens appended to the output this step (accepted + bonus, after EOS/max-token cuts)"""
+    relaxed: list[int]
+    strict_fallbacks: list[int]
+    tree_depth: int
+    draft_s: float
+    verify_s: float
+    drafted_by_depth: list[list[int]]
+    """per row: drafted nodes at depth 1, 2, ..."""
+    accepted_depth: list[int]
+    """per row: depth of the deepest accepted node (= accepted_len)"""
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one generated sequence; derived metrics are properties."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    """verification steps (the first token, chosen at prefill, is not a step)"""
+    accepted_tokens: int = 0
+    drafted_tokens: int = 0
+    relaxed_tokens: int = 0
+    strict_fallbacks: int = 0
+    wall_s: float = 0.0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    forward_s: float = 0.0
+    """time inside model forwards (target and draft)"""
+    accepted_lens: list[int] = field(default_factory=list)
+    drafted_by_depth: list[int] = field(default_factory=list)
+    """drafted nodes per tree depth (index 0 = depth 1), summed over steps"""
+    accepted_by_depth: list[int] = field(default_factory=list)
+    """accepted nodes per tree depth, summed over steps"""
+
+    @property
+    def tau(self) -> float:
+        return tau(self.accepted_lens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return acceptance_rate(self.accepted_tokens, self.drafted_tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.wall_s - self.ttft_s) / (self.new_tokens - 1) if self.new_tokens > 1 else 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Wall time outside prefill, drafting and verification (sampling, bookkeeping)."""
+        return max(0.0, self.wall_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    @property
+    def engine_efficiency(self) -> float:
+        return self.forward_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def add_step(self, record: StepRecord, row: int) -> None:
+        self.steps += 1
+        self.drafted_tokens += record.drafted[row]
+        self.accepted_tokens += record.accepted_len[row]
+        self.relaxed_tokens += record.relaxed[row]
+        self.strict_fallbacks += record.strict_fallbacks[row]
+        self.accepted_lens.append(record.accepted_len[row])
+        by_depth = record.drafted_by_depth[row]
+        while len(self.drafted_by_depth) < len(by_depth):
+            self.drafted_by_depth.append(0)
+            self.accepted_by_depth.append(0)
+        for d, count in enumerate(by_depth):
+            self.drafted_by_depth[d] += count
+        for d in range(record.accepted_len[row]):
+            self.accepted_by_depth[d] += 1
+
+    def summary(self) -> dict:
+        """The headline figures (what `--json` prints)."""
+        return {
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_s": self.tokens_per_s,
+            "steps": self.steps,
+            "ttft_ms": self.ttft_s * 1e3,
+            "tpot_ms": self.tpot_s * 1e3,
+            "new_tokens": self.new_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "relaxed_tokens": self.relaxed_tokens,
+            "draft_ms": self.draft_s * 1e3,
+            "verify_ms": self.verify_s * 1e3,
+            "engine_efficiency": self.engine_efficiency,
+        }
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), **self.summary()}

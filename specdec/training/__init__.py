@@ -1,0 +1,1 @@
+"""Training the project's own models: tokenizer, target/draft pair (and later the LVLM pair)."""

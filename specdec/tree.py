@@ -1,0 +1,170 @@
+"""TokenTree: a batch of draft trees as tensors, in BFS order.
+
+Node 0 of every row is the root: the last committed token, which neither model has
+cached yet. Every other node is a draft token; its parent precedes it (BFS order), so
+`parents[b, i] < i` for every valid non-root node. A chain is a tree whose nodes have
+at most one child. Rows of a batch may hold different numbers of nodes: the missing
+ones are padding (`valid == False`), never attended to and never accepted.
+
+Example (one row, root r with children a, b; a has child c):
+
+    index   0  1  2  3
+    tokens  r  a  b  c
+    parents -1 0  0  1
+    depths  0  1  1  2
+
+    ancestor_mask (row attends to column):   paths (root-to-leaf): [0, 1, 3], [0, 2]
+      r: r
+      a: r a
+      b: r . b
+      c: r a . c
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenTree:
+    """A batch of draft trees. All tensors share the leading shape [B, N]."""
+
+    tokens: torch.Tensor
+    """[B, N] int64 token ids; node 0 is the root"""
+    parents: torch.Tensor
+    """[B, N] int64 parent node index; -1 for the root and for padding"""
+    depths: torch.Tensor
+    """[B, N] int64 depth; the root is 0"""
+    logq: torch.Tensor
+    """[B, N] float32 draft log-prob of the node's token given its parent's path (0 for the root)"""
+    cum_logq: torch.Tensor
+    """[B, N] float32 sum of logq along the root-to-node path (the path's draft log-probability)"""
+    valid: torch.Tensor
+    """[B, N] bool; False for padding nodes"""
+    sampled: torch.Tensor
+    """[B, N] bool; True when the node's token was drawn at random from its parent's draft
+    distribution (without replacement among sampled siblings); False when it was chosen
+    deterministically (top-k). Sampling verification uses the draft distribution as the
+    proposal of a sampled node and a point mass for a deterministic one; both are lossless."""
+    draft_logprobs: torch.Tensor | None = None
+    """[B, N, V] float32 draft log-distribution over the children of each node, kept only when
+    some node is `sampled` (rows of nodes without sampled children are unspecified)"""
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        """N: nodes per row including padding."""
+        return self.tokens.shape[1]
+
+    def nodes_per_row(self) -> torch.Tensor:
+        """[B] number of valid nodes (root included)."""
+        return self.valid.sum(dim=1)
+
+    def drafted_per_row(self) -> torch.Tensor:
+        """[B] number of draft tokens sent to verification (valid nodes minus the root)."""
+        return self.nodes_per_row() - 1
+
+    @classmethod
+    def root_only(cls, roots: torch.Tensor) -> TokenTree:
+        """A tree holding only the root of each row. roots: [B] int64."""
+        b = roots.shape[0]
+        zeros_f = torch.zeros(b, 1, device=roots.device)
+        return cls(
+            tokens=roots[:, None].clone(),
+            parents=torch.full((b, 1), -1, dtype=torch.long, device=roots.device),
+            depths=torch.zeros(b, 1, dtype=torch.long, device=roots.device),
+            logq=zeros_f,
+            cum_logq=zeros_f.clone(),
+            valid=torch.ones(b, 1, dtype=torch.bool, device=roots.device),
+            sampled=torch.zeros(b, 1, dtype=torch.bool, device=roots.device),
+        )
+
+    def max_depth(self) -> int:
+        return int(self.depths.masked_fill(~self.valid, 0).max().item())
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[B, N, N] bool: [b, i, j] is True when node j is node i itself or one of its ancestors.
+
+        Padding nodes see only themselves (so attention over them stays finite) and are
+        seen by nobody else.
+        """
+        b, n = self.tokens.shape
+        eye = torch.eye(n, dtype=torch.bool, device=self.tokens.device).expand(b, n, n)
+        mask = eye.clone()
+        cursor = self.parents.masked_fill(~self.valid, -1)  # [B, N] current ancestor of each node
+        rows = torch.arange(b, device=self.tokens.device)[:, None]
+        cols = torch.arange(n, device=self.tokens.device)[None, :]
+        for _ in range(self.max_depth()):
+            has = cursor >= 0
+            if not has.any():
+                break
+            safe = cursor.clamp(min=0)
+            mask[rows.expand(b, n)[has], cols.expand(b, n)[has], safe[has]] = True
+            cursor = torch.where(has, self.parents.gather(1, safe), cursor)
+        return mask
+
+    def children(self, row: int, node: int) -> list[int]:
+        """Indices of the valid children of `node` in `row`, in tree order."""
+        hits = ((self.parents[row] == node) & self.valid[row]).nonzero().flatten()
+        return hits.tolist()
+
+    def path_to(self, row: int, node: int) -> list[int]:
+        """Node indices from the root to `node` inclusive, e.g. [0, 1, 3] for node 3 above."""
+        path = []
+        parents = self.parents[row].tolist()
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+    def leaf_paths(self, row: int) -> list[list[int]]:
+        """Every root-to-leaf path of `row`."""
+        valid = self.valid[row].tolist()
+        parents = self.parents[row].tolist()
+        has_child = {p for p, v in zip(parents, valid, strict=True) if v and p >= 0}
+        return [self.path_to(row, i) for i in range(len(valid)) if valid[i] and i not in has_child]
+
+    def select(self, keep: torch.Tensor) -> TokenTree:
+        """The subtree of nodes with keep[b, i] True, re-indexed and padded to a common size.
+
+        keep: [B, N] bool; must contain the root and be closed under taking parents
+        (a valid subtree). BFS order is preserved because node order is preserved.
+        """
+        keep = keep & self.valid
+        b, n = keep.shape
+        counts = keep.sum(dim=1)
+        m = int(counts.max().item())
+        # order[b, :counts[b]] are the kept indices in increasing order, then padding
+        order = torch.argsort((~keep).long() * 2 * n + torch.arange(n, device=keep.device), dim=1, stable=True)[:, :m]
+        new_valid = torch.arange(m, device=keep.device)[None, :] < counts[:, None]
+        # old index -> new index map
+        remap = torch.full((b, n), -1, dtype=torch.long, device=keep.device)
+        remap.scatter_(1, order, torch.arange(m, device=keep.device).expand(b, m).clone())
+        remap = remap.masked_fill(~keep, -1)
+        old_parents = self.parents.gather(1, order)
+        new_parents = torch.where(old_parents >= 0, remap.gather(1, old_parents.clamp(min=0)), old_parents)
+        new_parents = new_parents.masked_fill(~new_valid, -1)
+        if bool(((new_parents < 0) & new_valid & (torch.arange(m, device=keep.device)[None, :] > 0)).any()):
+            raise ValueError("TokenTree.select: keep mask is not closed under parents (a kept node lost its parent)")
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(1, order)
+
+        draft_logprobs = None
+        if self.draft_logprobs is not None:
+            draft_logprobs = self.draft_logprobs.gather(1, order[:, :, None].expand(b, m, self.draft_logprobs.shape[-1]))
+        return TokenTree(
+            tokens=take(self.tokens),
+            parents=new_parents,
+            depths=take(self.depths),
+            logq=take(self.logq),
+            cum_logq=take(self.cum_logq),
+            valid=new_valid,
+            sampled=take(self.sampled) & new_valid,
+            draft_logprobs=draft_logprobs,
+        )
