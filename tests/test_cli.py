@@ -1,0 +1,106 @@
+"""The `specdec generate` command and the Python API on a tiny saved pair: JSON output,
+every method, seeds, and clear errors (exit code 2, no traceback) for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.api import SpeculativeDecoder
+from specdec.cli import main
+from specdec.errors import SpecDecError
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse's own usage errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("method", ["ar", "chain", "static", "eagle2"])
+def test_generate_json_every_method(capsys, tiny_pair_dir, method):
+    code, out, err = run_cli(
+        capsys, "generate", "--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"),
+        "--method", method, "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--json",
+    )
+    assert code == 0, err
+    line = json.loads(out.strip().splitlines()[-1])
+    assert set(line) == {"text", "token_ids", "stats"}
+    assert set(line["stats"]) == {"tau", "acceptance_rate", "tokens_per_s", "steps", "ttft_ms", "tpot_ms"}
+    assert 1 <= len(line["token_ids"]) <= 12
+    # token_ids are the generated tokens only, and equal the target's own greedy continuation
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target")
+    decoder = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), method="ar")
+    ids = decoder.encode("def add(a, b):")
+    ref = target.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(ids) :].tolist()
+    assert line["token_ids"] == ref
+    assert line["stats"]["tau"] >= 1.0
+
+
+def test_api_seeded_sampling_is_reproducible(tiny_pair_dir):
+    decoder = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), method="chain", k=3)
+    a = decoder.generate("for i in", max_new_tokens=16, temperature=1.0, seed=3)
+    b = decoder.generate("for i in", max_new_tokens=16, temperature=1.0, seed=3)
+    assert a.token_ids == b.token_ids
+    assert a.text == decoder.tokenizer.decode(a.token_ids, skip_special_tokens=True)
+    batch = decoder.generate(["for i in", "class A:"], max_new_tokens=8)
+    assert len(batch) == 2 and all(r.token_ids for r in batch)
+
+
+BAD_INPUTS = {
+    "empty prompt": (["--prompt", ""], "prompt is empty"),
+    "zero tokens": (["--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    "negative temperature": (["--prompt", "x", "--temperature", "-1"], "temperature=-1.0"),
+    "top_p zero": (["--prompt", "x", "--top-p", "0"], "top_p=0.0"),
+    "top_p above one": (["--prompt", "x", "--top-p", "1.5"], "top_p=1.5"),
+    "greedy verify with temperature": (["--prompt", "x", "--verify", "greedy", "--temperature", "0.5"], "--verify sampling"),
+    "unknown method": (["--prompt", "x", "--method", "nope"], "--method 'nope'"),
+    "option of another method": (["--prompt", "x", "--method", "static", "--k", "3"], "--k does not apply"),
+    "bad option value": (["--prompt", "x", "--method", "chain", "--k", "0"], "k=0"),
+    "no prompt": ([], "--prompt"),
+    "prompt over context": (["--prompt", "x " * 400], "context"),
+    "budget over context": (["--prompt", "x", "--max-new-tokens", "1000"], "lower max_new_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exit_2_with_message(capsys, tiny_pair_dir, case):
+    extra, needle = BAD_INPUTS[case]
+    code, _, err = run_cli(capsys, "generate", "--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"), *extra)
+    assert code == 2
+    assert needle in err
+    assert "Traceback" not in err
+
+
+def test_missing_model_path(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "--target", str(tmp_path / "missing"), "--draft", str(tmp_path / "missing2"), "--prompt", "x")
+    assert code == 2 and "does not exist" in err
+
+
+def test_mismatched_tokenizers_refused(tiny_pair_dir, tmp_path):
+    from specdec.training.tokenizer import train_tokenizer
+
+    other = tmp_path / "other"
+    tok = train_tokenizer(["something else entirely\n"] * 20, other, vocab_size=300, min_frequency=1)
+    AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "draft").save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(SpecDecError, match="tokenizers differ"):
+        SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(other), method="chain")
+
+
+def test_console_script_exit_code(tiny_pair_dir):
+    """The installed entry point: a bad value gives exit 2 and a one-line error, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"), "--prompt", "x", "--top-p", "2"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "top_p=2.0" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,95 @@
+"""Invariant 1: greedy speculative output equals the target's own greedy `generate` output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, EOS, sharpen, tiny_model
+
+from specdec.engine import SpeculativeEngine
+from specdec.methods import make_policy
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule
+
+METHODS = {
+    "ar": {},
+    "chain": {"k": 4},
+    "static": {"depth": 3, "branching": 2, "max_nodes": 12},
+    "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10},
+}
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
+
+
+def reference(target, prompt: list[int], max_new: int, eos: int) -> list[int]:
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def run(target, draft, method: str, prompt: list[int], max_new: int, eos: int) -> list[int]:
+    engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[eos])
+    return engine.generate([prompt], max_new)[0].token_ids
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("draft_kind", ["close", "disagreeing"])
+def test_greedy_matches_generate(arch, draft_kind):
+    target = sharpen(tiny_model(arch, seed=0))
+    if draft_kind == "close":  # same weights plus noise: often agrees, sometimes not
+        draft = sharpen(tiny_model(arch, seed=0))
+        with torch.no_grad():
+            for p in draft.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+    else:  # an unrelated random model: almost never agrees
+        draft = tiny_model(arch, seed=7, layers=1)
+    accepted_any = False
+    for method in METHODS:
+        for prompt in PROMPTS:
+            ref = reference(target, prompt, 24, EOS)
+            engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+            out = engine.generate([prompt], 24)[0]
+            assert out.token_ids == ref, f"{arch}/{draft_kind}/{method}/{prompt}"
+            accepted_any |= out.stats.accepted_tokens > 0
+    if draft_kind == "close":
+        assert accepted_any, "the close draft should get some tokens accepted"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_stops_at_eos_like_generate(arch):
+    """Pick as EOS a token the target emits mid-sequence: every method must stop right there."""
+    target = sharpen(tiny_model(arch, seed=0))
+    draft = sharpen(tiny_model(arch, seed=0))
+    prompt = PROMPTS[0]
+    free = reference(target, prompt, 20, eos=-1 % 96)
+    eos = free[6]
+    ref = reference(target, prompt, 20, eos)
+    assert ref[-1] == eos and len(ref) <= 7
+    for method in METHODS:
+        engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[eos])
+        out = engine.generate([prompt], 20)[0]
+        assert out.token_ids == ref, method
+        assert out.finish_reason == "eos"
+
+
+def test_exact_token_budget_with_long_trees():
+    """Trees deeper than the remaining budget must not overshoot max_new_tokens."""
+    target = sharpen(tiny_model("llama", seed=0))
+    for max_new in (1, 2, 3, 7):
+        for method in METHODS:
+            out = run(target, target, method, PROMPTS[1], max_new, eos=-1 % 96)
+            assert len(out) == max_new
+            assert out == reference(target, PROMPTS[1], max_new, eos=-1 % 96)
+
+
+def test_batched_greedy_equals_unbatched():
+    """Rows of a batch (different prompt lengths, left padding) decode as they would alone."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    for method in METHODS:
+        engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+        batched = [o.token_ids for o in engine.generate(PROMPTS, 20)]
+        alone = [run(target, draft, method, p, 20, EOS) for p in PROMPTS]
+        assert batched == alone, method

@@ -1,0 +1,81 @@
+"""Invariant 4: after every commit, target and draft caches equal a fresh prefill of the committed tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import sharpen, tiny_model
+
+from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy
+from specdec.engine import SpeculativeEngine
+from specdec.models.runner import ModelRunner
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule
+
+
+def committed_keys(runner: ModelRunner, row: int = 0) -> list[torch.Tensor]:
+    """Per layer: the keys of the valid committed slots of `row`, [H, S_valid, D]."""
+    valid = runner.slot_valid[row]
+    return [layer.keys[row][:, valid] for layer in runner.cache.layers]
+
+
+def fresh_keys(model, tokens: list[int]) -> list[torch.Tensor]:
+    runner = ModelRunner(model)
+    ids = torch.tensor([tokens])
+    runner.prefill(ids, torch.ones_like(ids))
+    return committed_keys(runner)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("policy", [ChainPolicy(k=4), StaticTreePolicy(depth=3, branching=2, max_nodes=10), Eagle2Policy(depth=4, top_k=3, total_tokens=10)], ids=lambda p: p.name)
+def test_caches_equal_fresh_prefill(arch, policy):
+    target = sharpen(tiny_model(arch, seed=0))
+    draft = sharpen(tiny_model(arch, seed=0))  # same weights: long accepted paths, leaves get accepted
+    prompt = [5, 6, 7, 8, 9]
+    for max_new in (2, 5, 9, 14):
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+        out = engine.generate([prompt], max_new)[0]
+        committed = prompt + out.token_ids[:-1]  # the last token is the pending root, cached by nobody yet
+        for got, ref in zip(committed_keys(engine.target), fresh_keys(target, committed), strict=True):
+            assert got.shape == ref.shape
+            assert torch.allclose(got, ref, atol=1e-5)
+        pending = engine.source.pending[0]
+        draft_expected = committed[: len(committed) - len(pending)]
+        assert committed[len(draft_expected) :] == pending
+        for got, ref in zip(committed_keys(engine.source.runner), fresh_keys(draft, draft_expected), strict=True):
+            assert got.shape == ref.shape
+            assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_rollback_drops_step_slots():
+    model = tiny_model("llama", seed=0)
+    runner = ModelRunner(model)
+    ids = torch.tensor([[3, 4, 5]])
+    runner.prefill(ids, torch.ones_like(ids))
+    before = [k.clone() for k in committed_keys(runner)]
+    runner.forward(torch.tensor([[6, 7]]), torch.tensor([[3, 4]]), torch.ones(1, 2, 2, dtype=torch.bool))
+    runner.rollback()
+    assert runner.step_len == 0
+    for got, ref in zip(committed_keys(runner), before, strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_compaction_keeps_positions_and_values():
+    """Holes left by padding are removed without changing any row's committed keys."""
+    model = tiny_model("llama", seed=0)
+    runner = ModelRunner(model)
+    ids = torch.tensor([[0] * 70 + [3, 4, 5], list(range(3, 76))])
+    mask = torch.ones_like(ids)
+    mask[0, :70] = 0
+    runner.prefill(ids, mask)
+    assert runner.past_len == 73
+    before = [committed_keys(runner, r) for r in range(2)]
+    # commit a step where row 0 keeps 1 slot and row 1 keeps none (padding) repeatedly
+    for _ in range(3):
+        runner.forward(torch.tensor([[9], [9]]), runner.committed_len()[:, None], torch.ones(2, 1, 1, dtype=torch.bool))
+        runner.commit(torch.zeros(2, 1, dtype=torch.long), torch.tensor([[True], [False]]))
+    runner.compact_if_wasteful(max_waste=0.0, min_slots=1)
+    assert runner.past_len == 73  # row 1 has 73 valid slots, row 0 has 3 + 3
+    for r in range(2):
+        for got, ref in zip(committed_keys(runner, r), before[r], strict=True):
+            assert torch.allclose(got[:, : ref.shape[1]], ref)
