@@ -97,38 +97,42 @@ class SpeculativeEngine:
         seed: int | None = None,
         stream: StreamCallback | None = None,
         keep_steps: bool = False,
+        batch_size: int | None = None,
     ) -> list[EngineOutput]:
-        """Decode every prompt (token ids) together as one batch."""
+        """Decode every prompt (token ids); returns one output per prompt, in order.
+
+        Up to `batch_size` prompts (default: all) are decoded together as rows of one batch.
+        A row that finishes retires; while prompts wait, the next one is prefilled into the
+        free row at the next step boundary. `stream(prompt_index, tokens)` gets each
+        prompt's newly committed tokens.
+        """
         params = params or SamplingParams()
         self._validate(prompts, max_new_tokens)
+        batch_size = len(prompts) if batch_size is None else batch_size
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise SpecDecError(f"batch_size={batch_size!r} must be a positive integer")
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         elif not params.greedy:
             generator = torch.Generator(device=self.device)
             generator.seed()
-        b = len(prompts)
-        stats = [GenerationStats(prompt_tokens=len(p)) for p in prompts]
-        outputs: list[list[int]] = [[] for _ in range(b)]
-        finish = ["length"] * b
-        records: list[StepRecord] = []
-        forward_s0 = self.target.forward_s + (self.source.runner.forward_s if self._has_runner() else 0.0)
-
+        run = _Run(prompts, max_new_tokens, stream, self.eos_token_ids)
+        forward_s0 = self._forward_s()
         t_start = time.perf_counter()
-        ids, mask = self._left_pad(prompts)
-        target_logits = self.target.prefill(ids, mask)  # [B, V]
-        if self.source is not None:
-            self.source.prefill(ids, mask)
-        roots = choose_tokens(target_logits, params, generator)  # [B]
-        t_first = time.perf_counter()
-        active = torch.ones(b, dtype=torch.bool)
-        for row in range(b):
-            stats[row].ttft_s = stats[row].prefill_s = t_first - t_start
-            self._append(row, [int(roots[row])], outputs, finish, active, max_new_tokens, stream)
 
+        queue = list(range(len(prompts)))
+        rows: list[int] = queue[:batch_size]  # prompt index held by each batch row
+        del queue[:batch_size]
+        ids, mask = self._left_pad([prompts[i] for i in rows])
+        roots = self._admit(rows, ids, mask, None, params, generator, run, t_start)
+        rows, roots = self._retire_and_admit(rows, roots, queue, params, generator, run, t_start)
+
+        records: list[StepRecord] = []
         step = 0
-        while bool(active.any()):
-            remaining = max(max_new_tokens - len(outputs[row]) for row in range(b) if active[row])
+        while rows:
+            active = torch.tensor([not run.done[i] for i in rows], dtype=torch.bool)
+            remaining = max(max_new_tokens - len(run.outputs[i]) for i in rows if not run.done[i])
             ctx = DraftContext(
                 params=params,
                 generator=generator,
@@ -145,20 +149,17 @@ class SpeculativeEngine:
             t2 = time.perf_counter()
             self._commit(tree, verdict.accepted_nodes)
             if builder is not None and self.source is not None:
-                self.source.end_step(builder, [origin[row, path].tolist() if path else [] for row, path in enumerate(verdict.accepted_nodes)])
-            committed = [0] * b
+                self.source.end_step(builder, [origin[r, path].tolist() if path else [] for r, path in enumerate(verdict.accepted_nodes)])
             was_active = active.tolist()
-            for row in range(b):
-                if not was_active[row]:
-                    continue
-                new = tree.tokens[row, verdict.accepted_nodes[row]].tolist() + [int(verdict.bonus_tokens[row])]
-                committed[row] = self._append(row, new, outputs, finish, active, max_new_tokens, stream)
-            drafted = tree.drafted_per_row().tolist()
-            depth_counts = self._drafted_by_depth(tree)
+            committed = [0] * len(rows)
+            for r, prompt_index in enumerate(rows):
+                if was_active[r]:
+                    new = tree.tokens[r, verdict.accepted_nodes[r]].tolist() + [int(verdict.bonus_tokens[r])]
+                    committed[r] = run.append(prompt_index, new)
             record = StepRecord(
                 step=step,
                 active=was_active,
-                drafted=[d if a else 0 for d, a in zip(drafted, was_active, strict=True)],
+                drafted=[d if a else 0 for d, a in zip(tree.drafted_per_row().tolist(), was_active, strict=True)],
                 accepted_len=[len(p) if a else 0 for p, a in zip(verdict.accepted_nodes, was_active, strict=True)],
                 committed=committed,
                 relaxed=verdict.relaxed,
@@ -166,14 +167,16 @@ class SpeculativeEngine:
                 tree_depth=tree.max_depth(),
                 draft_s=t1 - t0,
                 verify_s=t2 - t1,
-                drafted_by_depth=depth_counts,
+                drafted_by_depth=self._drafted_by_depth(tree),
                 accepted_depth=[len(p) for p in verdict.accepted_nodes],
+                prompt_index=list(rows),
             )
-            for row in range(b):
-                if was_active[row]:
-                    stats[row].add_step(record, row)
-                    stats[row].draft_s += record.draft_s
-                    stats[row].verify_s += record.verify_s
+            for r, prompt_index in enumerate(rows):
+                if was_active[r]:
+                    stats = run.stats[prompt_index]
+                    stats.add_step(record, r)
+                    stats.draft_s += record.draft_s
+                    stats.verify_s += record.verify_s
             if keep_steps:
                 records.append(record)
             self.policy.feedback(record)
@@ -181,16 +184,61 @@ class SpeculativeEngine:
                 self.source.feedback(record)
             roots = verdict.bonus_tokens.to(self.device)
             step += 1
+            rows, roots = self._retire_and_admit(rows, roots, queue, params, generator, run, t_start)
 
-        wall = time.perf_counter() - t_start
-        forward_s = self.target.forward_s + (self.source.runner.forward_s if self._has_runner() else 0.0) - forward_s0
+        forward_s = self._forward_s() - forward_s0
         results = []
-        for row in range(b):
-            stats[row].wall_s = wall
-            stats[row].new_tokens = len(outputs[row])
-            stats[row].forward_s = forward_s
-            results.append(EngineOutput(token_ids=outputs[row], finish_reason=finish[row], stats=stats[row], steps=records))
+        for i in range(len(prompts)):
+            stats = run.stats[i]
+            stats.new_tokens = len(run.outputs[i])
+            stats.forward_s = forward_s
+            results.append(EngineOutput(token_ids=run.outputs[i], finish_reason=run.finish[i], stats=stats, steps=records))
         return results
+
+    def _forward_s(self) -> float:
+        return self.target.forward_s + (self.source.runner.forward_s if self._has_runner() else 0.0)
+
+    def _admit(self, rows, ids, mask, batch_rows, params, generator, run, t_start) -> torch.Tensor:
+        """Prefill prompts `rows` (into batch rows `batch_rows`, or as a new batch when None);
+        choose and append their first tokens; return those tokens [len(rows)]."""
+        t0 = time.perf_counter()
+        # target_logits: [B', V], the distribution of each admitted prompt's first new token
+        target_logits = self.target.prefill(ids, mask) if batch_rows is None else self.target.replace_rows(batch_rows, ids, mask)
+        if self.source is not None:
+            self.source.prefill(ids, mask, batch_rows)
+        first = choose_tokens(target_logits, params, generator)  # [B']
+        t1 = time.perf_counter()
+        for r, prompt_index in enumerate(rows):
+            stats = run.stats[prompt_index]
+            stats.queue_s = t0 - t_start
+            stats.prefill_s = stats.ttft_s = t1 - t0
+            run.started[prompt_index] = t0
+            run.append(prompt_index, [int(first[r])])
+        return first
+
+    def _retire_and_admit(self, rows, roots, queue, params, generator, run, t_start):
+        """Between steps: finished rows take the next waiting prompts, or leave the batch.
+
+        A prompt can finish at its first token (EOS, or max_new_tokens=1), so admission
+        repeats until every row is live or nothing waits."""
+        while admit_into := [r for r, i in enumerate(rows) if run.done[i]][: len(queue)]:
+            incoming = queue[: len(admit_into)]
+            del queue[: len(admit_into)]
+            ids, mask = self._left_pad([run.prompts[i] for i in incoming])
+            first = self._admit(incoming, ids, mask, admit_into, params, generator, run, t_start)
+            roots = roots.clone()
+            for r, prompt_index, tok in zip(admit_into, incoming, first.tolist(), strict=True):
+                rows[r] = prompt_index
+                roots[r] = tok
+        keep = [r for r, i in enumerate(rows) if not run.done[i]]
+        if len(keep) < len(rows):
+            if keep:
+                self.target.keep_rows(torch.tensor(keep, dtype=torch.long))
+                if self.source is not None:
+                    self.source.keep_rows(keep)
+            rows = [rows[r] for r in keep]
+            roots = roots[torch.tensor(keep, dtype=torch.long, device=roots.device)] if keep else roots[:0]
+        return rows, roots
 
     def _has_runner(self) -> bool:
         return self.source is not None and hasattr(self.source, "runner")
@@ -214,18 +262,35 @@ class SpeculativeEngine:
         counts = torch.stack([(valid_depths == d).sum(dim=1) for d in range(1, depth + 1)], dim=1)  # [B, depth]
         return counts.tolist()
 
-    def _append(self, row, new, outputs, finish, active, max_new_tokens, stream) -> int:
-        """Append `new` to a row, cutting at EOS and at the token budget; returns how many were kept."""
-        room = max_new_tokens - len(outputs[row])
+
+class _Run:
+    """Per-prompt outputs and stops of one `generate` call."""
+
+    def __init__(self, prompts, max_new_tokens: int, stream: StreamCallback | None, eos_token_ids: set[int]) -> None:
+        self.prompts = prompts
+        self.max_new_tokens = max_new_tokens
+        self.stream = stream
+        self.eos_token_ids = eos_token_ids
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.finish = ["length"] * len(prompts)
+        self.done = [False] * len(prompts)
+        self.started = [0.0] * len(prompts)
+        self.stats = [GenerationStats(prompt_tokens=len(p)) for p in prompts]
+
+    def append(self, index: int, new: list[int]) -> int:
+        """Append `new` to a prompt's output, cutting at EOS and at the budget; returns the
+        number kept. Marks the prompt done (and its wall time) when it stops."""
+        room = self.max_new_tokens - len(self.outputs[index])
         kept = new[:room]
         for i, tok in enumerate(kept):
             if tok in self.eos_token_ids:
                 kept = kept[: i + 1]
-                finish[row] = "eos"
+                self.finish[index] = "eos"
                 break
-        outputs[row].extend(kept)
-        if finish[row] == "eos" or len(outputs[row]) >= max_new_tokens:
-            active[row] = False
-        if stream is not None and kept:
-            stream(row, kept)
+        self.outputs[index].extend(kept)
+        if self.finish[index] == "eos" or len(self.outputs[index]) >= self.max_new_tokens:
+            self.done[index] = True
+            self.stats[index].wall_s = time.perf_counter() - self.started[index]
+        if self.stream is not None and kept:
+            self.stream(index, kept)
         return len(kept)

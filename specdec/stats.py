@@ -8,6 +8,10 @@
 - **TTFT**: time from the call to the first new token (prefill + its choice).
 - **TPOT**: (wall time - TTFT) / (new tokens - 1): the time per later token.
 - **engine efficiency**: share of wall time spent inside model forwards.
+- **upper-bound speedup**: the speedup over AR a tree shape would reach if every drafted
+  path were accepted fully, from measured per-step costs (`upper_bound_speedup`).
+- **batch figures**: a batched call counts the summed tokens of its rows over the call's
+  wall time (`batch_stats`).
 Reports, benchmarks and tests use these functions and properties, nothing else.
 """
 
@@ -52,6 +56,8 @@ class StepRecord:
     """per row: drafted nodes at depth 1, 2, ..."""
     accepted_depth: list[int]
     """per row: depth of the deepest accepted node (= accepted_len)"""
+    prompt_index: list[int] = field(default_factory=list)
+    """per row: which prompt of the call the row was decoding"""
 
 
 @dataclass
@@ -67,6 +73,9 @@ class GenerationStats:
     relaxed_tokens: int = 0
     strict_fallbacks: int = 0
     wall_s: float = 0.0
+    """from this prompt's admission into the batch to its last token"""
+    queue_s: float = 0.0
+    """time the prompt waited for a free batch row before its prefill"""
     ttft_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -140,3 +149,54 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return {**asdict(self), **self.summary()}
+
+
+def upper_bound_speedup(tau_max: float, ar_token_s: float, draft_step_s: float, verify_step_s: float) -> float:
+    """Speedup over AR if every drafted path were accepted fully.
+
+    ub = tau_max * t_AR / (t_draft + t_verify), where
+    - tau_max: tokens a step would commit with its deepest path accepted (tree depth + 1),
+      averaged over the method's steps;
+    - ar_token_s: AR's measured time per token (one AR decode step: its draft + verify time);
+    - draft_step_s, verify_step_s: the method's measured time per step drafting and verifying.
+    Prefill and per-step bookkeeping are left out on both sides. 0 when a cost is missing.
+    """
+    step_s = draft_step_s + verify_step_s
+    return tau_max * ar_token_s / step_s if step_s > 0 and ar_token_s > 0 else 0.0
+
+
+def batch_stats(rows: Sequence[GenerationStats], wall_s: float | None = None) -> GenerationStats:
+    """One `GenerationStats` for a call that decoded `rows` together: counters and step lists summed.
+
+    - wall_s: the call's wall time, measured around it (default: the longest any row took,
+      queueing included); tokens/s is then the batch's summed throughput and TPOT is per
+      summed token;
+    - TTFT: the longest any row waited for its first token (queueing + its own TTFT);
+    - prefill, drafting and verification time: the longest any row saw (rows admitted
+      together share one prefill; each sees every step from its admission to its end, so
+      when all start together the longest-lived row saw every step);
+    - forward time: the call's (every row carries the same total).
+    One row gives that row's own figures (with the call's wall time when given).
+    """
+    if not rows:
+        return GenerationStats()
+    out = GenerationStats(
+        prompt_tokens=sum(r.prompt_tokens for r in rows),
+        new_tokens=sum(r.new_tokens for r in rows),
+        steps=max(r.steps for r in rows),
+        accepted_tokens=sum(r.accepted_tokens for r in rows),
+        drafted_tokens=sum(r.drafted_tokens for r in rows),
+        relaxed_tokens=sum(r.relaxed_tokens for r in rows),
+        strict_fallbacks=sum(r.strict_fallbacks for r in rows),
+        wall_s=wall_s if wall_s is not None else max(r.queue_s + r.wall_s for r in rows),
+        ttft_s=max(r.queue_s + r.ttft_s for r in rows),
+        prefill_s=max(r.prefill_s for r in rows),
+        draft_s=max(r.draft_s for r in rows),
+        verify_s=max(r.verify_s for r in rows),
+        forward_s=rows[0].forward_s,
+        accepted_lens=[a for r in rows for a in r.accepted_lens],
+    )
+    depth = max(len(r.drafted_by_depth) for r in rows)
+    out.drafted_by_depth = [sum(r.drafted_by_depth[d] for r in rows if d < len(r.drafted_by_depth)) for d in range(depth)]
+    out.accepted_by_depth = [sum(r.accepted_by_depth[d] for r in rows if d < len(r.accepted_by_depth)) for d in range(depth)]
+    return out

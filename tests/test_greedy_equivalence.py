@@ -93,3 +93,23 @@ def test_batched_greedy_equals_unbatched():
         batched = [o.token_ids for o in engine.generate(PROMPTS, 20)]
         alone = [run(target, draft, method, p, 20, EOS) for p in PROMPTS]
         assert batched == alone, method
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+def test_rolling_batch_retires_and_admits(batch_size):
+    """More prompts than rows: finished rows take waiting prompts (different lengths, EOS
+    stops) and every prompt still gets its unbatched greedy output."""
+    target = sharpen(tiny_model("gpt2", seed=0))
+    draft = sharpen(tiny_model("gpt2", seed=0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    prompts = [*PROMPTS, [7, 8], [30 + i for i in range(12)], [50, 51, 52, 53]]
+    budgets_eos = reference(target, prompts[0], 20, eos=-1 % 96)[4]  # an EOS some prompts hit early
+    for method in ("ar", "chain", "eagle2"):
+        engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[budgets_eos])
+        streamed: dict[int, list[int]] = {}
+        outs = engine.generate(prompts, 16, batch_size=batch_size, stream=lambda i, toks: streamed.setdefault(i, []).extend(toks))
+        for i, prompt in enumerate(prompts):
+            assert outs[i].token_ids == reference(target, prompt, 16, budgets_eos), (method, batch_size, i)
+            assert streamed[i] == outs[i].token_ids

@@ -151,6 +151,59 @@ class ModelRunner:
         self.step_len = 0
         self.compact_if_wasteful()
 
+    @torch.inference_mode()
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Shrink the batch to `rows` ([B'] int64 row indices, in their new order)."""
+        if self.cache is None or self.step_len:
+            raise RuntimeError("keep_rows needs a committed cache (call it between steps)")
+        rows = rows.to(self.device)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys.index_select(0, rows)
+                layer.values = layer.values.index_select(0, rows)
+        self.slot_valid = self.slot_valid.index_select(0, rows)
+        self.compact_if_wasteful()
+
+    @torch.inference_mode()
+    def replace_rows(self, rows: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Prefill new prompts into batch rows `rows` (their old contents are dropped).
+
+        input_ids, attention_mask: [len(rows), L] left-padded. The new rows are prefilled on
+        their own and their cache spliced in right-aligned; the cache grows on the left (with
+        invalid slots) when L exceeds its width. Returns the new rows' last logits [len(rows), V].
+        """
+        if self.cache is None or self.step_len:
+            raise RuntimeError("replace_rows needs a committed cache (call it between steps)")
+        fresh = ModelRunner(self.model)
+        logits = fresh.prefill(input_ids, attention_mask)
+        assert fresh.cache is not None
+        s_new = fresh.past_len
+        if s_new > self.past_len:
+            self._left_pad(s_new - self.past_len)
+        s = self.past_len
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for layer, new in zip(self.cache.layers, fresh.cache.layers, strict=True):
+            layer.keys[index] = 0
+            layer.values[index] = 0
+            layer.keys[index, :, s - s_new :] = new.keys
+            layer.values[index, :, s - s_new :] = new.values
+        valid = torch.zeros(len(rows), s, dtype=torch.bool, device=self.device)
+        valid[:, s - s_new :] = fresh.slot_valid
+        self.slot_valid[index] = valid
+        self.compact_if_wasteful()
+        return logits
+
+    def _left_pad(self, extra: int) -> None:
+        assert self.cache is not None
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                b, h, _, d = layer.keys.shape
+                pad = torch.zeros(b, h, extra, d, dtype=layer.keys.dtype, device=self.device)
+                layer.keys = torch.cat([pad, layer.keys], dim=2)
+                layer.values = torch.cat([pad.clone(), layer.values], dim=2)
+        pad_valid = torch.zeros(self.batch_size, extra, dtype=torch.bool, device=self.device)
+        self.slot_valid = torch.cat([pad_valid, self.slot_valid], dim=1)
+
     def rollback(self) -> None:
         """Drop every step slot appended since the last commit."""
         self._crop_to(self.past_len)

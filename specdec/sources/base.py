@@ -20,8 +20,13 @@ class DraftSource(Protocol):
     tree level, all frontier nodes of all rows batched), then `end_step` with the verdict.
     """
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """input_ids, attention_mask: [B, L] left-padded prompts (1 = real token)."""
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None) -> None:
+        """input_ids, attention_mask: [B', L] left-padded prompts (1 = real token). With `rows`
+        None they start a new batch; otherwise they replace those rows of the running batch."""
+        ...
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Shrink the batch to `rows` (finished rows retire)."""
         ...
 
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:

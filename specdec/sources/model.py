@@ -33,9 +33,18 @@ class ModelDraftSource:
         self._node_vis = torch.zeros(0, 0, 0, dtype=torch.bool)  # [B, N_alloc, S_step]
         self._root_pos = torch.zeros(0, dtype=torch.long)  # [B] position id of the root
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        self.runner.prefill(input_ids, attention_mask)
-        self.pending = [[] for _ in range(input_ids.shape[0])]
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None) -> None:
+        if rows is None:
+            self.runner.prefill(input_ids, attention_mask)
+            self.pending = [[] for _ in range(input_ids.shape[0])]
+            return
+        self.runner.replace_rows(rows, input_ids, attention_mask)
+        for row in rows:
+            self.pending[row] = []
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.runner.keep_rows(torch.tensor(rows, dtype=torch.long))
+        self.pending = [self.pending[r] for r in rows]
 
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         dev = self.runner.device
