@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +42,34 @@ class GenerationResult:
 
 
 def resolve_verify(verify: str | None, temperature: float) -> str:
-    """'auto'/None -> greedy at temperature 0, lossless sampling above it."""
+    """'auto'/None -> greedy at temperature 0, lossless sampling above it.
+
+    'sampling' and 'mars' work at any temperature (both verify greedily at temperature 0).
+    """
     if verify in (None, "auto"):
         return "greedy" if temperature == 0 else "sampling"
     if verify == "greedy" and temperature > 0:
         raise SpecDecError(f"--verify greedy needs temperature 0 (got {temperature}); use --verify sampling to sample losslessly")
     return verify
+
+
+def rule_options(verify: str | None, verify_options: Mapping[str, Any] | None = None, mars_theta: float | None = None) -> dict[str, Any]:
+    """The accept rule's options, checked against `verify` (a SpecDecError names a misfit).
+
+    mars_theta is shorthand for verify_options={"theta": mars_theta}. Options need a rule
+    that takes them: with verify None/'auto' (greedy or sampling by temperature) none apply.
+    """
+    options = dict(verify_options or {})
+    if mars_theta is not None:
+        if "theta" in options and options["theta"] != mars_theta:
+            raise SpecDecError(f"mars_theta={mars_theta!r} and verify_options theta={options['theta']!r} disagree; give one of them")
+        options["theta"] = mars_theta
+    if verify in (None, "auto"):
+        if options:
+            raise SpecDecError(f"accept-rule option(s) {', '.join(sorted(options))} need an explicit rule that takes them, e.g. --verify mars")
+        return options
+    make_rule(verify, **options)  # validates the rule name, option names and values before any model is loaded
+    return options
 
 
 class SpeculativeDecoder:
@@ -60,16 +82,24 @@ class SpeculativeDecoder:
         draft: PreTrainedModel | None = None,
         method: str = "chain",
         verify: str | None = None,
+        verify_options: Mapping[str, Any] | None = None,
+        mars_theta: float | None = None,
         **method_options: Any,
     ) -> None:
+        """verify_options: options of the accept rule, e.g. {"theta": 0.9} for verify="mars";
+        mars_theta: shorthand for verify_options={"theta": mars_theta}."""
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
         self.method = method
         self.verify = verify
+        self.verify_options = rule_options(verify, verify_options, mars_theta)
         self.policy = make_policy(method, **method_options)
         if self.policy.uses_draft and draft is None:
             raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH or use --method ar")
+        bind = getattr(self.policy, "bind_models", None)
+        if callable(bind):  # cost-aware policies (cast) find or measure the pair's cost profile
+            bind(target, draft)
         limits = [c for c in (context_length(target), context_length(draft) if draft is not None else None) if c]
         self.max_context = min(limits) if limits else None
         self.eos_token_ids = eos_token_ids(target, tokenizer)
@@ -85,10 +115,16 @@ class SpeculativeDecoder:
         verify: str | None = None,
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
+        verify_options: Mapping[str, Any] | None = None,
+        mars_theta: float | None = None,
         **method_options: Any,
     ) -> SpeculativeDecoder:
-        """Load from local folders or hub ids; with neither given, the bundled pair."""
+        """Load from local folders or hub ids; with neither given, the bundled pair.
+
+        verify="mars" with mars_theta=0.9 (or verify_options={"theta": 0.9}) selects MARS.
+        """
         make_policy(method, **method_options)  # fail on bad options before loading anything
+        options = rule_options(verify, verify_options, mars_theta)
         if target is None:
             target = bundled_target()
             draft = draft or bundled_draft()
@@ -101,14 +137,14 @@ class SpeculativeDecoder:
             check_same_tokenizer(tokenizer, load_tokenizer(draft, "draft"))
             draft_model = load_model(draft, "draft", dev, dtype)
         target_model = load_model(target, "target", dev, dtype)
-        return cls(target_model, tokenizer, draft_model, method=method, verify=verify, **method_options)
+        return cls(target_model, tokenizer, draft_model, method=method, verify=verify, verify_options=options, **method_options)
 
     def engine(self, verify: str) -> SpeculativeEngine:
         source = ModelDraftSource(self.draft) if self.draft is not None and self.policy.uses_draft else None
         return SpeculativeEngine(
             self.target,
             self.policy,
-            make_rule(verify),
+            make_rule(verify, **self.verify_options),
             source,
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
@@ -131,13 +167,15 @@ class SpeculativeDecoder:
         top_k: int = 0,
         seed: int | None = None,
         stream: Callable[[int, list[int]], None] | None = None,
+        batch_size: int | None = None,
     ) -> GenerationResult | list[GenerationResult]:
-        """Continue `prompt` (or each prompt of a list, decoded as one batch)."""
+        """Continue `prompt`, or each prompt of a list: up to `batch_size` (default: all) rows
+        are decoded together; finished rows take the next waiting prompt."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         verify = resolve_verify(self.verify, temperature)
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = [self.encode(p) for p in prompts]
-        outputs = self.generate_ids(ids, max_new_tokens, params, verify, seed, stream)
+        outputs = self.generate_ids(ids, max_new_tokens, params, verify, seed, stream, batch_size=batch_size)
         results = [self._result(o) for o in outputs]
         return results[0] if isinstance(prompt, str) else results
 
@@ -150,10 +188,11 @@ class SpeculativeDecoder:
         seed: int | None = None,
         stream: Callable[[int, list[int]], None] | None = None,
         keep_steps: bool = False,
+        batch_size: int | None = None,
     ) -> list[EngineOutput]:
         """Token-level entry point (benchmarks use it)."""
         verify = resolve_verify(verify or self.verify, params.temperature)
-        return self.engine(verify).generate(prompt_ids, max_new_tokens, params, seed=seed, stream=stream, keep_steps=keep_steps)
+        return self.engine(verify).generate(prompt_ids, max_new_tokens, params, seed=seed, stream=stream, keep_steps=keep_steps, batch_size=batch_size)
 
     def _result(self, out: EngineOutput) -> GenerationResult:
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)

@@ -1,4 +1,4 @@
-"""The `specdec` command: generate, bench, train."""
+"""The `specdec` command: generate, bench, train, profile."""
 
 from __future__ import annotations
 
@@ -25,27 +25,98 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto (float32 on CPU)")
 
 
-def add_method_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
-    """--method/--verify and every method option (each applies to the methods that take it)."""
+def _on_off(text: str) -> bool:
+    """'on'/'off' (also true/false, yes/no, 1/0) -> bool, for switch-like method options."""
+    value = text.strip().lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not on or off")
+
+
+def add_method_args(
+    p: argparse.ArgumentParser, multi: bool = False, methods_default: str = "ar,chain,static,eagle2", extra_methods: Sequence[str] = ()
+) -> None:
+    """--method/--verify and every method option (each applies to the methods that take it).
+
+    multi: --methods LIST (default `methods_default`; `extra_methods` are further accepted names, e.g. bench peers).
+    """
     from specdec.methods import POLICY_CLASSES
 
     names = ", ".join(POLICY_CLASSES)
     if multi:
-        p.add_argument("--methods", default="ar,chain,static,eagle2", help=f"comma-separated methods ({names})")
-        p.add_argument("--verify", default="auto", help="comma-separated accept rules: greedy, sampling or auto (by temperature)")
+        p.add_argument("--methods", default=methods_default, help=f"comma-separated methods ({', '.join([*POLICY_CLASSES, *extra_methods])}; default {methods_default})")
+        p.add_argument("--verify", default="auto", help="comma-separated accept rules: greedy, sampling, mars or auto (by temperature)")
     else:
         p.add_argument("--method", default="chain", help=f"one of {names} (default chain)")
-        p.add_argument("--verify", default="auto", help="greedy, sampling, or auto: greedy at temperature 0, sampling above")
+        p.add_argument("--verify", default="auto", help="greedy, sampling, mars (margin-aware, lossy), or auto: greedy at temperature 0, sampling above")
+    p.add_argument(
+        "--mars-theta", type=float, default=None, help="--verify mars: logit-ratio threshold theta > 0 (default 0.9); theta >= 1 disables the relaxation"
+    )
     g = p.add_argument_group("method options (defaults: each method's own)")
     g.add_argument("--k", type=int, default=None, help="chain: draft tokens per step (5)")
-    g.add_argument("--depth", type=int, default=None, help="static/eagle2: tree depth (4 / 6)")
+    g.add_argument("--depth", type=int, default=None, help="static/eagle2/cast: tree depth (4 / 6 / 13 at batch 1 ... 9 at batch >= 8)")
     g.add_argument("--branching", type=int, default=None, help="static: children per node (2)")
-    g.add_argument("--max-nodes", type=int, default=None, help="static: node budget (64)")
-    g.add_argument("--expand-top-k", dest="top_k_expand", type=int, default=None, help="eagle2: frontier width and children per node (8)")
-    g.add_argument("--total-tokens", type=int, default=None, help="eagle2: draft tokens kept after reranking (32)")
+    g.add_argument("--max-nodes", type=int, default=None, help="static/dynatree: node budget, draft tokens per step (64 / 256)")
+    g.add_argument("--expand-top-k", dest="top_k_expand", type=int, default=None, help="eagle2/cast: frontier width and children per node (8 / 12)")
+    g.add_argument("--total-tokens", type=int, default=None, help="eagle2/cast: draft tokens kept after reranking (32 / at most 72)")
+    g.add_argument("--d0", type=int, default=None, help="dynatree: base depth D_0; deeper nodes need p >= rho_deep (5)")
+    g.add_argument("--d-max", type=int, default=None, help="dynatree: hard maximum depth D_max (8)")
+    g.add_argument("--b-min", type=int, default=None, help="dynatree: children of a confident node, c >= tau_high (1)")
+    g.add_argument("--b-mid", type=int, default=None, help="dynatree: children of a middling node; phase 0: of every node (2)")
+    g.add_argument("--b-max", type=int, default=None, help="dynatree: children of an uncertain node, c < tau_low (3)")
+    g.add_argument("--tau-high", type=float, default=None, help="dynatree: high-confidence threshold tau_h (0.9)")
+    g.add_argument("--tau-low", type=float, default=None, help="dynatree: low-confidence threshold tau_l (0.4)")
+    g.add_argument("--prune-tau", type=float, default=None, help="dynatree: drop children with path probability < tau; 0 = off (0.03)")
+    g.add_argument("--rho-stop", type=float, default=None, help="dynatree: early stop below this path probability (0.1)")
+    g.add_argument("--rho-deep", type=float, default=None, help="dynatree: path probability needed beyond D_0 (0.5)")
+    g.add_argument("--history-window", type=int, default=None, help="dynatree: steps in the acceptance window W (10)")
+    g.add_argument("--accept-high", type=float, default=None, help="dynatree: windowed acceptance above it -> more aggressive (0.4)")
+    g.add_argument("--accept-low", type=float, default=None, help="dynatree: windowed acceptance below it -> more conservative (0.15)")
+    g.add_argument("--adjust-step", type=float, default=None, help="dynatree: per-step move of tau_high and rho_deep (0.05)")
+    g.add_argument("--dynatree-phase", type=int, default=None, help="dynatree: 0 fixed tree, 1 +adaptive branching, 2 +dynamic depth, 3 +history adjustment (3)")
+    g.add_argument("--cast-c1", type=float, default=None, help="cast: breadth-pruning threshold C1 (3.0 at batch 1 ... 2.5 at batch >= 8)")
+    g.add_argument("--cast-c2", type=float, default=None, help="cast: depth-pruning threshold C2 (3.0 at batch 1 ... 2.5 at batch >= 8)")
+    g.add_argument("--cast-c3", type=float, default=None, help="cast: dynamic-reranking threshold C3 (3.0 at batch 1 ... 2.5 at batch >= 8)")
+    g.add_argument("--cast-buffer", type=int, default=None, help="cast: length R of each depth-pruning FIFO buffer (8)")
+    g.add_argument("--breadth-pruning", type=_on_off, default=None, metavar="on|off", help="cast: breadth pruning (on)")
+    g.add_argument("--depth-pruning", type=_on_off, default=None, metavar="on|off", help="cast: depth pruning (on)")
+    g.add_argument("--dynamic-rerank", type=_on_off, default=None, metavar="on|off", help="cast: cost-aware reranking; off keeps --total-tokens (on)")
+    g.add_argument("--cost-profile", default=None, help="cast: cost profile JSON from `specdec profile` (default: the bundled pair's, else measured on first use)")
 
 
-OPTION_FIELDS = {"k": "k", "depth": "depth", "branching": "branching", "max_nodes": "max_nodes", "top_k_expand": "top_k", "total_tokens": "total_tokens"}
+OPTION_FIELDS = {
+    "k": "k",
+    "depth": "depth",
+    "branching": "branching",
+    "max_nodes": "max_nodes",
+    "top_k_expand": "top_k",
+    "total_tokens": "total_tokens",
+    "d0": "d0",
+    "d_max": "d_max",
+    "b_min": "b_min",
+    "b_mid": "b_mid",
+    "b_max": "b_max",
+    "tau_high": "tau_high",
+    "tau_low": "tau_low",
+    "prune_tau": "prune_tau",
+    "rho_stop": "rho_stop",
+    "rho_deep": "rho_deep",
+    "history_window": "history_window",
+    "accept_high": "accept_high",
+    "accept_low": "accept_low",
+    "adjust_step": "adjust_step",
+    "dynatree_phase": "phase",
+    "cast_c1": "c1",
+    "cast_c2": "c2",
+    "cast_c3": "c3",
+    "cast_buffer": "buffer",
+    "breadth_pruning": "breadth_pruning",
+    "depth_pruning": "depth_pruning",
+    "dynamic_rerank": "dynamic_rerank",
+    "cost_profile": "cost_profile",
+}
 """CLI dest -> policy field"""
 
 
@@ -99,8 +170,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise SpecDecError(f"--prompt-file {args.prompt_file!r} does not exist")
         prompt = path.read_text(encoding="utf-8")
     options = collect_method_options(args, args.method)
+    if args.mars_theta is not None and args.verify != "mars":
+        raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
     decoder = SpeculativeDecoder.from_pretrained(
-        args.target, args.draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, **options
+        args.target, args.draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta, **options
     )
     stream = None
     if args.stream and not args.json:
@@ -128,9 +201,71 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print()
     print(
         f"[{args.method}] {stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, "
-        f"acceptance {stats['acceptance_rate']:.2f}, {stats['steps']} steps, TTFT {stats['ttft_ms']:.0f} ms",
+        f"acceptance {stats['acceptance_rate']:.2f}, {stats['steps']} steps, TTFT {stats['ttft_ms']:.0f} ms"
+        + (f", {result.stats.relaxed_tokens} relaxed tokens, {result.stats.strict_fallbacks} strict fallbacks" if args.verify == "mars" else ""),
         file=sys.stderr,
     )
+    return 0
+
+
+def _add_bench(sub) -> None:
+    from specdec.bench.peers import PEERS
+    from specdec.bench.runner import DEFAULT_METHODS
+
+    bench = sub.add_parser("bench", help="benchmark methods and Hugging Face peers against plain AR, same prompts, same process")
+    bench.add_argument("--prompts", default="stdlib-heldout", help="'stdlib-heldout' (the bundled set) or a JSONL(.gz) file with 'prompt' or 'turns' lines")
+    add_model_args(bench)
+    add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS, extra_methods=PEERS)
+    add_sampling_args(bench)
+    bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by the engine (peers only run at 1)")
+    bench.add_argument("--repeats", type=int, default=3, help="measured rounds over every prompt (figures are medians)")
+    bench.add_argument("--num-prompts", type=int, default=10, help="first N prompts of the set (0 = all)")
+    bench.add_argument("--out", required=True, help="output folder: report.md, results.json, PNG plots")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from specdec.bench import BenchConfig, run_and_report
+    from specdec.bench.report import print_summary
+    from specdec.bench.runner import parse_methods, parse_verify
+    from specdec.methods import POLICY_CLASSES, method_options
+
+    methods = parse_methods(args.methods)
+    verify = parse_verify(args.verify, args.temperature)
+    engine_methods = [m for m in methods if m in POLICY_CLASSES]
+    options = {m: collect_method_options(args, m, strict=False) for m in engine_methods}
+    allowed = {f for m in engine_methods for f in method_options(m)}
+    for dest, field_name in OPTION_FIELDS.items():
+        if getattr(args, dest, None) is not None and field_name not in allowed:
+            flag = "--" + ("expand-top-k" if dest == "top_k_expand" else dest.replace("_", "-"))
+            raise SpecDecError(f"{flag} applies to none of --methods {','.join(methods)}; drop it or add a method that takes it")
+    if args.mars_theta is not None and "mars" not in verify:
+        raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
+    config = BenchConfig(
+        prompts=args.prompts,
+        out=args.out,
+        methods=methods,
+        verify=verify,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        batch_size=args.batch_size,
+        repeats=args.repeats,
+        num_prompts=None if args.num_prompts == 0 else args.num_prompts,
+        seed=0 if args.seed is None else args.seed,
+        target=args.target,
+        draft=args.draft,
+        device=args.device,
+        dtype=args.dtype,
+        method_options=options,
+        mars_theta=args.mars_theta,
+        progress=not args.no_progress,
+    )
+    outputs = run_and_report(config, getattr(args, "argv", ()))
+    print_summary(outputs.summaries)
+    print(f"report: {outputs.report}\nresults: {outputs.results}\nplots: {', '.join(str(p) for p in outputs.plots)}")
     return 0
 
 
@@ -149,12 +284,19 @@ def _add_train(sub) -> None:
     pair.add_argument("--tokenizer", default=None, help="use this trained tokenizer folder instead of training one")
     pair.add_argument("--vocab-size", type=int, default=8192)
     pair.add_argument("--seed", type=int, default=0)
-    pair.add_argument("--target-steps", type=int, default=2000)
-    pair.add_argument("--draft-steps", type=int, default=800)
+    pair.add_argument("--target-steps", type=int, default=1000)
+    pair.add_argument("--draft-steps", type=int, default=500)
     pair.add_argument("--seq-len", type=int, default=512)
     pair.add_argument("--distill-weight", type=float, default=0.5, help="weight of KL(target||draft) in the draft loss; 0 disables distillation")
     pair.add_argument("--tiny", action="store_true", help="tiny shapes and batches (for tests and smoke runs)")
     pair.set_defaults(func=_cmd_train_pair)
+
+    ev = tsub.add_parser("evaluate", help="model-card figures: held-out perplexity, top-1 agreement, latency")
+    add_model_args(ev)
+    ev.add_argument("--corpus", nargs="*", default=[], help="the corpus the pair was trained on (default: the standard library)")
+    ev.add_argument("--max-tokens", type=int, default=65536, help="held-out tokens to score")
+    ev.add_argument("--out", default=None, help="also write the figures to this JSON file")
+    ev.set_defaults(func=_cmd_train_evaluate)
 
 
 def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
@@ -194,11 +336,65 @@ def _cmd_train_pair(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_evaluate(args: argparse.Namespace) -> int:
+    from specdec.api import SpeculativeDecoder
+    from specdec.training.evaluate import evaluate_pair
+
+    decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, method="chain", device=args.device, dtype=args.dtype)
+    figures = evaluate_pair(decoder.target, decoder.draft, decoder.tokenizer, [Path(c) for c in args.corpus] or None, args.max_tokens)
+    text = json.dumps(figures, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _add_profile(sub) -> None:
+    prof = sub.add_parser("profile", help="measure target/draft forward latencies f(B, c, n) for --method cast")
+    add_model_args(prof)
+    prof.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated batch sizes B (default 1,2,4,8,16)")
+    prof.add_argument("--context-step", type=int, default=256, help="L: contexts are L, 2L, ..., M*L tokens (256)")
+    prof.add_argument("--contexts", type=int, default=4, help="M: number of context buckets (4)")
+    prof.add_argument("--n-grid", default="1,2,4,8,16,32,64,128", help="new-token counts n measured; others are interpolated (default 1,2,4,...,128)")
+    prof.add_argument("--warmup", type=int, default=1, help="untimed forwards before each point (1)")
+    prof.add_argument("--repeats", type=int, default=3, help="timed forwards per point at least; the median is kept (3)")
+    prof.add_argument("--out", required=True, help="output JSON file (the bundled pair's: specdec/assets/pair/cost_profile.json)")
+    prof.set_defaults(func=_cmd_profile)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from specdec.cost.profile import ProfileGrid, describe, parse_int_list, profile_models
+    from specdec.models.loading import bundled_draft, bundled_target, load_model
+
+    grid = ProfileGrid(
+        batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
+        context_step=args.context_step,
+        num_contexts=args.contexts,
+        n_grid=parse_int_list(args.n_grid, "--n-grid"),
+        warmup=args.warmup,
+        repeats=args.repeats,
+    )
+    target_name = args.target or bundled_target()
+    draft_name = args.draft or (bundled_draft() if args.target is None else None)
+    if draft_name is None:
+        raise SpecDecError("--draft is required with --target: a cost profile covers both models of the pair")
+    target = load_model(target_name, "target", args.device, args.dtype)
+    draft = load_model(draft_name, "draft", args.device, args.dtype)
+    print(f"profiling {grid.points()} points per model (batch sizes {list(grid.batch_sizes)}, contexts up to {grid.context_step * grid.num_contexts})", file=sys.stderr)
+    table = profile_models(target, draft, grid, progress=lambda line: print(line, file=sys.stderr))
+    path = table.save(args.out)
+    print(describe(table))
+    print(f"cost profile: {path} ({table.meta['seconds']} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
+    _add_bench(sub)
     _add_train(sub)
+    _add_profile(sub)
     return parser
 
 
@@ -209,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any
 
 from specdec.drafting.base import TreePolicy
+from specdec.drafting.cast import CastPolicy
+from specdec.drafting.dynatree import DynaTreePolicy
 from specdec.drafting.policies import ARPolicy, ChainPolicy, Eagle2Policy, StaticTreePolicy
 from specdec.errors import SpecDecError
 
@@ -14,6 +16,8 @@ POLICY_CLASSES: dict[str, type] = {
     "chain": ChainPolicy,
     "static": StaticTreePolicy,
     "eagle2": Eagle2Policy,
+    "dynatree": DynaTreePolicy,
+    "cast": CastPolicy,
 }
 """every `--method` name and the policy class that implements it"""
 

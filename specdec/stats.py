@@ -12,11 +12,28 @@
   path were accepted fully, from measured per-step costs (`upper_bound_speedup`).
 - **batch figures**: a batched call counts the summed tokens of its rows over the call's
   wall time (`batch_stats`).
+
+Quality figures (for lossy rules such as MARS; `specdec bench --quality`), each against
+the plain AR output of the same prompt, turn and repeat:
+
+- **AR prefix agreement** (the MARS paper's "precision"): tokens equal to AR's at the same
+  position up to the first divergence, over max(len(output), len(AR)) (`prefix_agreement`);
+- **AR token agreement**: tokens equal to AR's at the same position anywhere in the
+  sequence, over the same denominator (`position_agreement`);
+- **exact match**: share of completions identical to AR's (`exact_match_share`);
+- **NLL**: the target's mean negative log-likelihood (nats per token, raw logits, i.e.
+  temperature 1 and no top-k/top-p) of the generated tokens given the prompt (`mean_nll`);
+- **parses**: share of code completions for which prompt + completion, cut at the last
+  complete line, is valid Python (`code_parses`, `parse_share`);
+- **relaxed share**: accepted tokens a lossy rule accepted by relaxation / all accepted
+  draft tokens (`relaxed_share`).
 Reports, benchmarks and tests use these functions and properties, nothing else.
 """
 
 from __future__ import annotations
 
+import ast
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -200,3 +217,87 @@ def batch_stats(rows: Sequence[GenerationStats], wall_s: float | None = None) ->
     out.drafted_by_depth = [sum(r.drafted_by_depth[d] for r in rows if d < len(r.drafted_by_depth)) for d in range(depth)]
     out.accepted_by_depth = [sum(r.accepted_by_depth[d] for r in rows if d < len(r.accepted_by_depth)) for d in range(depth)]
     return out
+
+
+# ----- quality figures (lossy accept rules) -------------------------------------------
+
+
+def common_prefix_len(output: Sequence[int], reference: Sequence[int]) -> int:
+    """Tokens equal to `reference` at the same position before the first divergence."""
+    n = 0
+    for a, b in zip(output, reference, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def _pooled(counts: Sequence[int], outputs: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> float:
+    total = sum(max(len(o), len(r)) for o, r in zip(outputs, references, strict=True))
+    return sum(counts) / total if total else 1.0
+
+
+def prefix_agreement(outputs: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> float:
+    """AR prefix agreement (the MARS paper's "precision"), pooled over completions.
+
+    sum of `common_prefix_len(output, reference)` / sum of max(len(output), len(reference)):
+    1 iff every output equals its reference; 1 when there are no tokens at all.
+    Example: output [5, 6, 7, 8], reference [5, 6, 9, 8] -> 2 / 4 = 0.5.
+    """
+    return _pooled([common_prefix_len(o, r) for o, r in zip(outputs, references, strict=True)], outputs, references)
+
+
+def position_agreement(outputs: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> float:
+    """AR token agreement, pooled: tokens equal to the reference at the same position (anywhere,
+    also after a divergence) / sum of max(len(output), len(reference)).
+
+    Example: output [5, 6, 7, 8], reference [5, 6, 9, 8] -> 3 / 4 = 0.75.
+    """
+    same = [sum(a == b for a, b in zip(o, r, strict=False)) for o, r in zip(outputs, references, strict=True)]
+    return _pooled(same, outputs, references)
+
+
+def exact_match_share(outputs: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> float:
+    """Share of completions identical to their reference (token for token); 1 when there are none."""
+    pairs = list(zip(outputs, references, strict=True))
+    return sum(list(o) == list(r) for o, r in pairs) / len(pairs) if pairs else 1.0
+
+
+def mean_nll(token_logprobs: Sequence[float]) -> float:
+    """Mean negative log-likelihood in nats per token: -mean(log p(token | prefix)); 0 without tokens.
+
+    Pool several completions by concatenating their token log-probabilities (a token-weighted mean).
+    """
+    return -math.fsum(token_logprobs) / len(token_logprobs) if token_logprobs else 0.0
+
+
+def relaxed_share(relaxed_tokens: int, accepted_tokens: int) -> float:
+    """Accepted draft tokens that a lossy rule accepted by relaxation / all accepted draft tokens; 0 when none."""
+    return relaxed_tokens / accepted_tokens if accepted_tokens else 0.0
+
+
+def complete_lines(text: str) -> str:
+    """`text` up to and including its last newline (a trailing partial line is dropped)."""
+    cut = text.rfind("\n")
+    return text[: cut + 1] if cut >= 0 else ""
+
+
+def code_parses(prompt: str, completion: str, finished: bool = False) -> bool:
+    """Whether prompt + completion is valid Python (`ast.parse`).
+
+    Unless the completion `finished` (ended by EOS), the text is first cut at its last
+    complete line, so a completion stopped mid-line by the token limit is not held against
+    it; a block header left without its body, an unclosed bracket or string still fails.
+    """
+    text = prompt + completion
+    source = text if finished else complete_lines(text)
+    try:
+        ast.parse(source)
+    except (SyntaxError, ValueError):  # ValueError: null bytes in the source
+        return False
+    return True
+
+
+def parse_share(parsed: Sequence[bool]) -> float | None:
+    """Share of code completions that parse; None when there is no code completion."""
+    return sum(parsed) / len(parsed) if parsed else None

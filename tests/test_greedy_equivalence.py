@@ -105,11 +105,15 @@ def test_rolling_batch_retires_and_admits(batch_size):
         for p in draft.parameters():
             p.add_(0.02 * torch.randn_like(p))
     prompts = [*PROMPTS, [7, 8], [30 + i for i in range(12)], [50, 51, 52, 53]]
-    budgets_eos = reference(target, prompts[0], 20, eos=-1 % 96)[4]  # an EOS some prompts hit early
+    eos = reference(target, prompts[0], 20, eos=-1 % 96)[4]  # an EOS some prompts hit early
     for method in ("ar", "chain", "eagle2"):
-        engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[budgets_eos])
+        engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[eos])
         streamed: dict[int, list[int]] = {}
-        outs = engine.generate(prompts, 16, batch_size=batch_size, stream=lambda i, toks: streamed.setdefault(i, []).extend(toks))
+
+        def collect(i: int, toks: list[int], into: dict[int, list[int]] = streamed) -> None:
+            into.setdefault(i, []).extend(toks)
+
+        outs = engine.generate(prompts, 16, batch_size=batch_size, stream=collect)
         for i, prompt in enumerate(prompts):
-            assert outs[i].token_ids == reference(target, prompt, 16, budgets_eos), (method, batch_size, i)
+            assert outs[i].token_ids == reference(target, prompt, 16, eos), (method, batch_size, i)
             assert streamed[i] == outs[i].token_ids

@@ -1,18 +1,33 @@
-"""Accept rules: greedy exact match, lossless rejection sampling (and MARS)."""
+"""Accept rules: greedy exact match, lossless rejection sampling, MARS margin-aware."""
+
+from typing import Any
 
 from specdec.verification.base import AcceptRule, Verdict
 from specdec.verification.greedy import GreedyRule
+from specdec.verification.mars import MarsRule
 from specdec.verification.sampling import SamplingRule
 
-__all__ = ["AcceptRule", "GreedyRule", "SamplingRule", "Verdict", "make_rule"]
+__all__ = ["RULE_OPTIONS", "AcceptRule", "GreedyRule", "MarsRule", "SamplingRule", "Verdict", "make_rule"]
+
+RULE_OPTIONS: dict[str, tuple[str, ...]] = {"greedy": (), "sampling": (), "mars": ("theta",)}
+"""every `--verify` name and the options its rule takes"""
 
 
-def make_rule(name: str, **options) -> AcceptRule:
-    """Accept rule by name: 'greedy' or 'sampling' (MARS arrives as 'mars')."""
+def make_rule(name: str, **options: Any) -> AcceptRule:
+    """Accept rule by name: 'greedy', 'sampling' or 'mars' (option: theta, default 0.9).
+
+    An option the rule does not take is an error, e.g. make_rule("greedy", theta=0.9).
+    """
     from specdec.errors import SpecDecError
 
+    if name not in RULE_OPTIONS:
+        raise SpecDecError(f"--verify {name!r} is not a known accept rule; choose one of {', '.join(RULE_OPTIONS)}")
+    unknown = sorted(set(options) - set(RULE_OPTIONS[name]))
+    if unknown:
+        takes = f"it takes {', '.join(RULE_OPTIONS[name])}" if RULE_OPTIONS[name] else "it takes no options"
+        raise SpecDecError(f"option(s) {', '.join(unknown)} do not apply to --verify {name}; {takes}")
     if name == "greedy":
         return GreedyRule()
     if name == "sampling":
         return SamplingRule()
-    raise SpecDecError(f"--verify {name!r} is not a known accept rule; choose one of greedy, sampling")
+    return MarsRule(**options)

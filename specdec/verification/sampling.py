@@ -20,6 +20,8 @@ target_probs(x)", and the residual to target_probs with x removed).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specdec.sampling import SamplingParams, logits_to_logprobs, sample_from_probs
@@ -36,20 +38,63 @@ def _residual(target_probs: torch.Tensor, proposal: torch.Tensor) -> torch.Tenso
     return res / total if total > _EPS else target_probs
 
 
+RelaxHook = Callable[[int, list[int], torch.Tensor], tuple[int | None, bool]]
+"""relax(node, children, target_probs_at_node) -> (child accepted outright or None, fell_back)"""
+
+
+def exact_tests(
+    kids: list[int],
+    tokens: list[int],
+    sampled: list[bool],
+    probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[int | None, torch.Tensor]:
+    """The exact (lossless) tests of one node's children, in tree order.
+
+    kids: the node's children; tokens/sampled: per node of the row; probs: [V] target
+    distribution at the node; draft_probs: [V] draft distribution over the node's children
+    (needed when a child is sampled). Returns (the accepted child or None, the distribution
+    left after the rejected children: the residual the bonus token is drawn from on rejection).
+    """
+    removed: list[int] = []  # tokens of earlier sampled siblings (drawn without replacement)
+    for kid in kids:
+        tok = tokens[kid]
+        if sampled[kid]:
+            assert draft_probs is not None, "sampled nodes need draft_probs"
+            proposal = draft_probs.clone()
+            if removed:
+                proposal[removed] = 0
+            proposal = proposal / proposal.sum().clamp(min=_EPS)
+            removed.append(tok)
+        else:
+            proposal = torch.zeros_like(probs)
+            proposal[tok] = 1.0
+        ratio = (probs[tok] / proposal[tok].clamp(min=_EPS)).clamp(max=1.0)
+        u = torch.rand((), generator=generator, device=probs.device)
+        if u < ratio:
+            return kid, probs
+        probs = _residual(probs, proposal)
+    return None, probs
+
+
 def rejection_walk(
     tree: TokenTree,
     row: int,
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     generator: torch.Generator | None,
-    relax=None,
+    relax: RelaxHook | None = None,
 ) -> tuple[list[int], int, int, int]:
     """Walk one row's tree with recursive rejection sampling.
 
     target_probs: [N, V] float32 target distribution at each node of this row.
     draft_probs:  [N, V] float32 draft distribution over each node's children (sampled nodes only) or None.
-    relax: optional callable (node, candidate_nodes, target_probs_at_node) -> (node | None, fallback: bool)
-           that may accept a child outright before the exact test (MARS).
+    relax: optional hook (node, children, target_probs_at_node) -> (child | None, fell_back) that
+           may accept a child outright before the exact tests (MARS). When it does, the exact
+           tests are still drawn once at that node, only to count the token as *relaxed* when
+           they would not have accepted that same child (the strict rule's counterfactual);
+           their outcome never changes the path.
     Returns (accepted path without root, bonus token, relaxed count, strict fallbacks).
     """
     node, path, relaxed, fallbacks = 0, [], 0, 0
@@ -58,34 +103,17 @@ def rejection_walk(
     while True:
         kids = tree.children(row, node)
         probs = target_probs[node]
+        node_draft = None if draft_probs is None else draft_probs[node]
         if relax is not None and kids:
             chosen, fell_back = relax(node, kids, probs)
             fallbacks += int(fell_back)
             if chosen is not None:
+                strict_choice, _ = exact_tests(kids, tokens, sampled, probs, node_draft, generator)
+                relaxed += int(strict_choice != chosen)
                 path.append(chosen)
-                relaxed += 1
                 node = chosen
                 continue
-        accepted_child = None
-        removed: list[int] = []  # tokens of earlier sampled siblings (drawn without replacement)
-        for kid in kids:
-            tok = tokens[kid]
-            if sampled[kid]:
-                assert draft_probs is not None, "sampled nodes need draft_probs"
-                proposal = draft_probs[node].clone()
-                if removed:
-                    proposal[removed] = 0
-                proposal = proposal / proposal.sum().clamp(min=_EPS)
-                removed.append(tok)
-            else:
-                proposal = torch.zeros_like(probs)
-                proposal[tok] = 1.0
-            ratio = (probs[tok] / proposal[tok].clamp(min=_EPS)).clamp(max=1.0)
-            u = torch.rand((), generator=generator, device=probs.device)
-            if u < ratio:
-                accepted_child = kid
-                break
-            probs = _residual(probs, proposal)
+        accepted_child, probs = exact_tests(kids, tokens, sampled, probs, node_draft, generator)
         if accepted_child is None:
             bonus = int(sample_from_probs(probs, generator))
             return path, bonus, relaxed, fallbacks

@@ -1,0 +1,52 @@
+"""`specdec bench`: our methods and Hugging Face's peers, same prompts, same process, same run.
+
+`run_and_report(config, out_dir, argv)` runs the benchmark (`runner`), summarizes it
+(`report`), writes report.md, results.json and the PNG plots (`plots`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.bench.prompts import BenchPrompt, load_prompts, resolve_prompt_source
+from specdec.bench.report import MethodSummary
+from specdec.bench.runner import DEFAULT_METHODS, BenchConfig, BenchResult, run_bench
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "BenchConfig",
+    "BenchOutputs",
+    "BenchPrompt",
+    "BenchResult",
+    "MethodSummary",
+    "load_prompts",
+    "resolve_prompt_source",
+    "run_and_report",
+    "run_bench",
+]
+
+
+@dataclass
+class BenchOutputs:
+    """What a benchmark run leaves behind."""
+
+    result: BenchResult
+    summaries: list[MethodSummary]
+    report: Path
+    results: Path
+    plots: list[Path]
+
+
+def run_and_report(config: BenchConfig, argv: Sequence[str] = ()) -> BenchOutputs:
+    """Run the benchmark and write its report, results.json and plots into `config.out`."""
+    from specdec.bench.plots import write_plots
+    from specdec.bench.report import summarize, write_outputs
+
+    result = run_bench(config)
+    summaries = summarize(result)
+    out_dir = Path(config.out)
+    plots = write_plots(summaries, out_dir)
+    report, results = write_outputs(result, summaries, out_dir, argv, [str(p) for p in plots])
+    return BenchOutputs(result=result, summaries=summaries, report=report, results=results, plots=plots)

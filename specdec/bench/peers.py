@@ -1,0 +1,125 @@
+"""Hugging Face `generate()` peers, timed the same way as the engine's calls.
+
+- `hf`: plain `target.generate()`;
+- `hf-assisted`: `target.generate(assistant_model=draft)` (HF's speculative decoding);
+- `hf-lookup`: `target.generate(prompt_lookup_num_tokens=10)` (prompt-lookup decoding).
+Peers run one prompt at a time (batch size 1); new tokens are the output length minus the
+prompt length. They report no TTFT, τ or acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from specdec.sampling import SamplingParams
+
+PEERS: tuple[str, ...] = ("hf", "hf-assisted", "hf-lookup")
+"""peer method names accepted in --methods"""
+
+PROMPT_LOOKUP_TOKENS = 10
+"""`prompt_lookup_num_tokens` of the hf-lookup peer"""
+
+
+@dataclass
+class PeerOutput:
+    """One peer generation."""
+
+    token_ids: list[int]
+    """generated tokens only (EOS included when it ended the sequence)"""
+    finish_reason: str
+    """'eos' or 'length'"""
+    wall_s: float
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def peer_needs_draft(name: str) -> bool:
+    """Whether the peer uses the draft model."""
+    return name == "hf-assisted"
+
+
+def peer_kwargs(name: str, draft: PreTrainedModel | None) -> dict[str, Any]:
+    """The `generate()` keyword arguments that make `name` what it is."""
+    if name == "hf":
+        return {}
+    if name == "hf-assisted":
+        if draft is None:
+            raise ValueError("hf-assisted needs a draft model")
+        return {"assistant_model": draft}
+    if name == "hf-lookup":
+        return {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
+    raise ValueError(f"unknown peer {name!r}")
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for queued CUDA work, so that wall-clock timings are complete (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_peer(
+    name: str,
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    seed: int | None = None,
+    assistant_start: int | None = None,
+) -> PeerOutput:
+    """One timed `target.generate()` call of peer `name` on one prompt (token ids).
+
+    assistant_start: hf-assisted's starting draft length (`num_assistant_tokens`; None = HF's default),
+    restored before the call.
+    """
+    device = next(target.parameters()).device
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, L]
+    attention_mask = torch.ones_like(input_ids)  # [1, L]
+    sampling: dict[str, Any]
+    if params.greedy:
+        sampling = {"do_sample": False}
+    else:
+        sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None}
+    kwargs = peer_kwargs(name, draft)
+    if draft is not None and name == "hf-assisted":
+        # HF's "heuristic" schedule writes the adapted draft length back into the draft's
+        # generation_config after each call; restore the starting value so calls are independent
+        # (otherwise each call's figures would depend on the interleaved order of the ones before).
+        draft.generation_config.num_assistant_tokens = assistant_start
+    if seed is not None:
+        torch.manual_seed(seed)
+    sync_device(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(eos_token_ids) or None,
+            pad_token_id=pad_token_id,
+            **sampling,
+            **kwargs,
+        )  # [1, L + new]
+    sync_device(device)
+    wall = time.perf_counter() - t0
+    tokens = out[0, input_ids.shape[1] :].tolist()
+    eos = set(eos_token_ids)
+    # HF pads nothing at batch size 1, but cut after the first EOS to match the engine's output exactly
+    for i, tok in enumerate(tokens):
+        if tok in eos:
+            tokens = tokens[: i + 1]
+            return PeerOutput(token_ids=tokens, finish_reason="eos", wall_s=wall)
+    return PeerOutput(token_ids=tokens, finish_reason="length", wall_s=wall)

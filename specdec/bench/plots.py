@@ -1,0 +1,101 @@
+"""PNG plots of a benchmark (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from specdec.bench.report import MethodSummary
+from specdec.bench.runner import BASELINE
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_speedup(summaries: Sequence[MethodSummary], path: Path) -> Path:
+    """Bars: median per-prompt speedup over AR with IQR whiskers; x marks the ratio of medians."""
+    plt = _pyplot()
+    labels = [s.label for s in summaries]
+    mid = [s.speedup_per_prompt_median for s in summaries]
+    lower = [max(0.0, m - s.speedup_per_prompt_q1) for m, s in zip(mid, summaries, strict=True)]
+    upper = [max(0.0, s.speedup_per_prompt_q3 - m) for m, s in zip(mid, summaries, strict=True)]
+    colors = ["#999999" if s.label == BASELINE else "#d9822b" if s.peer else "#2b6cd9" for s in summaries]
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 2), 4))
+    x = list(range(len(labels)))
+    ax.bar(x, mid, color=colors, yerr=[lower, upper], capsize=4)
+    ax.scatter(x, [s.speedup for s in summaries], marker="x", color="black", zorder=3, label="ratio of medians")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(x, labels, rotation=30, ha="right")
+    ax.set_ylabel("speedup over AR (x)")
+    ax.set_title("Speedup over AR: per-prompt median, IQR whiskers")
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_tau(summaries: Sequence[MethodSummary], path: Path) -> Path:
+    """Share of verification steps committing 1, 2, ... tokens (accepted_len + 1), per drafting method."""
+    plt = _pyplot()
+    drafting = [s for s in summaries if s.tau_histogram and s.label != BASELINE]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    if not drafting:
+        ax.text(0.5, 0.5, "no drafting method measured", ha="center", va="center", transform=ax.transAxes)
+    else:
+        top = max(max(s.tau_histogram) for s in drafting)
+        width = 0.8 / len(drafting)
+        for i, s in enumerate(drafting):
+            total = sum(s.tau_histogram.values())
+            xs = [k + (i - (len(drafting) - 1) / 2) * width for k in range(1, top + 1)]
+            ax.bar(xs, [s.tau_histogram.get(k, 0) / total for k in range(1, top + 1)], width=width, label=f"{s.label} (τ {s.tau:.2f})")
+        ax.set_xticks(range(1, top + 1))
+        ax.legend(fontsize="small")
+    ax.set_xlabel("tokens committed per step (accepted + 1)")
+    ax.set_ylabel("share of steps")
+    ax.set_title("τ distribution")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance_by_depth(summaries: Sequence[MethodSummary], path: Path) -> Path:
+    """Accepted / drafted nodes at each tree depth, per drafting method."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    drafting = [s for s in summaries if s.drafted_by_depth]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    if not drafting:
+        ax.text(0.5, 0.5, "no drafting method measured", ha="center", va="center", transform=ax.transAxes)
+    for s in drafting:
+        rates = s.acceptance_by_depth
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=s.label)
+    if drafting:
+        ax.legend(fontsize="small")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("tree depth")
+    ax.set_ylabel("accepted / drafted nodes")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by tree depth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(summaries: Sequence[MethodSummary], out_dir: Path) -> list[Path]:
+    """speedup.png, tau_distribution.png, acceptance_by_depth.png in `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        plot_speedup(summaries, out_dir / "speedup.png"),
+        plot_tau(summaries, out_dir / "tau_distribution.png"),
+        plot_acceptance_by_depth(summaries, out_dir / "acceptance_by_depth.png"),
+    ]

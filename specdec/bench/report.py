@@ -1,0 +1,440 @@
+"""From call records to figures: per-method summaries, report.md and results.json.
+
+Every metric comes from `specdec.stats` (tau, acceptance_rate, speedup, upper_bound_speedup
+and the GenerationStats properties); this module only aggregates over calls:
+- tokens/s: the median over calls (prompt x turn x repeat) of each call's throughput, and the
+  aggregate (total new tokens / total wall time);
+- speedup: ratio of median tokens/s to AR's; per prompt: for each prompt (and turn), the
+  ratio of its median tokens/s over repeats to AR's, then the median and IQR of those ratios;
+- τ and acceptance pool every step of every call; TTFT, TPOT and engine efficiency are
+  medians over calls; the time split is summed time / summed wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specdec.bench.runner import BASELINE, BenchResult, CallRecord
+from specdec.stats import acceptance_rate, speedup, tau, upper_bound_speedup
+
+LOSSY_RULES = frozenset({"mars"})
+"""accept rules that may commit tokens AR would not (their AR mismatches are reported, not alarms)"""
+
+
+@dataclass
+class MethodSummary:
+    """Every figure of one method (None = not applicable, shown as n/a)."""
+
+    label: str
+    method: str
+    verify: str | None
+    peer: bool
+    calls: int
+    new_tokens: int
+    wall_s: float
+    tokens_per_s_median: float
+    tokens_per_s_aggregate: float
+    speedup: float
+    """ratio of median tokens/s to AR's median tokens/s"""
+    speedup_per_prompt_median: float
+    speedup_per_prompt_q1: float
+    speedup_per_prompt_q3: float
+    per_prompt_speedups: list[float]
+    tau: float | None = None
+    acceptance_rate: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    prefill_share: float | None = None
+    draft_share: float | None = None
+    verify_share: float | None = None
+    overhead_share: float | None = None
+    engine_efficiency: float | None = None
+    draft_ms_per_step: float | None = None
+    verify_ms_per_step: float | None = None
+    tau_max: float | None = None
+    """mean over steps of tree depth + 1"""
+    upper_bound_speedup: float | None = None
+    rss_mb: float = 0.0
+    """largest process RSS seen right after this method's calls (process-wide: includes every model loaded)"""
+    gpu_peak_mb: float | None = None
+    """CUDA only: the largest peak of torch-allocated GPU memory during one of this method's calls"""
+    lossless: bool = True
+    """False for a lossy accept rule (mars): outputs may legitimately differ from AR"""
+    relaxed_tokens: int | None = None
+    """tokens a lossy rule accepted by relaxation (mars), summed over calls"""
+    equality_compared: int | None = None
+    equality_mismatches: int | None = None
+    """greedy runs: generated rows whose tokens differ from AR's on the same prompt, turn and repeat"""
+    tau_histogram: dict[int, int] = field(default_factory=dict)
+    """accepted_len + 1 -> steps"""
+    drafted_by_depth: list[int] = field(default_factory=list)
+    accepted_by_depth: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        return [acceptance_rate(a, d) for a, d in zip(self.accepted_by_depth, self.drafted_by_depth, strict=True)]
+
+    @property
+    def matches_ar(self) -> bool | None:
+        return None if self.equality_mismatches is None else self.equality_mismatches == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "acceptance_by_depth": self.acceptance_by_depth, "matches_ar": self.matches_ar}
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    q1, q3 = np.percentile(np.asarray(values, dtype=float), [25, 75])
+    return float(q1), float(q3)
+
+
+def _unit_medians(records: Sequence[CallRecord]) -> dict[tuple[int, int], float]:
+    """(group, turn) -> median tokens/s over repeats."""
+    by_unit: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for r in records:
+        by_unit[r.unit].append(r.tokens_per_s)
+    return {u: _median(v) for u, v in by_unit.items()}
+
+
+def _per_step_s(records: Sequence[CallRecord]) -> tuple[float, float]:
+    """Median over calls of each call's mean drafting and verification time per step.
+
+    Averaging within a call and taking the median across calls matches how throughput is
+    summarized (per call, then median), so the upper bound is comparable with the speedup.
+    """
+    calls = [r.stats for r in records if r.stats is not None and r.stats.steps > 0]
+    return _median([st.draft_s / st.steps for st in calls]), _median([st.verify_s / st.steps for st in calls])
+
+
+def _ar_token_s(ar_records: Sequence[CallRecord]) -> float:
+    """AR's median time per token: one AR decode step (draft + verify) commits one token per row."""
+    draft_s, verify_s = _per_step_s(ar_records)
+    return draft_s + verify_s
+
+
+def summarize(result: BenchResult) -> list[MethodSummary]:
+    """One summary per method, in the order they were asked for."""
+    by_label: dict[str, list[CallRecord]] = defaultdict(list)
+    for r in result.records:
+        by_label[r.label].append(r)
+    ar_records = by_label[BASELINE]
+    ar_median = _median([r.tokens_per_s for r in ar_records])
+    ar_units = _unit_medians(ar_records)
+    ar_outputs = {(r.repeat, r.group, r.turn): r.outputs for r in ar_records}
+    ar_token_s = _ar_token_s(ar_records)
+    greedy = result.config.temperature == 0
+    summaries = []
+    for v in result.variants:
+        records = by_label.get(v.label, [])
+        if not records:
+            continue
+        tps = [r.tokens_per_s for r in records]
+        new_tokens = sum(r.new_tokens for r in records)
+        wall = sum(r.wall_s for r in records)
+        units = _unit_medians(records)
+        ratios = [speedup(units[u], ar_units[u]) for u in sorted(units) if u in ar_units]
+        q1, q3 = _quartiles(ratios)
+        s = MethodSummary(
+            label=v.label,
+            method=v.method,
+            verify=v.verify,
+            peer=v.peer,
+            calls=len(records),
+            new_tokens=new_tokens,
+            wall_s=wall,
+            tokens_per_s_median=_median(tps),
+            tokens_per_s_aggregate=new_tokens / wall if wall > 0 else 0.0,
+            speedup=speedup(_median(tps), ar_median),
+            speedup_per_prompt_median=_median(ratios),
+            speedup_per_prompt_q1=q1,
+            speedup_per_prompt_q3=q3,
+            per_prompt_speedups=ratios,
+            rss_mb=max(r.rss_bytes for r in records) / 2**20,
+            gpu_peak_mb=max(r.gpu_peak_bytes for r in records) / 2**20 if all(r.gpu_peak_bytes is not None for r in records) else None,
+            lossless=v.verify not in LOSSY_RULES,
+        )
+        if greedy:
+            compared = mismatches = 0
+            for r in records:
+                reference = ar_outputs.get((r.repeat, r.group, r.turn))
+                if reference is None:
+                    continue
+                for out, ref in zip(r.outputs, reference, strict=True):
+                    compared += 1
+                    mismatches += out != ref
+            s.equality_compared, s.equality_mismatches = compared, mismatches
+        stats = [r.stats for r in records if r.stats is not None]
+        if stats:
+            lens = [a for st in stats for a in st.accepted_lens]
+            s.tau = tau(lens)
+            s.relaxed_tokens = sum(st.relaxed_tokens for st in stats)
+            drafted = sum(st.drafted_tokens for st in stats)
+            s.acceptance_rate = acceptance_rate(sum(st.accepted_tokens for st in stats), drafted) if drafted else None
+            s.ttft_ms = _median([st.ttft_s for st in stats]) * 1e3
+            s.tpot_ms = _median([st.tpot_s for st in stats]) * 1e3
+            total = sum(st.wall_s for st in stats)
+            if total > 0:
+                s.prefill_share = sum(st.prefill_s for st in stats) / total
+                s.draft_share = sum(st.draft_s for st in stats) / total
+                s.verify_share = sum(st.verify_s for st in stats) / total
+                s.overhead_share = sum(st.overhead_s for st in stats) / total
+            s.engine_efficiency = _median([st.engine_efficiency for st in stats])
+            s.tau_histogram = dict(sorted(Counter(a + 1 for a in lens).items()))
+            depth = max((len(st.drafted_by_depth) for st in stats), default=0)
+            s.drafted_by_depth = [sum(st.drafted_by_depth[d] for st in stats if d < len(st.drafted_by_depth)) for d in range(depth)]
+            s.accepted_by_depth = [sum(st.accepted_by_depth[d] for st in stats if d < len(st.accepted_by_depth)) for d in range(depth)]
+            tau_max_steps = [x for r in records for x in r.step_tau_max]
+            if tau_max_steps:
+                draft_step_s, verify_step_s = _per_step_s(records)
+                s.draft_ms_per_step = draft_step_s * 1e3
+                s.verify_ms_per_step = verify_step_s * 1e3
+                s.tau_max = statistics.fmean(tau_max_steps)
+                if v.label != BASELINE:
+                    s.upper_bound_speedup = upper_bound_speedup(s.tau_max, ar_token_s, draft_step_s, verify_step_s)
+        summaries.append(s)
+    return summaries
+
+
+# ----- machine and versions ------------------------------------------------------------
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """CPU model (from /proc/cpuinfo), core counts, torch threads, memory, GPU name if any."""
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.lower().startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    import specdec
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "specdec": getattr(specdec, "__version__", "unknown"),
+    }
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The exact command, shell-quoted."""
+    return "specdec " + " ".join(shlex.quote(a) for a in argv)
+
+
+# ----- text ----------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def _equality(s: MethodSummary) -> str:
+    if s.equality_mismatches is None:
+        return "n/a"
+    if s.label == BASELINE:
+        return "baseline"
+    if not s.lossless:
+        return f"lossy: {s.equality_mismatches}/{s.equality_compared} differ"
+    return "yes" if s.equality_mismatches == 0 else f"NO: {s.equality_mismatches}/{s.equality_compared} differ"
+
+
+def verdict(summaries: Sequence[MethodSummary]) -> str:
+    """The plain sentence: the fastest method and by how much; the ones slower than AR."""
+    ar = next((s for s in summaries if s.label == BASELINE), None)
+    others = [s for s in summaries if s.label != BASELINE]
+    if ar is None or not others:
+        return "Only AR was measured; there is nothing to compare."
+    best = max(others, key=lambda s: s.speedup)
+    slower = sorted((s for s in others if s.speedup < 1.0), key=lambda s: s.speedup)
+    if best.speedup > 1.0:
+        text = (
+            f"The fastest method is **{best.label}**: {best.speedup:.2f}x AR "
+            f"({best.tokens_per_s_median:.1f} vs {ar.tokens_per_s_median:.1f} median tokens/s)."
+        )
+    else:
+        text = f"No method beat AR ({ar.tokens_per_s_median:.1f} median tokens/s); the closest is **{best.label}** at {best.speedup:.2f}x."
+    if slower:
+        text += (
+            " Slower than AR: "
+            + ", ".join(
+                f"{s.label} ({s.speedup:.2f}x{', within the per-prompt spread of 1x' if s.speedup_per_prompt_q3 >= 1.0 else ''})"
+                for s in slower
+            )
+            + "."
+        )
+    else:
+        text += " No method is slower than AR."
+    bad = [s.label for s in summaries if s.equality_mismatches and s.lossless]
+    if bad:
+        text += f" **Outputs differ from AR** for {', '.join(bad)} (a greedy, lossless method must match AR exactly)."
+    return text
+
+
+def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], argv: Sequence[str], plots: Sequence[str]) -> str:
+    """report.md: machine, versions, command, config, the tables, the verdict."""
+    cfg = result.config
+    machine = machine_info(result.device)
+    ver = versions()
+    turns = sum(len(p.turns) for p in result.prompts)
+    lines = [
+        "# specdec bench",
+        "",
+        f"- **Machine**: {machine['cpu']}, {machine['logical_cores']} logical cores ({machine['physical_cores']} physical), "
+        f"{machine['memory_gb']} GB RAM, torch threads {machine['torch_threads']}, device {result.device}"
+        + (f" ({machine['gpu']})" if "gpu" in machine else ""),
+        f"- **Versions**: python {ver['python']}, torch {ver['torch']}, transformers {ver['transformers']}, specdec {ver['specdec']}",
+        f"- **Command**: `{command_line(argv)}`",
+        f"- **Models**: target `{result.target_path}`, draft `{result.draft_path or 'none'}`, dtype {result.dtype}, context {result.max_context}",
+        f"- **Prompts**: `{result.prompt_file}`: {len(result.prompts)} prompt(s), {turns} turn(s) in all",
+        f"- **Config**: max_new_tokens {cfg.max_new_tokens}, temperature {cfg.temperature}, top_p {cfg.top_p}, top_k {cfg.top_k}, "
+        f"batch size {cfg.batch_size}, repeats {cfg.repeats} (medians; warm-up call per method; method order shuffled per prompt, seed {cfg.seed}), "
+        f"verify {', '.join(cfg.verify)}",
+    ]
+    options = {m: o for m, o in cfg.method_options.items() if o}
+    if options:
+        lines.append(
+            "- **Method options**: " + "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in o.items()) for m, o in options.items())
+        )
+    lines.append(f"- **Bench wall time**: {result.wall_s:.1f} s")
+    lines += ["", "## Speed", ""]
+    lines.append(
+        "| method | verify | tok/s (median) | tok/s (aggregate) | speedup | per-prompt speedup median [IQR] | upper bound | τ | acceptance | TTFT ms | TPOT ms | = AR |"
+    )
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for s in summaries:
+        lines.append(
+            f"| {s.label} | {s.verify or 'n/a'} | {s.tokens_per_s_median:.1f} | {s.tokens_per_s_aggregate:.1f} | {s.speedup:.2f}x | "
+            f"{s.speedup_per_prompt_median:.2f}x [{s.speedup_per_prompt_q1:.2f}, {s.speedup_per_prompt_q3:.2f}] | "
+            f"{_fmt(s.upper_bound_speedup, '.2f', 'x')} | {_fmt(s.tau)} | {_pct(s.acceptance_rate)} | {_fmt(s.ttft_ms, '.1f')} | "
+            f"{_fmt(s.tpot_ms, '.2f')} | {_equality(s)} |"
+        )
+    lines += ["", "## Where the time goes", ""]
+    lines.append(
+        "| method | prefill | draft | verify | overhead | engine efficiency | draft ms/step | verify ms/step | τ max | RSS MB | GPU peak MB |"
+    )
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in summaries:
+        lines.append(
+            f"| {s.label} | {_pct(s.prefill_share)} | {_pct(s.draft_share)} | {_pct(s.verify_share)} | {_pct(s.overhead_share)} | "
+            f"{_pct(s.engine_efficiency)} | {_fmt(s.draft_ms_per_step, '.2f')} | {_fmt(s.verify_ms_per_step, '.2f')} | {_fmt(s.tau_max)} | {s.rss_mb:.0f} | {_fmt(s.gpu_peak_mb, '.0f')} |"
+        )
+    lines += ["", "## Verdict", "", verdict(summaries), ""]
+    lines += [
+        "## How to read it",
+        "",
+        "- **speedup**: median tokens/s over every call (prompt x turn x repeat) divided by AR's, all measured in this run. "
+        "**per-prompt**: each prompt's median over repeats divided by AR's on the same prompt; median and interquartile range.",
+        "- **upper bound**: the speedup if every drafted path were accepted fully: τ max x AR's time per token / (draft + verify time per step); "
+        "τ max is the tree depth + 1 (mean over steps); per-step times are each call's mean, median over calls. "
+        "It leaves out prefill and bookkeeping, so a measured speedup can exceed it when AR's own overhead is large.",
+        "- **τ**: tokens committed per verification step; **acceptance**: accepted / drafted tokens (every tree node counts).",
+        "- **prefill/draft/verify/overhead**: share of wall time; **engine efficiency**: share of wall time inside model forwards.",
+        "- **RSS**: process-wide resident memory right after the method's calls (all loaded models included).",
+        "- **= AR**: greedy only: every output equals plain AR's on the same prompt; n/a when sampling; "
+        "a lossy rule (mars) may differ by design.",
+        "- Hugging Face peers (hf, hf-assisted, hf-lookup) report no TTFT, τ or time split (n/a). They run with HF's defaults "
+        "(hf-lookup: prompt_lookup_num_tokens=10); hf-assisted's adaptive draft length restarts from its initial value on every call.",
+        "",
+    ]
+    if result.notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def results_dict(result: BenchResult, summaries: Sequence[MethodSummary], argv: Sequence[str], plots: Sequence[str]) -> dict[str, Any]:
+    """Everything, for results.json."""
+    return {
+        "command": command_line(argv),
+        "argv": list(argv),
+        "config": dataclasses.asdict(result.config),
+        "machine": machine_info(result.device),
+        "versions": versions(),
+        "models": {
+            "target": result.target_path,
+            "draft": result.draft_path,
+            "device": result.device,
+            "dtype": result.dtype,
+            "max_context": result.max_context,
+        },
+        "prompt_file": result.prompt_file,
+        "prompts": [{"id": p.id, "turns": len(p.turns), "reference": p.reference} for p in result.prompts],
+        "baseline": BASELINE,
+        "methods": {s.label: s.to_dict() for s in summaries},
+        "verdict": verdict(summaries),
+        "notes": result.notes,
+        "plots": [Path(p).name for p in plots],
+        "bench_wall_s": result.wall_s,
+        "records": [r.to_dict() for r in result.records],
+    }
+
+
+def write_outputs(
+    result: BenchResult, summaries: Sequence[MethodSummary], out_dir: Path, argv: Sequence[str], plots: Sequence[str]
+) -> tuple[Path, Path]:
+    """Write report.md and results.json into `out_dir`; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = out_dir / "report.md"
+    report.write_text(render_markdown(result, summaries, argv, plots), encoding="utf-8")
+    results = out_dir / "results.json"
+    results.write_text(json.dumps(results_dict(result, summaries, argv, plots), indent=1, default=str), encoding="utf-8")
+    return report, results
+
+
+def print_summary(summaries: Sequence[MethodSummary], file: Any = sys.stdout) -> None:
+    """A compact table on the terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="specdec bench")
+    for col in ("method", "tok/s", "speedup", "τ", "acceptance", "= AR"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for s in summaries:
+        table.add_row(s.label, f"{s.tokens_per_s_median:.1f}", f"{s.speedup:.2f}x", _fmt(s.tau), _pct(s.acceptance_rate), _equality(s))
+    Console(file=file).print(table)

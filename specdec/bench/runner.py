@@ -1,0 +1,574 @@
+"""Running a benchmark: every method on the same prompts, in the same process, interleaved.
+
+Protocol
+- The target, draft and tokenizer are loaded once; every method (our engine's methods and
+  the Hugging Face peers) uses the same model objects.
+- Warm-up: one short, unmeasured call per method.
+- `repeats` rounds; in each, for each group of `batch_size` prompts, every method runs in
+  an order shuffled by a fixed-seed RNG, so drift (thermal, background load) hits all alike.
+- Multi-turn prompts: turn 1 is fed, the answer generated; the answer and turn 2 are
+  appended and generated again, and so on; every turn is one measured call. Each method
+  continues its own conversation (for greedy, lossless methods that is AR's conversation).
+- Every call is kept as a `CallRecord`; `specdec.bench.report` turns them into figures.
+- `--methods` items may carry their own options and accept rule (`specdec.bench.variants`);
+  each becomes one `Variant` with its own decoder over the shared models.
+- `quality`: after the measurement, every completion is scored (`specdec.bench.quality`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec.api import SpeculativeDecoder, resolve_verify
+from specdec.bench.peers import PeerOutput, peer_needs_draft, run_peer, sync_device
+from specdec.bench.prompts import BenchPrompt, load_prompts, resolve_prompt_source
+from specdec.bench.quality import CODE_PROMPT_MODES, QualityScorer, is_code_prompt
+from specdec.bench.variants import BASELINE, Variant, make_variants, parse_method_specs
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.models.loading import (
+    bundled_draft,
+    bundled_target,
+    check_same_tokenizer,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
+from specdec.sampling import SamplingParams
+from specdec.stats import GenerationStats, batch_stats, mean_nll
+from specdec.verification import make_rule
+
+DEFAULT_METHODS = "ar,hf,hf-assisted,hf-lookup,chain,static,eagle2"
+"""the --methods default of `specdec bench`"""
+
+__all__ = [
+    "BASELINE",
+    "DEFAULT_METHODS",
+    "BenchConfig",
+    "BenchResult",
+    "CallRecord",
+    "Variant",
+    "make_variants",
+    "parse_methods",
+    "parse_verify",
+    "run_bench",
+]
+
+WARMUP_TOKENS = 16
+"""new tokens of each method's unmeasured warm-up call"""
+
+TURN_SEPARATOR = "\n\n"
+"""joins a multi-turn conversation's answer and next turn when the tokenizer has no chat template"""
+
+
+@dataclass
+class BenchConfig:
+    """Everything that defines a benchmark run (saved in results.json)."""
+
+    prompts: str
+    """'stdlib-heldout' or a JSONL(.gz) file"""
+    out: str
+    methods: list[str] = field(default_factory=lambda: DEFAULT_METHODS.split(","))
+    """`--methods` items, e.g. `chain`, `chain:k=3`, `dynatree:phase=0`, `chain@mars:theta=0.9`"""
+    verify: list[str] = field(default_factory=lambda: ["auto"])
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    batch_size: int = 1
+    repeats: int = 3
+    num_prompts: int | None = 10
+    """first N prompts of the set; None = all"""
+    seed: int = 0
+    """seeds the method order shuffle and every sampled call (the same seed for every method)"""
+    target: str | None = None
+    draft: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """per method: the options set on the command line that apply to it"""
+    mars_theta: float | None = None
+    """theta of the `mars` accept rule (its own default when None)"""
+    mars_thetas: list[float] | None = None
+    """run every engine method strictly and with `mars` at each of these thetas (implies quality)"""
+    quality: bool = False
+    """score every completion after the measurement: NLL under the target, code parse share (and AR agreement)"""
+    code_prompts: str = "auto"
+    """which prompts count as code for the parse share: auto, all, none (`specdec.bench.quality.is_code_prompt`)"""
+    progress: bool = True
+
+
+@dataclass
+class CallRecord:
+    """One measured call (one turn of one group of prompts, for one method)."""
+
+    label: str
+    repeat: int
+    group: int
+    turn: int
+    prompt_ids: list[str]
+    context_tokens: list[int]
+    """prompt length in tokens per row (after any truncation to the context window)"""
+    outputs: list[list[int]]
+    """generated token ids per row"""
+    finish_reasons: list[str]
+    new_tokens: int
+    """summed over rows"""
+    wall_s: float
+    stats: GenerationStats | None
+    """the engine's figures (`batch_stats` over the rows); None for peers"""
+    step_tau_max: list[int] = field(default_factory=list)
+    """per verification step: tree depth + 1 (tokens the step would commit if all were accepted)"""
+    step_draft_s: list[float] = field(default_factory=list)
+    step_verify_s: list[float] = field(default_factory=list)
+    rss_bytes: int = 0
+    """process resident set size right after the call"""
+    gpu_peak_bytes: int | None = None
+    """CUDA only: peak memory allocated by torch during the call"""
+    contexts: list[list[int]] = field(default_factory=list, repr=False)
+    """the token ids fed per row (kept for quality scoring; not written to results.json)"""
+    token_logprobs: list[list[float]] | None = field(default=None, repr=False)
+    """quality runs: per row, the target's log-probability of each generated token"""
+    parses: list[bool | None] | None = None
+    """quality runs: per row, whether prompt + completion parses as Python (None: not a code prompt)"""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats.tokens_per_s if self.stats is not None else (self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0)
+
+    @property
+    def unit(self) -> tuple[int, int]:
+        """(group, turn): the same work across methods and repeats."""
+        return (self.group, self.turn)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "repeat": self.repeat,
+            "group": self.group,
+            "turn": self.turn,
+            "prompt_ids": self.prompt_ids,
+            "context_tokens": self.context_tokens,
+            "new_tokens": self.new_tokens,
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens_per_s,
+            "finish_reasons": self.finish_reasons,
+            "outputs": self.outputs,
+            "stats": self.stats.to_dict() if self.stats is not None else None,
+            "step_tau_max": self.step_tau_max,
+            "step_draft_s": self.step_draft_s,
+            "step_verify_s": self.step_verify_s,
+            "rss_bytes": self.rss_bytes,
+            "gpu_peak_bytes": self.gpu_peak_bytes,
+            "nll": [mean_nll(lp) for lp in self.token_logprobs] if self.token_logprobs is not None else None,
+            "parses": self.parses,
+        }
+
+
+@dataclass
+class BenchResult:
+    """The raw outcome of a run."""
+
+    config: BenchConfig
+    variants: list[Variant]
+    records: list[CallRecord]
+    prompts: list[BenchPrompt]
+    prompt_file: str
+    notes: list[str]
+    target_path: str
+    draft_path: str | None
+    device: str
+    dtype: str
+    max_context: int | None
+    wall_s: float
+
+
+# ----- configuration -----------------------------------------------------------------
+
+
+def parse_methods(text: str) -> list[str]:
+    """A `--methods` value -> validated canonical items (`specdec.bench.variants`), AR first
+    (always run), duplicates dropped. Plain names stay plain: "chain,hf,chain" -> ["ar", "chain", "hf"]."""
+    return [spec.text for spec in parse_method_specs(text)]
+
+
+def parse_verify(text: str, temperature: float) -> list[str]:
+    """Comma-separated accept rules -> resolved rule names (auto: greedy at T=0, sampling above; mars is lossy)."""
+    rules: list[str] = []
+    for name in (v.strip() for v in text.split(",")):
+        if not name:
+            continue
+        resolved = resolve_verify(name, temperature)
+        make_rule(resolved)  # an unknown rule fails here, before any model is loaded
+        if resolved not in rules:
+            rules.append(resolved)
+    if not rules:
+        raise SpecDecError("--verify is empty; give greedy, sampling, mars or auto")
+    return rules
+
+
+def config_variants(config: BenchConfig) -> list[Variant]:
+    """The variants `config` asks for (validated; see `specdec.bench.variants.make_variants`)."""
+    specs = parse_method_specs(config.methods)
+    return make_variants(specs, config.verify, config.temperature, config.method_options, config.mars_thetas, config.mars_theta)
+
+
+def validate_config(config: BenchConfig) -> None:
+    """Fail on bad numbers, method items and options before any model is loaded."""
+    for name in ("max_new_tokens", "batch_size", "repeats"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise SpecDecError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
+    if config.num_prompts is not None and config.num_prompts < 1:
+        raise SpecDecError(f"--num-prompts={config.num_prompts!r} must be a positive integer (or 0 for all prompts)")
+    if config.code_prompts not in CODE_PROMPT_MODES:
+        raise SpecDecError(f"--code-prompts {config.code_prompts!r}: choose one of {', '.join(CODE_PROMPT_MODES)}")
+    SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+    config_variants(config)
+
+
+# ----- conversation contexts -----------------------------------------------------------
+
+
+def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def turn_context(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: BenchPrompt,
+    turn: int,
+    previous: list[int] | None,
+    answers: list[list[int]],
+    eos_token_ids: Sequence[int],
+) -> list[int]:
+    """Token ids fed for `turn` of `prompt`.
+
+    A plain prompt is its text, tokenized as `SpeculativeDecoder.encode` does. A multi-turn
+    conversation uses the tokenizer's chat template when it has one; otherwise the previous
+    context, the previous answer (EOS dropped) and TURN_SEPARATOR + the next turn, as tokens.
+    """
+    if len(prompt.turns) == 1:
+        return list(tokenizer(prompt.turns[0])["input_ids"])
+    if getattr(tokenizer, "chat_template", None):
+        messages: list[dict[str, str]] = []
+        for i in range(turn + 1):
+            messages.append({"role": "user", "content": prompt.turns[i]})
+            if i < turn:
+                messages.append({"role": "assistant", "content": tokenizer.decode(answers[i], skip_special_tokens=True)})
+        return _chat_ids(tokenizer, messages)
+    if turn == 0 or previous is None:
+        return list(tokenizer(prompt.turns[0])["input_ids"])
+    eos = set(eos_token_ids)
+    answer = [t for t in answers[turn - 1] if t not in eos]
+    return previous + answer + list(tokenizer(TURN_SEPARATOR + prompt.turns[turn], add_special_tokens=False)["input_ids"])
+
+
+def fit_context(ids: list[int], max_context: int | None, max_new_tokens: int) -> tuple[list[int], bool]:
+    """Keep the last tokens of `ids` so that prompt + max_new_tokens fits the context window."""
+    if max_context is None:
+        return ids, False
+    room = max_context - max_new_tokens
+    if room < 1:
+        raise SpecDecError(
+            f"--max-new-tokens={max_new_tokens} leaves no room for a prompt in the model's context of {max_context} tokens; lower it"
+        )
+    return (ids[-room:], True) if len(ids) > room else (ids, False)
+
+
+# ----- the run ------------------------------------------------------------------------
+
+
+@dataclass
+class _Models:
+    target: PreTrainedModel
+    draft: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase
+    target_path: str
+    draft_path: str | None
+
+
+def _load_models(config: BenchConfig, variants: Sequence[Variant]) -> _Models:
+    target_path, draft_path = config.target, config.draft
+    if target_path is None:
+        target_path = bundled_target()
+        draft_path = draft_path or bundled_draft()
+    needs_draft = [
+        v.method for v in variants if (v.peer and peer_needs_draft(v.method)) or (not v.peer and make_policy(v.method).uses_draft)
+    ]
+    if needs_draft and draft_path is None:
+        raise SpecDecError(
+            f"--methods {', '.join(dict.fromkeys(needs_draft))} need a draft model; pass --draft PATH or drop them from --methods"
+        )
+    device = resolve_device(config.device)
+    tokenizer = load_tokenizer(target_path, "target")
+    draft = None
+    if needs_draft and draft_path is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_path, "draft"))
+        draft = load_model(draft_path, "draft", device, config.dtype)
+    target = load_model(target_path, "target", device, config.dtype)
+    return _Models(
+        target=target, draft=draft, tokenizer=tokenizer, target_path=target_path, draft_path=draft_path if draft is not None else None
+    )
+
+
+class _Runner:
+    """Runs one variant on one group of prompts (all turns); holds the shared models."""
+
+    def __init__(self, config: BenchConfig, models: _Models, variants: Sequence[Variant]) -> None:
+        self.config = config
+        self.models = models
+        self.params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+        self.decoders: dict[str, SpeculativeDecoder] = {}
+        for v in variants:
+            if not v.peer:
+                draft = models.draft if make_policy(v.method).uses_draft else None
+                self.decoders[v.label] = SpeculativeDecoder(
+                    models.target, models.tokenizer, draft, method=v.method, verify=v.verify, verify_options=v.rule_options, **v.options
+                )
+        probe = SpeculativeDecoder(models.target, models.tokenizer, models.draft, method=BASELINE)
+        self.max_context = probe.max_context
+        self.eos_token_ids = probe.eos_token_ids
+        self.pad_token_id = probe.pad_token_id
+        self.process = psutil.Process()
+        self.assistant_start = models.draft.generation_config.num_assistant_tokens if models.draft is not None else None
+        self.truncated: set[tuple[str, int]] = set()
+
+    def seed(self, repeat: int, group: int, turn: int) -> int:
+        """The same seed for every method on the same call."""
+        return (self.config.seed + 1_000_003 * (repeat + 1) + 1_009 * group + turn) % 2**31
+
+    def run_group(
+        self,
+        variant: Variant,
+        prompts: Sequence[BenchPrompt],
+        repeat: int,
+        group: int,
+        max_new_tokens: int | None = None,
+        turns: int | None = None,
+    ) -> list[CallRecord]:
+        """Every turn of `prompts` (decoded together) with `variant`; one record per turn."""
+        max_new = max_new_tokens or self.config.max_new_tokens
+        n_turns = turns or max(len(p.turns) for p in prompts)
+        previous: list[list[int] | None] = [None] * len(prompts)
+        answers: list[list[list[int]]] = [[] for _ in prompts]
+        records: list[CallRecord] = []
+        for turn in range(n_turns):
+            rows = [i for i, p in enumerate(prompts) if turn < len(p.turns)]
+            if not rows:
+                break
+            contexts: list[list[int]] = []
+            for i in rows:
+                ids = turn_context(self.models.tokenizer, prompts[i], turn, previous[i], answers[i], self.eos_token_ids)
+                ids, cut = fit_context(ids, self.max_context, max_new)
+                if cut:
+                    self.truncated.add((prompts[i].id, turn))
+                previous[i] = ids
+                contexts.append(ids)
+            record = self._call(variant, contexts, max_new, self.seed(repeat, group, turn))
+            record.repeat, record.group, record.turn = repeat, group, turn
+            record.prompt_ids = [prompts[i].id for i in rows]
+            record.contexts = contexts
+            for i, out in zip(rows, record.outputs, strict=True):
+                answers[i].append(out)
+            records.append(record)
+        return records
+
+    def _call(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
+        """One timed generation; the process RSS (and on CUDA the peak GPU memory) is read right after."""
+        device = next(self.models.target.parameters()).device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        record = self._generate(variant, contexts, max_new, seed)
+        record.rss_bytes = self.process.memory_info().rss
+        if cuda:
+            record.gpu_peak_bytes = torch.cuda.max_memory_allocated(device)
+        return record
+
+    def _generate(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
+        if variant.peer:
+            if len(contexts) != 1:
+                raise SpecDecError(f"peer {variant.label} runs only at batch size 1")
+            out: PeerOutput = run_peer(
+                variant.method,
+                self.models.target,
+                self.models.draft,
+                contexts[0],
+                max_new,
+                self.params,
+                self.eos_token_ids,
+                self.pad_token_id,
+                seed,
+                assistant_start=self.assistant_start,
+            )
+            return CallRecord(
+                label=variant.label,
+                repeat=0,
+                group=0,
+                turn=0,
+                prompt_ids=[],
+                context_tokens=[len(contexts[0])],
+                outputs=[out.token_ids],
+                finish_reasons=[out.finish_reason],
+                new_tokens=out.new_tokens,
+                wall_s=out.wall_s,
+                stats=None,
+            )
+        decoder = self.decoders[variant.label]
+        device = next(self.models.target.parameters()).device
+        sync_device(device)
+        t0 = time.perf_counter()
+        outs = decoder.generate_ids(contexts, max_new, self.params, verify=variant.verify, seed=seed, keep_steps=True)
+        sync_device(device)
+        wall = time.perf_counter() - t0  # timed like the peers: the whole call, from outside
+        stats = batch_stats([o.stats for o in outs], wall_s=wall)
+        steps = outs[0].steps
+        return CallRecord(
+            label=variant.label,
+            repeat=0,
+            group=0,
+            turn=0,
+            prompt_ids=[],
+            context_tokens=[len(c) for c in contexts],
+            outputs=[o.token_ids for o in outs],
+            finish_reasons=[o.finish_reason for o in outs],
+            new_tokens=stats.new_tokens,
+            wall_s=stats.wall_s,
+            stats=stats,
+            step_tau_max=[s.tree_depth + 1 for s in steps],
+            step_draft_s=[s.draft_s for s in steps],
+            step_verify_s=[s.verify_s for s in steps],
+        )
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=False,
+    )
+
+
+def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) -> BenchResult:
+    """Load the models once, warm every method up, then run the interleaved, repeated measurement.
+
+    variants: run these instead of the ones `config.methods` asks for (e.g. `specdec sweep`'s
+    grid); the first must be the AR baseline.
+    """
+    validate_config(config)
+    prompt_file = resolve_prompt_source(config.prompts)
+    prompts = load_prompts(prompt_file, config.num_prompts)
+    if variants is None:
+        variants = config_variants(config)
+    elif not variants or variants[0].label != BASELINE:
+        raise SpecDecError(f"the first variant must be the {BASELINE} baseline")
+    variants = list(variants)
+    notes: list[str] = []
+    if config.batch_size > 1:
+        skipped = [v.label for v in variants if v.peer]
+        if skipped:
+            notes.append(
+                f"Hugging Face peers ({', '.join(skipped)}) run only at batch size 1; skipped at --batch-size {config.batch_size}."
+            )
+        variants = [v for v in variants if not v.peer]
+    if config.temperature > 0:
+        notes.append(f"temperature {config.temperature} > 0: outputs are sampled, so the equality check against AR is not applicable.")
+
+    models = _load_models(config, variants)
+    runner = _Runner(config, models, variants)
+    groups = [prompts[i : i + config.batch_size] for i in range(0, len(prompts), config.batch_size)]
+    rng = random.Random(config.seed)
+    records: list[CallRecord] = []
+    t_start = time.perf_counter()
+    with _progress(config.progress) as progress:
+        warm = progress.add_task("warm-up", total=len(variants))
+        kept: list[Variant] = []
+        for v in variants:
+            progress.update(warm, description=f"warm-up {v.label}")
+            try:
+                runner.run_group(v, groups[0], repeat=-1, group=0, max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens), turns=1)
+            except Exception as err:  # a peer that this transformers version or model cannot run is dropped, not fatal
+                if not v.peer:
+                    raise
+                notes.append(f"peer {v.label} was dropped: its warm-up failed with {type(err).__name__}: {err}")
+                progress.advance(warm)
+                continue
+            kept.append(v)
+            progress.advance(warm)
+        variants = kept
+        total = config.repeats * len(groups) * len(variants)
+        task = progress.add_task("bench", total=total)
+        for repeat in range(config.repeats):
+            for g, group in enumerate(groups):
+                order = list(variants)
+                rng.shuffle(order)
+                for v in order:
+                    progress.update(task, description=f"repeat {repeat + 1}/{config.repeats} prompt group {g + 1}/{len(groups)} {v.label}")
+                    records.extend(runner.run_group(v, group, repeat, g))
+                    progress.advance(task)
+    if config.quality or config.mars_thetas:
+        _score_quality(records, prompts, models, runner.eos_token_ids, config, progress_enabled=config.progress)
+    if runner.truncated:
+        notes.append(
+            f"{len(runner.truncated)} prompt turn(s) were cut to their last {runner.max_context - config.max_new_tokens if runner.max_context else 0} tokens "
+            f"to fit the model's context of {runner.max_context} with --max-new-tokens {config.max_new_tokens}."
+        )
+    dev = next(models.target.parameters())
+    return BenchResult(
+        config=config,
+        variants=variants,
+        records=records,
+        prompts=prompts,
+        prompt_file=str(prompt_file),
+        notes=notes,
+        target_path=models.target_path,
+        draft_path=models.draft_path,
+        device=str(dev.device),
+        dtype=str(dev.dtype).replace("torch.", ""),
+        max_context=runner.max_context,
+        wall_s=time.perf_counter() - t_start,
+    )
+
+
+def _score_quality(
+    records: Sequence[CallRecord],
+    prompts: Sequence[BenchPrompt],
+    models: _Models,
+    eos_token_ids: Sequence[int],
+    config: BenchConfig,
+    progress_enabled: bool,
+) -> None:
+    """After the measurement: every row's token log-probabilities under the target and, for
+    code prompts, whether it parses (`specdec.bench.quality`); stored on the records."""
+    scorer = QualityScorer(models.target, models.tokenizer, eos_token_ids)
+    by_id = {p.id: p for p in prompts}
+    with _progress(progress_enabled) as progress:
+        task = progress.add_task("quality", total=len(records))
+        for record in records:
+            record.token_logprobs = [scorer.logprobs(ctx, out) for ctx, out in zip(record.contexts, record.outputs, strict=True)]
+            parses: list[bool | None] = []
+            for pid, out, reason in zip(record.prompt_ids, record.outputs, record.finish_reasons, strict=True):
+                prompt = by_id[pid]
+                code = is_code_prompt(prompt, config.code_prompts)
+                parses.append(scorer.parses(prompt.turns[0], out, reason) if code else None)
+            record.parses = parses
+            progress.advance(task)

@@ -1,0 +1,352 @@
+"""CostTable: measured forward latencies f_T(B, c, n) and f_D(B, c, n) as lookup tables.
+
+CAST (Hong, Tan and Hu) keeps, for every batch size B, two tables
+S_T(B) = {f_T(B, c, n)} and S_D(B) = {f_D(B, c, n)}: the latency of one target (draft)
+forward over `n` new tokens per row, for a batch of `B` rows whose caches hold `c`
+tokens. Contexts are bucketed to multiples of L (c = kL, k = 1..M) by `select`; new-token
+counts are measured on a sparse grid (e.g. 1, 2, 4, ..., 128) and linearly interpolated.
+
+Batch sizes between two profiled ones are interpolated linearly; below the smallest the
+smallest is used; above the largest the last two are extrapolated linearly (never below
+the largest's cost). Costs are made non-decreasing in `n` when a table is built (a longer
+forward cannot be cheaper; measured dips are noise), which CAST's selection rule needs.
+
+The JSON file (`CostTable.save` / `CostTable.load`) also records what the numbers were
+measured on: device, dtype, torch/transformers versions and each model's identity
+(config hash, parameter count, path). `CostTable.mismatch` names what differs from the
+models at hand, so a profile measured elsewhere is never applied silently.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import platform
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.errors import SpecDecError
+
+FORMAT = "specdec-cost-profile"
+VERSION = 1
+
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "architectures",
+        "id2label",
+        "label2id",
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+    }
+)
+"""config entries that do not change a model's cost (left out of the config hash)"""
+
+
+def select_context(c: int, step: int, buckets: int) -> int:
+    """CAST's select(c) = (min(floor(c / L), M - 1) + 1) * L: the context bucket of `c`.
+
+    Rounds up to the next multiple of L (an exact multiple goes to the next one: c = L -> 2L,
+    a conservative choice that the formula implies) and caps at M * L. The paper prints
+    `max` where `min` is meant: with `max` every context would map to at least M * L.
+    Example (L=256, M=4): 0 -> 256, 255 -> 256, 256 -> 512, 700 -> 768, 5000 -> 1024.
+    """
+    return (min(max(int(c), 0) // step, buckets - 1) + 1) * step
+
+
+def model_identity(model: torch.nn.Module) -> dict[str, Any]:
+    """What a cost profile is tied to: model type, a hash of the cost-relevant config, the
+    parameter count, and the folder it was loaded from (informational)."""
+    config = getattr(model, "config", None)
+    cfg = config.to_dict() if config is not None else {}
+    stable = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG_KEYS}
+    digest = hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {
+        "path": str(getattr(model, "name_or_path", "") or cfg.get("_name_or_path", "")),
+        "model_type": str(cfg.get("model_type", type(model).__name__)),
+        "config_hash": digest,
+        "params": int(sum(p.numel() for p in model.parameters())),
+    }
+
+
+def device_identity(device: torch.device) -> dict[str, Any]:
+    """Device type and name (the GPU's name, or the CPU model) plus the thread count."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return {"type": device.type, "name": name, "threads": torch.get_num_threads()}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _monotone(values: Sequence[float]) -> list[float]:
+    """Running maximum: a forward over more tokens is never cheaper than one over fewer."""
+    out: list[float] = []
+    for v in values:
+        out.append(max(float(v), out[-1]) if out else float(v))
+    return out
+
+
+@dataclass
+class CostTable:
+    """Forward latencies in milliseconds, indexed [batch size][context bucket][n grid point].
+
+    target_ms[B][k][j] = f_T(B, (k + 1) * context_step, n_grid[j]); draft_ms likewise.
+    `meta` holds the provenance (device, dtype, versions, model identities, grid settings).
+    """
+
+    context_step: int
+    """L: context buckets are L, 2L, ..., M*L tokens"""
+    num_contexts: int
+    """M: number of context buckets"""
+    n_grid: list[int]
+    """new-token counts measured (strictly increasing, >= 1); others are interpolated"""
+    target_ms: dict[int, list[list[float]]]
+    """batch size -> [M][len(n_grid)] target forward latency (ms)"""
+    draft_ms: dict[int, list[list[float]]]
+    """batch size -> [M][len(n_grid)] draft forward latency (ms)"""
+    meta: dict[str, Any] = field(default_factory=dict)
+    _cache: dict[tuple[str, int, int], list[float]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.context_step, int) or self.context_step < 1:
+            raise SpecDecError(f"cost table context_step L={self.context_step!r} must be a positive integer")
+        if not isinstance(self.num_contexts, int) or self.num_contexts < 1:
+            raise SpecDecError(f"cost table num_contexts M={self.num_contexts!r} must be a positive integer")
+        grid = [int(n) for n in self.n_grid]
+        if not grid or grid[0] < 1 or any(b <= a for a, b in zip(grid, grid[1:], strict=False)):
+            raise SpecDecError(f"cost table n grid {self.n_grid!r} must be strictly increasing positive integers, e.g. 1,2,4,8")
+        self.n_grid = grid
+        if not self.target_ms or set(self.target_ms) != set(self.draft_ms):
+            raise SpecDecError(
+                f"cost table needs the same batch sizes for target and draft (target {sorted(self.target_ms)}, draft {sorted(self.draft_ms)})"
+            )
+        self.target_ms = {int(b): self._checked(rows, "target", int(b)) for b, rows in self.target_ms.items()}
+        self.draft_ms = {int(b): self._checked(rows, "draft", int(b)) for b, rows in self.draft_ms.items()}
+
+    def _checked(self, rows: Sequence[Sequence[float]], which: str, batch: int) -> list[list[float]]:
+        if len(rows) != self.num_contexts or any(len(r) != len(self.n_grid) for r in rows):
+            raise SpecDecError(
+                f"cost table {which} entry for batch {batch} must be {self.num_contexts} contexts x {len(self.n_grid)} n values; "
+                "re-run `specdec profile`"
+            )
+        out = [_monotone(r) for r in rows]
+        if any(not math.isfinite(v) or v < 0 for r in out for v in r):
+            raise SpecDecError(f"cost table {which} entry for batch {batch} holds a negative or non-finite latency; re-run `specdec profile`")
+        return out
+
+    # ----- lookups -------------------------------------------------------------------------
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(self.target_ms)
+
+    @property
+    def contexts(self) -> list[int]:
+        """The context buckets L, 2L, ..., M*L."""
+        return [(k + 1) * self.context_step for k in range(self.num_contexts)]
+
+    def select(self, c: int) -> int:
+        """The context bucket of `c` (see `select_context`)."""
+        return select_context(c, self.context_step, self.num_contexts)
+
+    def target_cost(self, batch: int, ctx: int, n: float) -> float:
+        """f_T(B, select(ctx), n) in ms; 0 for n <= 0."""
+        return self._cost("target", batch, ctx, n)
+
+    def draft_cost(self, batch: int, ctx: int, n: float) -> float:
+        """f_D(B, select(ctx), n) in ms; 0 for n <= 0."""
+        return self._cost("draft", batch, ctx, n)
+
+    def target_costs(self, batch: int, ctx: int, n_max: int) -> list[float]:
+        """[f_T(B, select(ctx), n) for n = 0..n_max] (index n; entry 0 is 0)."""
+        return self._costs("target", batch, ctx, n_max)
+
+    def draft_costs(self, batch: int, ctx: int, n_max: int) -> list[float]:
+        """[f_D(B, select(ctx), n) for n = 0..n_max] (index n; entry 0 is 0)."""
+        return self._costs("draft", batch, ctx, n_max)
+
+    def _costs(self, which: str, batch: int, ctx: int, n_max: int) -> list[float]:
+        key = (which, int(batch), self.select(ctx))
+        cached = self._cache.get(key)
+        if cached is None or len(cached) <= n_max:
+            grid_ms = self._batch_row(which, int(batch), key[2])
+            cached = [0.0] + [_interp(self.n_grid, grid_ms, n) for n in range(1, max(n_max, self.n_grid[-1]) + 1)]
+            self._cache[key] = cached
+        return cached[: n_max + 1]
+
+    def _cost(self, which: str, batch: int, ctx: int, n: float) -> float:
+        if n <= 0:
+            return 0.0
+        return _interp(self.n_grid, self._batch_row(which, int(batch), self.select(ctx)), float(n))
+
+    def _batch_row(self, which: str, batch: int, bucket: int) -> list[float]:
+        """Latencies over the n grid for `batch` rows at context bucket `bucket`."""
+        if batch < 1:
+            raise SpecDecError(f"batch size {batch} must be >= 1")
+        table = self.target_ms if which == "target" else self.draft_ms
+        k = bucket // self.context_step - 1
+        sizes = self.batch_sizes
+        if batch in table:
+            return table[batch][k]
+        if batch < sizes[0] or len(sizes) == 1:
+            return table[sizes[0] if batch < sizes[0] else sizes[-1]][k]
+        if batch > sizes[-1]:
+            b0, b1 = sizes[-2], sizes[-1]
+            row0, row1 = table[b0][k], table[b1][k]
+            return [max(y1, y1 + (y1 - y0) * (batch - b1) / (b1 - b0)) for y0, y1 in zip(row0, row1, strict=True)]
+        i = bisect.bisect_left(sizes, batch)
+        b0, b1 = sizes[i - 1], sizes[i]
+        w = (batch - b0) / (b1 - b0)
+        return [(1 - w) * y0 + w * y1 for y0, y1 in zip(table[b0][k], table[b1][k], strict=True)]
+
+    # ----- building, merging, I/O ----------------------------------------------------------
+    @classmethod
+    def synthetic(
+        cls,
+        target: Callable[[int, int, int], float],
+        draft: Callable[[int, int, int], float],
+        batch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
+        context_step: int = 256,
+        num_contexts: int = 4,
+        n_grid: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
+    ) -> CostTable:
+        """A table from cost functions f(B, c, n) -> ms (tests, what-if studies)."""
+        ctxs = [(k + 1) * context_step for k in range(num_contexts)]
+        return cls(
+            context_step=context_step,
+            num_contexts=num_contexts,
+            n_grid=list(n_grid),
+            target_ms={b: [[float(target(b, c, n)) for n in n_grid] for c in ctxs] for b in batch_sizes},
+            draft_ms={b: [[float(draft(b, c, n)) for n in n_grid] for c in ctxs] for b in batch_sizes},
+            meta={"synthetic": True},
+        )
+
+    def merged(self, other: CostTable) -> CostTable:
+        """This table plus the batch sizes of `other` (same grid; `other` wins on overlap)."""
+        if (other.context_step, other.num_contexts, other.n_grid) != (self.context_step, self.num_contexts, self.n_grid):
+            raise SpecDecError("cannot merge cost tables measured on different grids (L, M or n grid differ)")
+        return CostTable(
+            context_step=self.context_step,
+            num_contexts=self.num_contexts,
+            n_grid=list(self.n_grid),
+            target_ms={**self.target_ms, **other.target_ms},
+            draft_ms={**self.draft_ms, **other.draft_ms},
+            meta=dict(self.meta),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            **self.meta,
+            "context_step": self.context_step,
+            "num_contexts": self.num_contexts,
+            "contexts": self.contexts,
+            "n_grid": self.n_grid,
+            "batch_sizes": self.batch_sizes,
+            "units": "ms per forward; [batch][context bucket][n grid point]",
+            "target_ms": {str(b): self.target_ms[b] for b in self.batch_sizes},
+            "draft_ms": {str(b): self.draft_ms[b] for b in self.batch_sizes},
+        }
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str = "cost profile") -> CostTable:
+        if data.get("format") != FORMAT:
+            raise SpecDecError(f"{source} is not a specdec cost profile (no 'format': '{FORMAT}'); create one with `specdec profile`")
+        if data.get("version") != VERSION:
+            raise SpecDecError(f"{source} has version {data.get('version')!r}, this specdec reads version {VERSION}; re-run `specdec profile`")
+        try:
+            reserved = {"format", "version", "context_step", "num_contexts", "contexts", "n_grid", "batch_sizes", "units", "target_ms", "draft_ms"}
+            return cls(
+                context_step=int(data["context_step"]),
+                num_contexts=int(data["num_contexts"]),
+                n_grid=[int(n) for n in data["n_grid"]],
+                target_ms={int(b): rows for b, rows in data["target_ms"].items()},
+                draft_ms={int(b): rows for b, rows in data["draft_ms"].items()},
+                meta={k: v for k, v in data.items() if k not in reserved},
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, SpecDecError):
+                raise
+            raise SpecDecError(f"{source} is malformed ({type(err).__name__}: {err}); re-run `specdec profile`") from err
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        path = Path(path)
+        if not path.is_file():
+            raise SpecDecError(f"cost profile {str(path)!r} does not exist; create it with `specdec profile --out {path}`")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise SpecDecError(f"cost profile {str(path)!r} is not readable JSON ({err}); re-run `specdec profile --out {path}`") from err
+        return cls.from_json(data, source=f"cost profile {str(path)!r}")
+
+    def mismatch(self, target: torch.nn.Module | None, draft: torch.nn.Module | None) -> str | None:
+        """Why this table does not describe these models on their device and dtype (None if it does).
+
+        Compares device type and name, dtype, and each model's config hash and parameter
+        count; paths and versions are informational only.
+        """
+        reasons = []
+        probe = target if target is not None else draft
+        if probe is not None:
+            param = next(probe.parameters())
+            dev = device_identity(param.device)
+            have = self.meta.get("device", {})
+            if (have.get("type"), have.get("name")) != (dev["type"], dev["name"]):
+                reasons.append(f"device {have.get('type')}/{have.get('name')} != {dev['type']}/{dev['name']}")
+            dtype = str(param.dtype).removeprefix("torch.")
+            if self.meta.get("dtype") != dtype:
+                reasons.append(f"dtype {self.meta.get('dtype')} != {dtype}")
+        for which, model in (("target", target), ("draft", draft)):
+            if model is None:
+                continue
+            ident = model_identity(model)
+            have = self.meta.get(which, {})
+            if (have.get("config_hash"), have.get("params")) != (ident["config_hash"], ident["params"]):
+                reasons.append(
+                    f"{which} model {have.get('model_type')}/{have.get('params')} params/config {have.get('config_hash')} != "
+                    f"{ident['model_type']}/{ident['params']} params/config {ident['config_hash']}"
+                )
+        return "; ".join(reasons) or None
+
+
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation of ys over increasing xs; linear extrapolation past the
+    last point (from the last two); the first value below the first point (small forwards
+    are dominated by fixed per-call overhead)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (x - xs[-1])
+    i = bisect.bisect_right(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

@@ -1,0 +1,339 @@
+"""DynaTree: confidence-aware adaptive draft trees (Chen, Liu and Li, "DynaTree", 2025).
+
+Each step grows the draft tree breadth-first, one draft forward per level (all expandable
+frontier nodes of all rows batched into one `TreeBuilder.expand` call):
+
+- **adaptive branching**: a node u with draft confidence c(u) = max_v q_D(v | u) gets its
+  B(u) most likely children, B(u) = B_min if c(u) >= tau_h, B_max if c(u) < tau_l, else B_mid;
+- **dynamic depth**: u is expanded iff d(u) < D_max and p(u) >= rho_stop and
+  (d(u) < D_0 or p(u) >= rho_deep), with p(u) = exp(cum_logq(u)) its path's draft probability;
+- **pruning**: a child with p(child) < tau is never added;
+- **node budget**: at most N_max draft tokens per row; when a level's surviving candidates
+  exceed what is left, the ones with the highest p are kept;
+- **historical adjustment**: after every verification step the windowed acceptance moves
+  D_0, tau_h and rho_deep (see `DynaTreePolicy`).
+
+`phase` selects the paper's ablation presets (0 fixed tree ... 3 full DynaTree). The rules
+are module-level functions so tests can check each one on hand-built distributions.
+See docs/dynatree.md for the rules, defaults, bounds and the differences from the paper's
+public code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.errors import SpecDecError
+from specdec.tree import TokenTree
+
+if TYPE_CHECKING:
+    from specdec.sources.base import DraftSource
+    from specdec.stats import StepRecord
+
+PHASES = (0, 1, 2, 3)
+"""0 fixed tree (D_0, B_mid); 1 + adaptive branching; 2 + dynamic depth; 3 + history adjustment"""
+
+TAU_HIGH_GAP = 0.05
+"""the adapted tau_h stays at least this far above tau_l (unless it started closer)"""
+TAU_HIGH_CEIL = 0.99
+"""upper bound of the adapted tau_h (unless it started higher)"""
+RHO_DEEP_CEIL = 0.9
+"""upper bound of the adapted rho_deep (unless it started higher)"""
+D0_FLOOR = 2
+"""lower bound of the adapted D_0 (unless it started lower)"""
+
+
+# ----- the rules, as pure functions ---------------------------------------------------------
+
+
+def confidence_branching(logprobs: torch.Tensor, tau_high: float, tau_low: float, b_min: int, b_mid: int, b_max: int) -> torch.Tensor:
+    """B(u) from the confidence c(u) = max_v q_D(v | u).
+
+    logprobs: [..., V] draft log-distributions over each node's children.
+    Returns [...] int64: b_min where c >= tau_high, b_max where c < tau_low, else b_mid.
+    """
+    conf = logprobs.max(dim=-1).values.exp()  # [...]
+    mid = torch.full_like(conf, b_mid, dtype=torch.long)
+    out = torch.where(conf >= tau_high, torch.full_like(mid, b_min), mid)
+    return torch.where(conf < tau_low, torch.full_like(mid, b_max), out)
+
+
+def dynamic_depth_expandable(depth: int | torch.Tensor, cum_logq: torch.Tensor, d0: int, d_max: int, rho_stop: float, rho_deep: float) -> torch.Tensor:
+    """The paper's depth gate: d(u) < D_max and p(u) >= rho_stop and (d(u) < D_0 or p(u) >= rho_deep).
+
+    depth: an int (a whole level) or [...] int64; cum_logq: [...] path log-probabilities
+    (p(u) = exp(cum_logq)). Returns [...] bool. Compared in log space; -inf (padding) fails.
+    """
+    depth_t = torch.as_tensor(depth, device=cum_logq.device)
+    stop_ok = cum_logq >= _log(rho_stop)
+    deep_ok = (depth_t < d0) | (cum_logq >= _log(rho_deep))
+    return (depth_t < d_max) & stop_ok & deep_ok & torch.isfinite(cum_logq)
+
+
+def keep_within_budget(score: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """The budget cut of one level: per row, the `budget` valid candidates with the highest score.
+
+    score: [B, n] (cum_logq of each candidate); valid: [B, n] bool; budget: [B] int64 nodes left.
+    Ties go to the earlier column (node-major creation order). Returns keep [B, n] bool.
+    Example: score [-0.1, -2, -0.5], all valid, budget 2 -> keep [True, False, True].
+    """
+    b, n = score.shape
+    key = score.masked_fill(~valid, float("-inf"))
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices  # [B, n]
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=score.device).expand(b, n).contiguous())  # [B, n]
+    return valid & (rank < budget[:, None])
+
+
+def compact(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns of the True entries of each row first (in their order), then the others.
+
+    mask: [B, n] bool. Returns (order [B, width] column indices, valid [B, width] bool).
+    The padding columns point at distinct non-selected columns (never duplicates of a selected one).
+    """
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :width]
+    return order, mask.gather(1, order)
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0 else float("-inf")
+
+
+# ----- the policy ----------------------------------------------------------------------------
+
+
+@dataclass
+class DynaTreePolicy:
+    """DynaTree's adaptive draft tree; every field is a method option (and a CLI flag).
+
+    Drafting (one draft forward per level, rows batched and padded with invalid entries):
+
+    1. Level 0 is the root (the last committed token, depth 0, p = 1); its children come from
+       the draft distribution computed by `begin_step`.
+    2. Every node u of the frontier proposes its B(u) most likely children (confidence rule;
+       phase 0: B_mid for every node). A child v with p(v) < `prune_tau` is dropped.
+    3. Budget: each row may add at most `max_nodes` draft tokens per step in total. If a
+       level's surviving candidates exceed the row's remaining budget, the remaining-budget
+       candidates with the highest p(v) are kept (ties: parent order, then child rank).
+    4. A new node is expanded at the next level iff its row has budget left and it passes the
+       depth gate: phases 0-1: d < D_0; phases 2-3: d < D_max and p >= rho_stop and
+       (d < D_0 or p >= rho_deep). The hard limit `ctx.max_depth` (tokens left - 1) always
+       applies, and rows with `ctx.active` False get a root-only tree.
+
+    Depths count draft tokens: the root (last committed token) is depth 0, its children
+    depth 1, so D_0 and D_max are the longest draft paths without / with deep expansion.
+
+    Historical adjustment (phase 3, in `feedback`, after every verification step):
+
+    - a_r = mean over the step's active rows with drafted > 0 of accepted_len / drafted (the
+      fraction of drafted tokens the accept rule kept); a step where no active row drafted
+      anything is skipped (no information);
+    - a_bar = mean of the last min(#recorded steps, `history_window`) values of a_r;
+    - a_bar > `accept_high` (more aggressive): D_0 += 1, tau_h -= `adjust_step`, rho_deep -= `adjust_step`;
+    - a_bar < `accept_low` (more conservative): D_0 -= 1, tau_h += `adjust_step`, rho_deep += `adjust_step`;
+    - each clamped to its bounds, which are the nominal ranges widened to contain the
+      configured starting value: D_0 in [min(2, d0), d_max]; tau_h in
+      [min(tau_low + 0.05, tau_high), max(0.99, tau_high)]; rho_deep in
+      [rho_stop, max(0.9, rho_deep)].
+
+    The adapted values live in `cur_d0`, `cur_tau_high`, `cur_rho_deep` (not options); they
+    persist across `generate` calls (online learning) until `reset_history()`.
+    """
+
+    d0: int = 5
+    """D_0, base depth: deeper nodes need p >= rho_deep (phases 0-1: the fixed depth)"""
+    d_max: int = 8
+    """D_max, hard maximum depth (phases 2-3)"""
+    b_min: int = 1
+    """children of a confident node (c >= tau_high)"""
+    b_mid: int = 2
+    """children of a middling node (phase 0: of every node)"""
+    b_max: int = 3
+    """children of an uncertain node (c < tau_low)"""
+    tau_high: float = 0.9
+    """tau_h, confidence at or above which a node gets b_min children"""
+    tau_low: float = 0.4
+    """tau_l, confidence below which a node gets b_max children"""
+    prune_tau: float = 0.03
+    """tau, a child with path probability p < tau is not added (0 disables pruning)"""
+    rho_stop: float = 0.1
+    """early stopping: nodes with p < rho_stop are not expanded (phases 2-3; 0 disables)"""
+    rho_deep: float = 0.5
+    """deep expansion: beyond D_0 only nodes with p >= rho_deep are expanded (phases 2-3)"""
+    max_nodes: int = 256
+    """N_max, draft tokens per row per step"""
+    history_window: int = 10
+    """W, steps in the acceptance window (phase 3)"""
+    accept_high: float = 0.4
+    """a_high: windowed acceptance above it makes drafting more aggressive (phase 3)"""
+    accept_low: float = 0.15
+    """a_low: windowed acceptance below it makes drafting more conservative (phase 3)"""
+    adjust_step: float = 0.05
+    """how far tau_h and rho_deep move per adjustment (phase 3)"""
+    phase: int = 3
+    """ablation preset: 0 fixed tree, 1 +adaptive branching, 2 +dynamic depth, 3 +history"""
+    name: str = "dynatree"
+    uses_draft: bool = True
+
+    cur_d0: int = field(init=False, default=0)
+    """adapted D_0 (equals d0 until phase 3 adjusts it)"""
+    cur_tau_high: float = field(init=False, default=0.0)
+    """adapted tau_h"""
+    cur_rho_deep: float = field(init=False, default=0.0)
+    """adapted rho_deep"""
+    adjustments: int = field(init=False, default=0)
+    """steps on which the history rule moved the parameters (up or down)"""
+    history: deque[float] = field(init=False, repr=False, default_factory=deque)
+    """the last `history_window` per-step acceptances a_r"""
+
+    def __post_init__(self) -> None:
+        self._validate()
+        self.reset_history()
+
+    # ----- validation --------------------------------------------------------------------
+    def _validate(self) -> None:
+        for name in ("d0", "d_max", "b_min", "b_mid", "b_max", "max_nodes", "history_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecDecError(f"dynatree {name}={value!r} must be a positive integer; fix --{name.replace('_', '-')}")
+        for name in ("tau_high", "tau_low", "prune_tau", "rho_stop", "rho_deep", "accept_high", "accept_low", "adjust_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise SpecDecError(f"dynatree {name}={value!r} must be a number; fix --{name.replace('_', '-')}")
+        if isinstance(self.phase, bool) or self.phase not in PHASES:
+            raise SpecDecError(f"dynatree phase={self.phase!r} must be one of 0, 1, 2, 3 (0 fixed tree, 1 +branching, 2 +dynamic depth, 3 +history); fix --dynatree-phase")
+        if self.d0 > self.d_max:
+            raise SpecDecError(f"dynatree d0={self.d0} exceeds d_max={self.d_max}; need D_0 <= D_max: lower --d0 or raise --d-max")
+        if not self.b_min <= self.b_mid <= self.b_max:
+            raise SpecDecError(
+                f"dynatree branch bounds b_min={self.b_min}, b_mid={self.b_mid}, b_max={self.b_max} must satisfy 1 <= b_min <= b_mid <= b_max; "
+                "fix --b-min/--b-mid/--b-max"
+            )
+        if not 0 < self.tau_low < self.tau_high < 1:
+            raise SpecDecError(
+                f"dynatree confidence thresholds tau_low={self.tau_low}, tau_high={self.tau_high} must satisfy 0 < tau_low < tau_high < 1; "
+                "fix --tau-low/--tau-high"
+            )
+        if not 0 <= self.prune_tau < 1:
+            raise SpecDecError(f"dynatree prune_tau={self.prune_tau} must be in [0, 1) (0 disables pruning); fix --prune-tau")
+        if not 0 <= self.rho_stop < self.rho_deep < 1:
+            raise SpecDecError(
+                f"dynatree depth thresholds rho_stop={self.rho_stop}, rho_deep={self.rho_deep} must satisfy 0 <= rho_stop < rho_deep < 1; "
+                "fix --rho-stop/--rho-deep"
+            )
+        if not 0 <= self.accept_low < self.accept_high <= 1:
+            raise SpecDecError(
+                f"dynatree acceptance targets accept_low={self.accept_low}, accept_high={self.accept_high} must satisfy "
+                "0 <= accept_low < accept_high <= 1; fix --accept-low/--accept-high"
+            )
+        if not 0 < self.adjust_step <= 0.5:
+            raise SpecDecError(f"dynatree adjust_step={self.adjust_step} must be in (0, 0.5]; fix --adjust-step")
+
+    # ----- adaptive state ----------------------------------------------------------------
+    def reset_history(self) -> None:
+        """Forget the acceptance history and restore the configured D_0, tau_h, rho_deep."""
+        self.cur_d0 = self.d0
+        self.cur_tau_high = float(self.tau_high)
+        self.cur_rho_deep = float(self.rho_deep)
+        self.adjustments = 0
+        self.history = deque(maxlen=self.history_window)
+
+    def bounds(self) -> dict[str, tuple[float, float]]:
+        """The closed ranges the history rule keeps D_0, tau_h and rho_deep in."""
+        return {
+            "d0": (min(D0_FLOOR, self.d0), self.d_max),
+            "tau_high": (min(self.tau_low + TAU_HIGH_GAP, self.tau_high), max(TAU_HIGH_CEIL, self.tau_high)),
+            "rho_deep": (self.rho_stop, max(RHO_DEEP_CEIL, self.rho_deep)),
+        }
+
+    def windowed_acceptance(self) -> float | None:
+        """a_bar: mean of the recorded per-step acceptances (None before the first)."""
+        return sum(self.history) / len(self.history) if self.history else None
+
+    def feedback(self, record: StepRecord) -> None:
+        """Phase 3: record a_r of this step and apply the history rule (every step)."""
+        if self.phase < 3:
+            return
+        rates = [acc / dr for act, dr, acc in zip(record.active, record.drafted, record.accepted_len, strict=True) if act and dr > 0]
+        if not rates:
+            return
+        self.history.append(sum(rates) / len(rates))
+        a_bar = sum(self.history) / len(self.history)
+        bounds = self.bounds()
+        d0_lo, d0_hi = bounds["d0"]
+        th_lo, th_hi = bounds["tau_high"]
+        rd_lo, rd_hi = bounds["rho_deep"]
+        if a_bar > self.accept_high:
+            self.cur_d0 = int(min(self.cur_d0 + 1, d0_hi))
+            self.cur_tau_high = round(max(self.cur_tau_high - self.adjust_step, th_lo), 6)
+            self.cur_rho_deep = round(max(self.cur_rho_deep - self.adjust_step, rd_lo), 6)
+            self.adjustments += 1
+        elif a_bar < self.accept_low:
+            self.cur_d0 = int(max(self.cur_d0 - 1, d0_lo))
+            self.cur_tau_high = round(min(self.cur_tau_high + self.adjust_step, th_hi), 6)
+            self.cur_rho_deep = round(min(self.cur_rho_deep + self.adjust_step, rd_hi), 6)
+            self.adjustments += 1
+
+    # ----- drafting ----------------------------------------------------------------------
+    def depth_limit(self, ctx: DraftContext) -> int:
+        """Deepest node depth this step: D_0 (phases 0-1) or D_max (phases 2-3), capped by ctx.max_depth."""
+        return max(0, min(self.cur_d0 if self.phase < 2 else self.d_max, ctx.max_depth))
+
+    def branching(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """B(u) for frontier distributions logprobs [B, m, V] -> [B, m] int64 (phase 0: b_mid)."""
+        if self.phase == 0:
+            return torch.full(logprobs.shape[:-1], self.b_mid, dtype=torch.long, device=logprobs.device)
+        return confidence_branching(logprobs, self.cur_tau_high, self.tau_low, self.b_min, self.b_mid, self.b_max)
+
+    def expandable(self, depth: int, cum_logq: torch.Tensor, limit: int) -> torch.Tensor:
+        """Depth gate for nodes at `depth` with path log-probs cum_logq [B, k] -> [B, k] bool."""
+        if self.phase < 2:
+            return torch.full_like(cum_logq, depth < limit, dtype=torch.bool) & torch.isfinite(cum_logq)
+        return dynamic_depth_expandable(depth, cum_logq, self.cur_d0, limit, self.rho_stop, self.cur_rho_deep)
+
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder, torch.Tensor]:
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
+        b = roots.shape[0]
+        dev = roots.device
+        active = ctx.active.to(dev)
+        limit = self.depth_limit(ctx)
+        log_tau = _log(self.prune_tau)
+        budget = torch.where(active, self.max_nodes, 0)  # [B] draft tokens each row may still add
+        frontier = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, m] builder indices to expand
+        frontier_valid = active[:, None].clone()  # [B, m]
+        logprobs = builder.root_logprobs[:, None, :]  # [B, m, V] children distributions of the frontier
+        vocab = logprobs.shape[-1]
+        for depth in range(limit):  # the frontier sits at `depth`, its children at depth + 1
+            branch = self.branching(logprobs).masked_fill(~frontier_valid, 0)  # [B, m]
+            k = min(int(branch.max()), vocab)
+            if k <= 0:
+                break
+            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+            rank = torch.arange(k, device=dev).repeat(frontier.shape[1])  # [m*k] child rank under its parent
+            valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1)) & torch.isfinite(logq)
+            cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
+            valid = valid & (cum >= log_tau)  # probability-threshold pruning
+            valid = keep_within_budget(cum, valid, budget)  # strict node budget
+            width = int(valid.sum(dim=1).max())
+            if width == 0:
+                break
+            order, kept = compact(valid, width)  # [B, w]
+            nodes = builder.add(parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept)  # [B, w]
+            node_valid = builder.valid.gather(1, nodes)  # [B, w]
+            budget = budget - node_valid.sum(dim=1)
+            if depth + 1 >= limit:
+                break
+            grow = node_valid & self.expandable(depth + 1, builder.cum_logq.gather(1, nodes), limit) & (budget > 0)[:, None]  # [B, w]
+            width = int(grow.sum(dim=1).max())
+            if width == 0:
+                break
+            order, frontier_valid = compact(grow, width)  # [B, m']
+            frontier = nodes.gather(1, order)
+            logprobs = builder.expand(frontier, frontier_valid)  # [B, m', V]: one draft forward per level
+        tree, origin = builder.finish()
+        return tree, builder, origin

@@ -1,0 +1,223 @@
+"""`specdec bench`: prompt loading, the end-to-end run via the CLI, and its error paths."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from specdec.bench import prompts as prompts_mod
+from specdec.bench.prompts import STDLIB_HELDOUT, load_prompts, resolve_prompt_source
+from specdec.bench.runner import make_variants, parse_methods, parse_verify
+from specdec.cli import main
+from specdec.errors import SpecDecError
+from specdec.stats import GenerationStats, batch_stats, upper_bound_speedup
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LINES = [
+    {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "canonical_solution": "    return a + b\n"},
+    {"question_id": 81, "turns": ["for i in range(10):\n", "class A:\n"]},
+    {"id": "img", "prompt": "class A:\n", "images": ["a.png"], "reference": "    pass\n"},
+]
+
+
+def _write_jsonl(path: Path, rows: list, gz: bool = False) -> Path:
+    text = "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n"
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ----- prompt sets ---------------------------------------------------------------------
+
+
+def test_load_prompts_prompt_turns_and_fields(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [LINES[0], "", LINES[1], LINES[2]])
+    items = load_prompts(path)
+    assert [p.id for p in items] == ["HumanEval/0", "81", "img"]
+    assert items[0].turns == ["def add(a, b):\n"] and items[0].reference == "    return a + b\n"
+    assert items[1].turns == ["for i in range(10):\n", "class A:\n"] and items[1].reference is None
+    assert items[2].images == ["a.png"] and items[2].reference == "    pass\n"
+    assert [p.id for p in load_prompts(path, limit=2)] == ["HumanEval/0", "81"]
+
+
+def test_load_prompts_gzip(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl.gz", LINES, gz=True)
+    assert [p.turns for p in load_prompts(path)] == [p.turns for p in load_prompts(_write_jsonl(tmp_path / "q.jsonl", LINES))]
+
+
+@pytest.mark.parametrize(
+    ("rows", "needle"),
+    [
+        ([LINES[0], "{not json"], "p.jsonl:2"),
+        ([LINES[0], {"text": "x"}], "p.jsonl:2: the line has neither"),
+        ([{"turns": []}], "p.jsonl:1: 'turns' must be"),
+        ([{"prompt": 3}], "p.jsonl:1: 'prompt' must be"),
+        ([[1, 2]], "p.jsonl:1: expected a JSON object"),
+        ([""], "has no prompts"),
+    ],
+)
+def test_bad_prompt_file_names_file_and_line(tmp_path, rows, needle):
+    path = _write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(SpecDecError) as info:
+        load_prompts(path)
+    assert needle in str(info.value)
+
+
+def test_resolve_prompt_source(tmp_path, monkeypatch):
+    with pytest.raises(SpecDecError, match="no such file"):
+        resolve_prompt_source(str(tmp_path / "missing.jsonl"))
+    monkeypatch.setattr(prompts_mod, "BUNDLED_PAIR", tmp_path)
+    with pytest.raises(SpecDecError, match="bundled prompt set 'stdlib-heldout' is missing"):
+        resolve_prompt_source(STDLIB_HELDOUT)
+    path = _write_jsonl(tmp_path / "stdlib-heldout.jsonl", LINES[:1])
+    assert resolve_prompt_source(STDLIB_HELDOUT) == path
+
+
+# ----- configuration and metrics ------------------------------------------------------
+
+
+def test_methods_verify_and_variants():
+    assert parse_methods("chain,hf,chain") == ["ar", "chain", "hf"]
+    with pytest.raises(SpecDecError, match="'nope' is not known"):
+        parse_methods("ar,nope")
+    assert parse_verify("auto", 0.0) == ["greedy"] and parse_verify("auto", 0.7) == ["sampling"]
+    with pytest.raises(SpecDecError, match="temperature"):
+        parse_verify("greedy", 0.7)
+    labels = [v.label for v in make_variants(["ar", "chain", "hf"], ["greedy", "sampling"], 0.0)]
+    assert labels == ["ar", "chain/greedy", "chain/sampling", "hf"]
+
+
+def test_upper_bound_and_batch_stats():
+    assert upper_bound_speedup(5.0, 0.01, 0.02, 0.01) == pytest.approx(5 * 0.01 / 0.03)
+    assert upper_bound_speedup(5.0, 0.01, 0.0, 0.0) == 0.0
+    a = GenerationStats(
+        new_tokens=10,
+        wall_s=2.0,
+        ttft_s=0.5,
+        draft_s=0.4,
+        verify_s=0.6,
+        accepted_lens=[1, 2],
+        drafted_by_depth=[2, 2],
+        accepted_by_depth=[2, 1],
+    )
+    b = GenerationStats(
+        new_tokens=6, wall_s=2.0, ttft_s=0.5, draft_s=0.3, verify_s=0.5, accepted_lens=[0], drafted_by_depth=[2], accepted_by_depth=[0]
+    )
+    merged = batch_stats([a, b])
+    assert merged.tokens_per_s == 8.0 and merged.draft_s == 0.4 and merged.verify_s == 0.6
+    assert merged.accepted_lens == [1, 2, 0] and merged.drafted_by_depth == [4, 2] and merged.accepted_by_depth == [2, 1]
+    timed = batch_stats([a, b], wall_s=4.0)
+    assert timed.tokens_per_s == 4.0 and timed.ttft_s == 0.5
+    assert batch_stats([a]).tokens_per_s == a.tokens_per_s and batch_stats([a]).tau == a.tau
+
+
+def test_turn_context_and_fit(tiny_pair_dir):
+    from transformers import AutoTokenizer
+
+    from specdec.bench.prompts import BenchPrompt
+    from specdec.bench.runner import TURN_SEPARATOR, fit_context, turn_context
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+    conv = BenchPrompt(id="c", turns=["def add(a, b):\n", "class A:\n"])
+    first = turn_context(tok, conv, 0, None, [], [tok.eos_token_id])
+    assert first == tok(conv.turns[0])["input_ids"]
+    answer = [5, 6, tok.eos_token_id]
+    second = turn_context(tok, conv, 1, first, [answer], [tok.eos_token_id])
+    tail = tok(TURN_SEPARATOR + conv.turns[1], add_special_tokens=False)["input_ids"]
+    assert second == first + [5, 6] + tail  # the answer's EOS is dropped
+    assert fit_context(list(range(10)), 12, 4) == (list(range(2, 10)), True)
+    assert fit_context(list(range(10)), None, 4) == (list(range(10)), False)
+    with pytest.raises(SpecDecError, match="leaves no room"):
+        fit_context([1], 8, 8)
+
+
+# ----- the CLI, end to end ---------------------------------------------------------------
+
+
+def _bench_args(pair: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "bench",
+        "--prompts",
+        str(prompts),
+        "--target",
+        str(pair / "target"),
+        "--draft",
+        str(pair / "draft"),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "10",
+        "--repeats",
+        "2",
+        "--no-progress",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def test_bench_end_to_end_greedy(tiny_pair_dir, tmp_path, capsys):
+    prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:2])
+    out = tmp_path / "out"
+    methods = "ar,hf,hf-assisted,hf-lookup,chain,static,eagle2"
+    assert main(_bench_args(tiny_pair_dir, prompts, out, "--methods", methods, "--depth", "3")) == 0
+    for name in ("report.md", "results.json", "speedup.png", "tau_distribution.png", "acceptance_by_depth.png"):
+        assert (out / name).is_file(), name
+    for name in ("speedup.png", "tau_distribution.png", "acceptance_by_depth.png"):
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["methods"]) == methods.split(",")
+    assert results["methods"]["ar"]["speedup"] == 1.0
+    for label, summary in results["methods"].items():
+        assert summary["matches_ar"] is True, label
+        assert summary["equality_mismatches"] == 0 and summary["equality_compared"] == 3 * 2, label  # 3 turns x 2 repeats
+        assert summary["tokens_per_s_median"] > 0
+    assert results["methods"]["chain"]["tau"] >= 1.0 and results["methods"]["hf"]["tau"] is None
+    assert results["methods"]["static"]["upper_bound_speedup"] > 0
+    assert results["config"]["method_options"]["static"] == {"depth": 3} and results["config"]["method_options"]["eagle2"] == {"depth": 3}
+    # interleaved, repeated: every method ran every (prompt, turn) in both repeats
+    assert len(results["records"]) == len(methods.split(",")) * 3 * 2
+    assert {(r["group"], r["turn"]) for r in results["records"]} == {(0, 0), (1, 0), (1, 1)}
+    report = (out / "report.md").read_text()
+    assert "specdec bench --prompts" in report and "transformers" in report and "## Verdict" in report
+    assert "The fastest method is" in report or "No method beat AR" in report
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_bench_batched_sampling_skips_peers(tiny_pair_dir, tmp_path):
+    prompts = _write_jsonl(tmp_path / "p.jsonl", LINES)
+    out = tmp_path / "out"
+    args = _bench_args(tiny_pair_dir, prompts, out, "--methods", "hf,chain", "--batch-size", "2", "--temperature", "0.8", "--seed", "3")
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["methods"]) == ["ar", "chain"]
+    assert any("batch size 1" in n for n in results["notes"])
+    assert results["methods"]["chain"]["verify"] == "sampling" and results["methods"]["chain"]["matches_ar"] is None
+    assert "n/a" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--methods", "ar,warp"], "'warp' is not known"),
+        (["--methods", "ar,chain", "--branching", "2"], "--branching applies to none"),
+        (["--repeats", "0"], "--repeats=0 must be a positive integer"),
+        (["--verify", "fuzzy"], "'fuzzy' is not a known accept rule"),
+    ],
+)
+def test_bench_errors_exit_2(tiny_pair_dir, tmp_path, capsys, extra, needle):
+    prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:1])
+    assert main(_bench_args(tiny_pair_dir, prompts, tmp_path / "out", *extra)) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bench_bad_prompt_file_exit_2(tiny_pair_dir, tmp_path, capsys):
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [LINES[0], "{oops"])
+    assert main(_bench_args(tiny_pair_dir, prompts, tmp_path / "out")) == 2
+    assert "p.jsonl:2" in capsys.readouterr().err

@@ -1,0 +1,374 @@
+"""CAST: cost tables, Algorithm 1, breadth/depth pruning, reranking, Theorem 4.1, and greedy
+equivalence of `--method cast` with the target's own greedy output."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+import torch
+from conftest import EOS, sharpen, tiny_model
+
+from specdec.cli import main
+from specdec.cost import CostTable, ProfileGrid, profile_models, select_context
+from specdec.drafting.builder import DraftContext
+from specdec.drafting.cast import (
+    CastPolicy,
+    DepthBuffers,
+    batch_utility,
+    breadth_count,
+    grow_decision,
+    max_valid_index,
+    rerank_count,
+)
+from specdec.drafting.policies import Eagle2Policy
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.sampling import SamplingParams
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
+
+
+def linear_table(t_fixed: float = 10.0, t_per_token: float = 0.05, d_fixed: float = 1.0, d_per_token: float = 0.01) -> CostTable:
+    """f_T = t_fixed + t_per_token * B * n (ms), f_D likewise: overhead-dominated small forwards."""
+    return CostTable.synthetic(lambda b, c, n: t_fixed + t_per_token * b * n + c / 1000, lambda b, c, n: d_fixed + d_per_token * b * n)
+
+
+def close_pair(arch: str):
+    target = sharpen(tiny_model(arch, seed=0))
+    draft = sharpen(tiny_model(arch, seed=0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return target, draft
+
+
+def reference(target, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def draft_once(policy, draft_model, prompts=PROMPTS, roots=(3, 4, 5)):
+    """One drafting step of `policy` after prefilling `prompts` into a fresh draft source."""
+    source = ModelDraftSource(draft_model)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    source.prefill(ids, mask)
+    ctx = DraftContext(SamplingParams(), None, max_depth=30, active=torch.ones(len(prompts), dtype=torch.bool), context_len=mask.sum(dim=1))
+    tree, _, _ = policy.draft(source, torch.tensor(roots[: len(prompts)]), ctx)
+    return tree
+
+
+# ----- cost tables ----------------------------------------------------------------------------
+
+
+def test_select_buckets_up_and_caps():
+    # the paper prints max(...) where min(...) is meant
+    assert [select_context(c, 256, 4) for c in (0, 1, 255, 256, 700, 1023, 1024, 5000)] == [256, 256, 256, 512, 768, 1024, 1024, 1024]
+    table = linear_table()
+    assert table.contexts == [256, 512, 768, 1024] and table.select(300) == 512
+
+
+def test_interpolation_over_n_and_batch():
+    table = CostTable.synthetic(lambda b, c, n: 10 * b + n + c / 256, lambda b, c, n: b * n, batch_sizes=(1, 2, 4), n_grid=(1, 2, 4, 8))
+    # grid points are exact; n between grid points is linear; beyond the grid it is extrapolated
+    assert table.target_cost(1, 100, 4) == pytest.approx(10 + 4 + 1)
+    assert table.target_cost(1, 100, 3) == pytest.approx(10 + 3 + 1)
+    assert table.target_cost(1, 100, 20) == pytest.approx(10 + 20 + 1)
+    assert table.target_cost(2, 600, 6) == pytest.approx(20 + 6 + 3)
+    assert table.target_cost(1, 100, 0) == 0.0
+    # batch 3 lies between 2 and 4; batch 8 is extrapolated from 2 and 4; batch 0.. clamps to 1
+    assert table.draft_cost(3, 10, 4) == pytest.approx(12)
+    assert table.draft_cost(8, 10, 4) == pytest.approx(32)
+    assert table.target_costs(1, 100, 5) == pytest.approx([0, 12, 13, 14, 15, 16])
+
+
+def test_costs_made_monotone_in_n():
+    table = CostTable.synthetic(lambda b, c, n: {1: 5.0, 2: 4.0, 4: 6.0, 8: 5.5}[n], lambda b, c, n: 1.0, batch_sizes=(1,), n_grid=(1, 2, 4, 8))
+    assert table.target_ms[1][0] == [5.0, 5.0, 6.0, 6.0]
+
+
+def test_table_roundtrip_and_malformed(tmp_path):
+    table = linear_table()
+    table.meta.update({"dtype": "float32", "device": {"type": "cpu", "name": "x"}})
+    path = table.save(tmp_path / "p.json")
+    back = CostTable.load(path)
+    assert back.target_ms == table.target_ms and back.draft_ms == table.draft_ms and back.meta["dtype"] == "float32"
+    assert back.n_grid == table.n_grid and (back.context_step, back.num_contexts) == (256, 4)
+    with pytest.raises(SpecDecError, match="does not exist"):
+        CostTable.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(SpecDecError, match="not a specdec cost profile"):
+        CostTable.load(tmp_path / "bad.json")
+    data = table.to_json()
+    data["target_ms"]["1"] = [[1.0]]
+    (tmp_path / "short.json").write_text(json.dumps(data))
+    with pytest.raises(SpecDecError, match="re-run `specdec profile`"):
+        CostTable.load(tmp_path / "short.json")
+
+
+TINY_GRID = ProfileGrid(batch_sizes=(1, 2), context_step=16, num_contexts=2, n_grid=(1, 4), warmup=0, repeats=1, min_time_ms=0.0)
+
+
+def test_profile_identity_and_mismatch():
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1, layers=1)
+    table = profile_models(target, draft, TINY_GRID)
+    assert table.batch_sizes == [1, 2] and len(table.target_ms[2]) == 2 and len(table.target_ms[2][0]) == 2
+    assert table.meta["target"]["params"] == sum(p.numel() for p in target.parameters())
+    assert table.meta["dtype"] == "float32" and table.meta["device"]["type"] == "cpu"
+    assert table.mismatch(target, draft) is None
+    assert table.mismatch(tiny_model("llama", seed=5), draft) is None  # other weights, same shape: same costs
+    other = tiny_model("llama", seed=0, hidden=64)
+    assert "target model" in table.mismatch(other, draft)
+    assert "draft model" in table.mismatch(target, other)
+    table.meta["dtype"] = "bfloat16"
+    assert "dtype bfloat16 != float32" in table.mismatch(target, draft)
+    table.meta["device"] = {"type": "cuda", "name": "H100"}
+    assert "device cuda/H100" in table.mismatch(target, draft)
+
+
+def test_profile_cli_writes_valid_json(tiny_pair_dir, tmp_path, capsys):
+    out = tmp_path / "prof" / "cost.json"
+    argv = ["profile", "--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"), "--batch-sizes", "1,2"]
+    argv += ["--context-step", "16", "--contexts", "2", "--n-grid", "1,4", "--warmup", "0", "--repeats", "1", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["format"] == "specdec-cost-profile" and data["batch_sizes"] == [1, 2] and data["contexts"] == [16, 32]
+    assert len(data["target_ms"]["2"]) == 2 and len(data["draft_ms"]["1"][0]) == 2
+    assert all(v > 0 for rows in data["target_ms"].values() for row in rows for v in row)
+    for key in ("device", "dtype", "torch", "transformers", "target", "draft", "grid"):
+        assert key in data
+    assert {"config_hash", "params", "path"} <= set(data["target"])
+    assert CostTable.load(out).batch_sizes == [1, 2]
+    assert "cost profile:" in capsys.readouterr().out
+    assert main([*argv[:-2], "--n-grid", "4,2", "--out", str(out)]) == 2
+    assert main(["profile", "--target", str(tiny_pair_dir / "target"), "--out", str(out)]) == 2  # --draft needed with --target
+
+
+# ----- Algorithm 1 and the pruning rules --------------------------------------------------------
+
+
+def paper_algorithm1(u, c, threshold):
+    """Algorithm 1 exactly as printed (strictly increasing c)."""
+    mark = [1] * len(u)
+    for i in range(len(u)):
+        for j in range(i + 1, len(u)):
+            if (u[j] - u[i]) / (c[j] - c[i]) < threshold:
+                mark[j] = 0
+    return max(j + 1 for j in range(len(u)) if mark[j])
+
+
+def test_algorithm1_hand_built():
+    assert max_valid_index([1, 1.5, 1.6], [1, 2, 3], 0.3) == 2
+    assert max_valid_index([1, 1.5, 1.6], [1, 2, 3], 0.05) == 3
+    assert max_valid_index([1, 1.5, 1.6], [1, 2, 3], 0.6) == 1
+    # not concave: item 2 is not worth it alone, but items 2+3 together are (robust selection)
+    assert max_valid_index([1, 1.1, 2.5], [1, 2, 3], 0.5) == 3
+    # a gain at no extra cost is always taken
+    assert max_valid_index([1, 2, 3], [1, 1, 1], 100.0) == 3
+    # non-monotone costs take the pairwise path
+    assert max_valid_index([1, 2, 2.1], [1, 3, 2], 0.2) == paper_algorithm1([1, 2, 2.1], [1, 3, 2], 0.2)
+
+
+def test_algorithm1_fast_path_equals_paper():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 12)
+        u = [0.0]
+        c = [rng.random()]
+        for _ in range(n - 1):
+            u.append(u[-1] + rng.random() ** 3)
+            c.append(c[-1] + rng.random() + 1e-3)
+        u = u[1:] + [u[-1] + rng.random()]
+        u = u[:n]
+        threshold = rng.choice([0.0, 0.1, 0.5, 1.0, 3.0])
+        assert max_valid_index(u, c, threshold, rtol=0.0) == paper_algorithm1(u, c, threshold)
+
+
+def test_rerank_count_can_go_root_only():
+    # u_k = cumulative confidence, c_k = f_T(k + 1) / f_T(1)
+    assert rerank_count([0.1, 0.15], [1.0, 2.0, 3.0], 1.0) == 0  # 0.1 expected tokens for a doubled step: no
+    assert rerank_count([0.9, 1.7, 1.8], [1.0, 1.1, 1.2, 1.3], 3.0) == 2  # the third adds 0.1 for 0.1 of cost: < 3
+    assert rerank_count([0.9, 1.7, 1.8], [1.0, 1.0, 1.0, 1.0], 3.0) == 3  # flat costs: take everything
+    assert breadth_count([0.5, 0.9, 1.0], [0.1, 0.2, 0.3], 2.0) == 2
+
+
+def test_batch_utility_averages_by_rank():
+    score = torch.log(torch.tensor([[0.5, 0.1, 0.3], [0.2, 0.6, 0.0], [0.9, 0.9, 0.9]]))
+    u = batch_utility(score, torch.tensor([True, True, False]))
+    assert u == pytest.approx([0.55, 0.55 + 0.25, 0.55 + 0.25 + 0.05])
+
+
+def test_depth_buffers_fifo_and_decision():
+    bufs = DepthBuffers(3)
+    assert bufs.alpha(1) == 1.0 and bufs.values(2) == [1.0]
+    bufs.push(1, 0.5)
+    assert bufs.alpha(1) == pytest.approx(0.75)
+    bufs.push(1, 0.2)
+    bufs.push(1, 0.3)  # the initial 1 falls out
+    assert bufs.values(1) == [0.5, 0.2, 0.3] and bufs.alpha(1) == pytest.approx(1 / 3)
+    assert grow_decision(0.5, 1.0, 0.1, 5.0) and not grow_decision(0.5, 1.0, 0.1, 5.1)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_theorem_4_1_linear_cost_gives_eagle_top_k(batch):
+    """c_j = lambda * j + delta and C1 = sum_rows v(K) / (B * lambda): Algorithm 1 keeps exactly K."""
+    gen = torch.Generator().manual_seed(batch)
+    for k in (1, 3, 8, 12):
+        for lam, delta in ((0.01, 0.0), (0.3, 2.0), (5.0, 0.7)):
+            v = torch.rand(batch, 20, generator=gen, dtype=torch.float64).sort(dim=1, descending=True).values  # [B, N] per-row sorted
+            u = batch_utility(v.log(), torch.ones(batch, dtype=torch.bool))
+            costs = [lam * j + delta for j in range(1, 21)]
+            c1 = float(v[:, k - 1].sum()) / (batch * lam)
+            assert breadth_count(u, costs, c1) == k
+
+
+# ----- the policy -------------------------------------------------------------------------------
+
+
+def test_switched_off_cast_is_eagle2():
+    target, draft = close_pair("llama")
+    eagle = Eagle2Policy(depth=4, top_k=3, total_tokens=10)
+    ref = draft_once(eagle, draft)
+    off = CastPolicy(depth=4, top_k=3, total_tokens=10, breadth_pruning=False, depth_pruning=False, dynamic_rerank=False, cost_table=linear_table())
+    zero = CastPolicy(depth=4, top_k=3, total_tokens=10, c1=0.0, c2=0.0, c3=0.0, cost_table=linear_table())
+    for policy in (off, zero):
+        tree = draft_once(policy, draft)
+        assert torch.equal(tree.valid, ref.valid)
+        assert torch.equal(tree.tokens[tree.valid], ref.tokens[ref.valid])
+        assert torch.equal(tree.parents, ref.parents)
+
+
+def test_expensive_draft_stops_growth_and_buffers_update():
+    _, draft = close_pair("llama")
+    cheap = CastPolicy(depth=5, top_k=3, total_tokens=60, dynamic_rerank=False, c1=0.0, c2=1e-9, cost_table=linear_table())
+    tree = draft_once(cheap, draft)
+    assert tree.max_depth() == 5 and cheap.last_widths == [3, 3, 3, 3, 3]
+    assert all(len(cheap.buffers.values(i)) == 2 for i in range(1, 5))  # {1} + this step's phi_i
+    costly = CastPolicy(depth=5, top_k=3, total_tokens=60, dynamic_rerank=False, cost_table=linear_table(d_fixed=1e4))
+    tree = draft_once(costly, draft)
+    assert tree.max_depth() == 1 and len(costly.last_widths) == 1
+    no_dp = CastPolicy(depth=5, top_k=3, total_tokens=60, dynamic_rerank=False, depth_pruning=False, cost_table=linear_table(d_fixed=1e4))
+    assert draft_once(no_dp, draft).max_depth() == 5
+
+
+def test_breadth_pruning_narrows_costly_layers():
+    _, draft = close_pair("llama")
+    steep = CostTable.synthetic(lambda b, c, n: 10.0, lambda b, c, n: 1.0 + 50.0 * n)  # every extra draft node costs 5 target steps
+    policy = CastPolicy(depth=3, top_k=4, total_tokens=60, c1=1.0, depth_pruning=False, dynamic_rerank=False, cost_table=steep)
+    draft_once(policy, draft)
+    assert policy.last_widths == [1, 1, 1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_greedy_cast_matches_generate_batch_1_and_3(arch):
+    target, draft = close_pair(arch)
+    refs = [reference(target, p, 20) for p in PROMPTS]
+    accepted, deepest = 0, 0
+    variants = (
+        {},  # the paper's presets
+        {"c1": 0.5, "c2": 0.5, "c3": 0.5, "depth": 5, "top_k": 4, "total_tokens": 16},
+        {"c1": 0.1, "c2": 0.0, "dynamic_rerank": False, "depth": 4, "top_k": 3, "total_tokens": 12},  # deep trees
+    )
+    for options in variants:
+        policy = make_policy("cast", cost_table=linear_table(), **options)
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+        for prompt, ref in zip(PROMPTS, refs, strict=True):
+            out = engine.generate([prompt], 20, keep_steps=True)[0]
+            assert out.token_ids == ref, (arch, options, prompt)
+            accepted += out.stats.accepted_tokens
+            deepest = max([deepest] + [r.tree_depth for r in out.steps])
+        batched = engine.generate(PROMPTS, 20)
+        assert [o.token_ids for o in batched] == refs, (arch, options)
+    assert accepted > 0 and deepest >= 2
+
+
+def test_tree_that_cannot_pay_is_root_only():
+    target, draft = close_pair("llama")
+    table = CostTable.synthetic(lambda b, c, n: 10.0 * n, lambda b, c, n: 50.0 * n)  # verifying k tokens costs k steps
+    policy = make_policy("cast", cost_table=table)
+    engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+    outs = engine.generate(PROMPTS, 16, keep_steps=True)
+    assert [o.token_ids for o in outs] == [reference(target, p, 16) for p in PROMPTS]
+    assert all(d == 0 for rec in outs[0].steps for d in rec.drafted)
+
+
+def test_missing_profile_is_measured_on_first_use(tmp_path, caplog):
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1, layers=1)
+    path = tmp_path / "cost.json"
+    policy = make_policy("cast", cost_profile=str(path), depth=3, top_k=3, total_tokens=8)
+    policy.bind_models(target, draft)
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+        assert engine.generate([PROMPTS[0]], 4)[0].token_ids == reference(target, PROMPTS[0], 4)
+    assert "does not exist" in caplog.text and "measuring a quick cost profile" in caplog.text
+    saved = CostTable.load(path)
+    assert saved.batch_sizes == [1] and saved.meta["grid"]["quick"] and saved.mismatch(target, draft) is None
+    # a new batch size extends the quick profile; a second policy reuses the file without measuring batch 1 again
+    again = make_policy("cast", cost_profile=str(path), depth=3, top_k=3, total_tokens=8)
+    again.bind_models(target, draft)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        assert again.table_for(1).batch_sizes == [1] and caplog.text == ""
+        assert again.table_for(2).batch_sizes == [1, 2]
+    assert CostTable.load(path).batch_sizes == [1, 2]
+    # a profile of other models is not used (and not overwritten)
+    other = tiny_model("llama", seed=0, hidden=64)
+    third = make_policy("cast", cost_profile=str(path))
+    third.bind_models(other, draft)
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        assert third.table_for(1).mismatch(other, draft) is None
+    assert "does not fit these models" in caplog.text
+    assert CostTable.load(path).mismatch(target, draft) is None
+
+
+def test_option_errors():
+    for bad in ({"c1": -1.0}, {"depth": 0}, {"buffer": 0}, {"breadth_pruning": "no"}, {"top_k": 1.5}):
+        with pytest.raises(SpecDecError):
+            make_policy("cast", **bad)
+    with pytest.raises(SpecDecError, match="either cost_table or cost_profile"):
+        make_policy("cast", cost_table=linear_table(), cost_profile="x.json")
+    _, draft = close_pair("llama")
+    with pytest.raises(SpecDecError, match="needs forward-cost tables"):
+        draft_once(make_policy("cast"), draft)
+    policy = make_policy("cast")
+    assert policy.depth_for(1) == 13 and policy.depth_for(8) == 9 and policy.depth_for(32) == 9
+    assert policy.thresholds_for(1) == (3.0, 3.0, 3.0) and policy.thresholds_for(16) == (2.5, 2.5, 2.5)
+
+
+def test_cli_cast_options(capsys):
+    from specdec.cli import build_parser, collect_method_options
+
+    args = build_parser().parse_args(
+        ["generate", "--method", "cast", "--cast-c1", "1.5", "--cast-c3", "2", "--depth-pruning", "off", "--cost-profile", "p.json", "--depth", "7"]
+    )
+    assert collect_method_options(args, "cast") == {"c1": 1.5, "c3": 2.0, "depth_pruning": False, "cost_profile": "p.json", "depth": 7}
+    with pytest.raises(SpecDecError, match="--cast-c1 does not apply to --method eagle2"):
+        collect_method_options(build_parser().parse_args(["generate", "--method", "eagle2", "--cast-c1", "1"]), "eagle2")
+    with pytest.raises(SystemExit) as err:
+        build_parser().parse_args(["generate", "--breadth-pruning", "maybe"])
+    assert err.value.code == 2
+    capsys.readouterr()
+
+
+def test_decoder_binds_models_for_cast(tiny_pair_dir, tmp_path):
+    from specdec.api import SpeculativeDecoder
+
+    path = tmp_path / "pair_cost.json"
+    decoder = SpeculativeDecoder.from_pretrained(
+        str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), method="cast", cost_profile=str(path), depth=3, top_k=3, total_tokens=8
+    )
+    result = decoder.generate("def add(a, b):", max_new_tokens=6)
+    ar = SpeculativeDecoder(decoder.target, decoder.tokenizer, None, method="ar").generate("def add(a, b):", max_new_tokens=6)
+    assert result.token_ids == ar.token_ids
+    assert path.is_file()

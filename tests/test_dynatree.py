@@ -1,0 +1,484 @@
+"""DynaTree (`--method dynatree`): each drafting rule on hand-built draft distributions, the
+history rule, validation, CLI wiring, and greedy equivalence with the target's own
+`generate` for every phase and parameter extremes."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import EOS, sharpen, tiny_model
+
+from specdec.cli import build_parser, collect_method_options, main
+from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.drafting.dynatree import DynaTreePolicy, compact, confidence_branching, dynamic_depth_expandable, keep_within_budget
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import POLICY_CLASSES, make_policy, method_options
+from specdec.sampling import SamplingParams
+from specdec.sources import ModelDraftSource
+from specdec.stats import StepRecord
+from specdec.verification import GreedyRule, make_rule
+
+V = 50
+"""vocabulary of the hand-built draft distributions"""
+
+DistFn = Callable[[int, tuple[int, ...]], dict[int, float]]
+"""dist(row, path) -> {token: prob} for the children of the node whose draft tokens (root excluded) are `path`"""
+
+
+def spread(probs: dict[int, float]) -> torch.Tensor:
+    """A [V] distribution: the given probabilities, the remaining mass spread evenly over the other tokens."""
+    out = torch.zeros(V)
+    for tok, p in probs.items():
+        out[tok] = p
+    rest = [t for t in range(V) if t not in probs]
+    out[rest] = max(0.0, 1.0 - sum(probs.values())) / len(rest)
+    return out
+
+
+class TableSource:
+    """A fake DraftSource: each node's children distribution is `dist(row, path)`; records every expand call."""
+
+    def __init__(self, dist: DistFn) -> None:
+        self.dist = dist
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (nodes [B, k], valid [B, k]) per expand
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        return None
+
+    def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        return torch.stack([spread(self.dist(row, ())) for row in range(roots.shape[0])]).log()  # [B, V]
+
+    def expand(self, builder: TreeBuilder, nodes: torch.Tensor, valid: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        self.calls.append((nodes.clone(), valid.clone()))
+        b, k = nodes.shape
+        out = torch.full((b, k, V), 1.0 / V)
+        for row in range(b):
+            for col in range(k):
+                if valid[row, col]:
+                    path = tuple(int(builder.tokens[row, i]) for i in _path(builder, row, int(nodes[row, col])))
+                    out[row, col] = spread(self.dist(row, path))
+        return out.log()  # [B, k, V]
+
+    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]]) -> None:
+        return None
+
+    def feedback(self, record: StepRecord) -> None:
+        return None
+
+
+def _path(builder: TreeBuilder, row: int, node: int) -> list[int]:
+    """Builder indices from the root's first child down to `node`."""
+    out = []
+    while node > 0:
+        out.append(node)
+        node = int(builder.parents[row, node])
+    return out[::-1]
+
+
+def draft(policy: DynaTreePolicy, dist: DistFn, rows: int = 1, max_depth: int = 50, active: list[bool] | None = None):
+    """Run one drafting step on the fake source; returns (tree, source)."""
+    src = TableSource(dist)
+    act = torch.tensor(active if active is not None else [True] * rows)
+    ctx = DraftContext(params=SamplingParams(), generator=None, max_depth=max_depth, active=act)
+    tree, builder, origin = policy.draft(src, torch.full((rows,), 3, dtype=torch.long), ctx)
+    assert origin.shape == tree.tokens.shape
+    assert builder.draft_forwards == 1 + len(src.calls)
+    return tree, src
+
+
+def nodes_of(tree, row: int = 0) -> dict[tuple[int, ...], float]:
+    """{path of tokens (root excluded): p} of every drafted node of a row."""
+    out = {}
+    for i in range(1, tree.num_nodes):
+        if tree.valid[row, i]:
+            path = tuple(int(tree.tokens[row, j]) for j in tree.path_to(row, i)[1:])
+            out[path] = float(tree.cum_logq[row, i].exp())
+    return out
+
+
+# ----- the rules on hand-built distributions -------------------------------------------------
+
+
+def test_confidence_branching_rule():
+    conf = torch.tensor([0.95, 0.9001, 0.85, 0.4001, 0.3999, 0.1])
+    logprobs = torch.stack([spread({0: c}) for c in conf.tolist()]).log()  # [6, V]
+    got = confidence_branching(logprobs, tau_high=0.9, tau_low=0.4, b_min=1, b_mid=2, b_max=3)
+    assert got.tolist() == [1, 1, 2, 2, 3, 3]
+
+
+def test_branching_from_draft_confidence_one_level():
+    """Three rows, one level: confident -> B_min, middling -> B_mid, uncertain -> B_max best children."""
+    roots = [{7: 0.95, 8: 0.03}, {7: 0.6, 8: 0.3, 9: 0.05}, {7: 0.3, 8: 0.25, 9: 0.2, 10: 0.15}]
+    tree, src = draft(DynaTreePolicy(), lambda row, path: roots[row], rows=3, max_depth=1)
+    assert tree.drafted_per_row().tolist() == [1, 2, 3]
+    assert set(nodes_of(tree, 0)) == {(7,)}
+    assert set(nodes_of(tree, 1)) == {(7,), (8,)}
+    assert set(nodes_of(tree, 2)) == {(7,), (8,), (9,)}
+    assert src.calls == []  # max_depth 1: only the root's distribution is needed
+
+
+def test_dynamic_depth_gate_function():
+    logp = torch.tensor([0.9, 0.6, 0.4, 0.09]).log()
+    gate = dict(d0=5, d_max=8, rho_stop=0.1, rho_deep=0.5)
+    assert dynamic_depth_expandable(2, logp, **gate).tolist() == [True, True, True, False]  # early stop below rho_stop
+    assert dynamic_depth_expandable(5, logp, **gate).tolist() == [True, True, False, False]  # beyond D_0: needs rho_deep
+    assert dynamic_depth_expandable(8, logp, **gate).tolist() == [False] * 4  # hard limit D_max
+    assert not dynamic_depth_expandable(1, torch.tensor([float("-inf")]), **gate).item()
+
+
+def confident_chain(q: float, side: float = 0.0) -> DistFn:
+    """Along the all-1 path: token 1 with prob q (and token 2 with `side`); elsewhere flat."""
+    return lambda row, path: ({1: q, 2: side} if side else {1: q}) if all(t == 1 for t in path) else {}
+
+
+def test_deep_expansion_along_a_likely_path():
+    """p = 0.95^d stays >= rho_deep, so the chain (c >= tau_h -> one child) grows past D_0 up to D_max."""
+    tree, src = draft(DynaTreePolicy(), confident_chain(0.95))
+    assert tree.max_depth() == 8 and tree.drafted_per_row().item() == 8
+    assert len(src.calls) == 7  # one draft forward per level below the root
+
+
+def test_depth_gate_stops_beyond_d0_and_early_stops_unlikely_siblings():
+    """Main path p = 0.88^d: at depth 5 p = 0.53 >= 0.5 expands, at depth 6 p = 0.46 stops.
+    The siblings (token 2, p <= 0.08 < rho_stop) are added (>= tau) but never expanded."""
+    tree, src = draft(DynaTreePolicy(), confident_chain(0.88, side=0.08))
+    got = nodes_of(tree)
+    main_path = [(1,) * d for d in range(1, 7)]
+    siblings = [(1,) * d + (2,) for d in range(0, 6)]
+    assert set(got) == set(main_path) | set(siblings)
+    assert tree.max_depth() == 6
+    assert math.isclose(got[(1,) * 6], 0.88**6, rel_tol=1e-4)
+    # every expand call carries exactly the one main-path node
+    assert [int(v.sum()) for _, v in src.calls] == [1] * 5
+
+
+def test_early_stop_before_d0():
+    """A path whose p falls below rho_stop stops even at depth < D_0."""
+    tree, _ = draft(DynaTreePolicy(rho_stop=0.3, prune_tau=0.01), confident_chain(0.6, side=0.35))
+    # depth 1: 0.6 and 0.35 (both >= 0.3, expandable); depth 2: 0.36 (expandable), 0.21, 0.21, 0.12; depth 3: 0.216, 0.126
+    assert tree.max_depth() == 3
+    assert set(nodes_of(tree)) == {(1,), (2,), (1, 1), (1, 2), (1, 1, 1), (1, 1, 2)}
+
+
+def test_probability_threshold_pruning():
+    """A child with p < tau is never added (not even as a leaf)."""
+    dist = lambda row, path: {(): {1: 0.6, 2: 0.3}, (1,): {3: 0.5, 4: 0.45}}.get(path, {})  # noqa: E731
+    tree, _ = draft(DynaTreePolicy(prune_tau=0.28), dist)
+    got = nodes_of(tree)
+    assert set(got) == {(1,), (2,), (1, 3)}  # (1, 4): 0.27 < 0.28 pruned
+    tree, _ = draft(DynaTreePolicy(prune_tau=0.35), dist)
+    assert set(nodes_of(tree)) == {(1,)}  # (2,) pruned, (1, 3) = 0.3 pruned
+
+
+def budget_dist(row: int, path: tuple[int, ...]) -> dict[int, float]:
+    return {
+        (): {1: 0.35, 2: 0.3, 3: 0.25},  # c < tau_l: 3 children
+        (1,): {4: 0.5, 5: 0.4},  # p: 0.175, 0.14
+        (2,): {6: 0.35, 7: 0.33, 8: 0.3},  # p: 0.105, 0.099, 0.09
+        (3,): {9: 0.95},  # p: 0.2375
+    }.get(path, {})
+
+
+def test_node_budget_keeps_the_most_likely_candidates_of_a_level():
+    tree, src = draft(DynaTreePolicy(max_nodes=6, rho_stop=0.05, prune_tau=0.01), budget_dist)
+    got = nodes_of(tree)
+    assert len(got) == 6
+    assert {p for p in got if len(p) == 2} == {(3, 9), (1, 4), (1, 5)}
+    assert len(src.calls) == 1  # budget spent: the depth-2 nodes are not expanded
+    # without the budget every candidate survives
+    tree, _ = draft(DynaTreePolicy(max_nodes=256, rho_stop=0.05, prune_tau=0.01), budget_dist)
+    assert len(nodes_of(tree)) == 9
+
+
+def test_budget_of_one_and_budget_cut_function():
+    tree, src = draft(DynaTreePolicy(max_nodes=1), budget_dist)
+    assert set(nodes_of(tree)) == {(1,)} and src.calls == []
+    score = torch.tensor([[-0.1, -2.0, -0.5, -0.5], [-1.0, -1.0, -1.0, -1.0]])
+    valid = torch.tensor([[True, True, True, True], [True, False, True, True]])
+    keep = keep_within_budget(score, valid, torch.tensor([2, 2]))
+    assert keep.tolist() == [[True, False, True, False], [True, False, True, False]]  # ties -> earlier column
+    order, kept = compact(torch.tensor([[False, True, False, True]]), 3)
+    assert order.tolist() == [[1, 3, 0]] and kept.tolist() == [[True, True, False]]
+
+
+def test_one_batched_forward_per_level_with_padding():
+    """Rows with different frontier sizes share one expand call per level; short rows are padded invalid."""
+    dists = [confident_chain(0.95), budget_dist]
+    policy = DynaTreePolicy(rho_stop=0.05, prune_tau=0.01, d0=3, d_max=4)
+    tree, src = draft(policy, lambda row, path: dists[row](row, path), rows=2)
+    assert tree.depths[0].max().item() == 4
+    assert len(src.calls) == 3  # levels 1, 2, 3 expanded; depth 4 = D_max
+    nodes, valid = src.calls[0]
+    assert nodes.shape[0] == 2 and valid.sum(dim=1).tolist() == [1, 3]
+    for nodes, valid in src.calls:  # padding never duplicates a real entry of the same row
+        for row in range(2):
+            real = nodes[row][valid[row]].tolist()
+            assert len(set(nodes[row].tolist())) == nodes.shape[1] and len(real) == len(set(real))
+
+
+def test_respects_ctx_max_depth_and_inactive_rows():
+    tree, src = draft(DynaTreePolicy(), confident_chain(0.95), rows=2, max_depth=3, active=[True, False])
+    assert tree.max_depth() == 3 and len(src.calls) == 2
+    assert tree.drafted_per_row().tolist() == [3, 0]
+    assert all(not v[1].any() for _, v in src.calls)
+    tree, src = draft(DynaTreePolicy(), confident_chain(0.95), max_depth=0)
+    assert tree.drafted_per_row().tolist() == [0] and src.calls == []
+
+
+def test_phases_change_the_shape():
+    """Phase 0 gives every node B_mid children to D_0; phase 1 branches by confidence (still D_0);
+    phase 2 adds the depth gate (deeper along likely paths)."""
+    dist = lambda row, path: {1: 0.95, 2: 0.04}  # noqa: E731  confident everywhere
+    kw = dict(d0=2, prune_tau=0.01)
+    t0, _ = draft(DynaTreePolicy(phase=0, **kw), dist)
+    assert set(nodes_of(t0)) == {(1,), (2,), (1, 1), (1, 2), (2, 1)}  # (2, 2) = 0.0016 pruned
+    t1, _ = draft(DynaTreePolicy(phase=1, **kw), dist)
+    assert set(nodes_of(t1)) == {(1,), (1, 1)}
+    t2, _ = draft(DynaTreePolicy(phase=2, **kw), dist)
+    assert set(nodes_of(t2)) == {(1,) * d for d in range(1, 9)}
+    # phase 1 ignores rho_stop: nodes with p < rho_stop still expand up to D_0
+    low = lambda row, path: {1: 0.3, 2: 0.28, 3: 0.27}  # noqa: E731
+    t1, _ = draft(DynaTreePolicy(phase=1, d0=2, prune_tau=0.05, rho_stop=0.35), low)
+    t2, _ = draft(DynaTreePolicy(phase=2, d0=2, prune_tau=0.05, rho_stop=0.35), low)
+    assert t1.max_depth() == 2 and t2.max_depth() == 1
+
+
+# ----- the history rule ----------------------------------------------------------------------
+
+
+def record(drafted: list[int], accepted: list[int], active: list[bool] | None = None, step: int = 0) -> StepRecord:
+    n = len(drafted)
+    return StepRecord(
+        step=step,
+        active=active if active is not None else [True] * n,
+        drafted=drafted,
+        accepted_len=accepted,
+        committed=[a + 1 for a in accepted],
+        relaxed=[0] * n,
+        strict_fallbacks=[0] * n,
+        tree_depth=0,
+        draft_s=0.0,
+        verify_s=0.0,
+        drafted_by_depth=[[] for _ in range(n)],
+        accepted_depth=accepted,
+    )
+
+
+def test_history_rule_moves_every_step_and_stays_in_bounds():
+    pol = DynaTreePolicy()
+    assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (5, 0.9, 0.5)
+    pol.feedback(record([10], [8]))  # a = 0.8 > a_high: more aggressive at once
+    assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (6, 0.85, 0.45)
+    for _ in range(30):
+        pol.feedback(record([10], [8]))
+    lo_hi = pol.bounds()
+    assert lo_hi == {"d0": (2, 8), "tau_high": (0.45, 0.99), "rho_deep": (0.1, 0.9)}
+    assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (8, 0.45, 0.1)  # aggressive bounds
+    assert pol.cur_tau_high > pol.tau_low and pol.cur_rho_deep >= pol.rho_stop
+    for _ in range(60):
+        pol.feedback(record([10], [0]))
+    assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (2, 0.99, 0.9)  # conservative bounds
+    pol.reset_history()
+    assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep, len(pol.history)) == (5, 0.9, 0.5, 0)
+
+
+def test_history_window_and_batch_average():
+    pol = DynaTreePolicy(history_window=3)
+    for _ in range(3):
+        pol.feedback(record([4], [4]))  # a = 1
+    assert pol.cur_d0 == 8 and pol.adjustments == 3
+    pol.feedback(record([4], [0]))  # window (1, 1, 0): 0.67 > a_high, still aggressive
+    assert pol.adjustments == 4 and pol.cur_tau_high == pytest.approx(0.7)
+    pol.feedback(record([4], [0]))  # window (1, 0, 0): 0.33 in [a_low, a_high]: unchanged
+    assert pol.adjustments == 4 and pol.cur_d0 == 8 and pol.windowed_acceptance() == pytest.approx(1 / 3)
+    pol.feedback(record([4], [0]))  # window (0, 0, 0): conservative
+    assert pol.cur_d0 == 7 and pol.cur_tau_high == pytest.approx(0.75)
+    # batch average over active rows with drafted > 0: (1.0 + 0.5) / 2; inactive and empty rows ignored
+    pol.reset_history()
+    pol.feedback(record([4, 4, 0, 9], [4, 2, 0, 9], active=[True, True, True, False]))
+    assert list(pol.history) == [0.75]
+    pol.feedback(record([0, 5], [0, 5], active=[True, False]))  # nothing drafted by an active row: skipped
+    assert list(pol.history) == [0.75]
+
+
+def test_history_bounds_contain_the_start_values_and_phases_below_3_do_not_adapt():
+    pol = DynaTreePolicy(d0=1, d_max=3, tau_high=0.42, tau_low=0.4, rho_stop=0.2, rho_deep=0.95)
+    assert pol.bounds() == {"d0": (1, 3), "tau_high": (0.42, 0.99), "rho_deep": (0.2, 0.95)}
+    for _ in range(40):
+        pol.feedback(record([2], [0]))
+    assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (1, 0.99, 0.95)
+    for _ in range(80):
+        pol.feedback(record([2], [2]))
+    assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (3, 0.42, 0.2)
+    for phase in (0, 1, 2):
+        pol = DynaTreePolicy(phase=phase)
+        pol.feedback(record([10], [10]))
+        assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep, len(pol.history)) == (5, 0.9, 0.5, 0)
+
+
+def test_adapted_values_drive_the_next_draft():
+    """After aggressive adjustment tau_h drops: a node with c = 0.88 now gets one child, not two."""
+    dist = lambda row, path: {1: 0.88, 2: 0.1} if len(path) == 0 else {}  # noqa: E731
+    pol = DynaTreePolicy()
+    tree, _ = draft(pol, dist, max_depth=1)
+    assert tree.drafted_per_row().item() == 2
+    pol.feedback(record([10], [10]))
+    tree, _ = draft(pol, dist, max_depth=1)
+    assert pol.cur_tau_high == pytest.approx(0.85) and tree.drafted_per_row().item() == 1
+
+
+# ----- validation, registry, CLI -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"d0": 0}, "d0=0"),
+        ({"d0": 9}, "d0=9 exceeds d_max=8"),
+        ({"d_max": 2.5}, "d_max=2.5"),
+        ({"b_min": 3, "b_mid": 2}, "b_min <= b_mid <= b_max"),
+        ({"b_max": 1}, "b_mid=2, b_max=1"),
+        ({"tau_low": 0.9, "tau_high": 0.9}, "0 < tau_low < tau_high < 1"),
+        ({"tau_high": 1.0}, "tau_high=1.0"),
+        ({"prune_tau": 1.0}, "prune_tau=1.0"),
+        ({"rho_stop": 0.6}, "rho_stop < rho_deep"),
+        ({"max_nodes": 0}, "max_nodes=0"),
+        ({"history_window": True}, "history_window=True"),
+        ({"phase": 4}, "phase=4"),
+        ({"accept_low": 0.5, "accept_high": 0.4}, "accept_low < accept_high"),
+        ({"adjust_step": 0}, "adjust_step=0"),
+        ({"rho_deep": "0.5"}, "rho_deep='0.5' must be a number"),
+    ],
+)
+def test_validation_names_value_and_fix(options, needle):
+    with pytest.raises(SpecDecError) as err:
+        make_policy("dynatree", **options)
+    assert needle in str(err.value)
+    assert " --" in str(err.value)  # names the flag to fix
+
+
+def test_registered_with_every_field_as_option():
+    assert POLICY_CLASSES["dynatree"] is DynaTreePolicy
+    opts = method_options("dynatree")
+    assert set(opts) == {
+        "d0", "d_max", "b_min", "b_mid", "b_max", "tau_high", "tau_low", "prune_tau", "rho_stop", "rho_deep",
+        "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase",
+    }  # fmt: skip
+    pol = make_policy("dynatree", d0=3, phase=1)
+    assert (pol.d0, pol.phase, pol.d_max, pol.max_nodes, pol.prune_tau) == (3, 1, 8, 256, 0.03)
+
+
+def test_cli_flags_map_to_fields():
+    parser = build_parser()
+    flags = [
+        "--d0", "3", "--d-max", "6", "--b-min", "1", "--b-mid", "2", "--b-max", "4", "--tau-high", "0.8", "--tau-low", "0.3",
+        "--prune-tau", "0.05", "--rho-stop", "0.05", "--rho-deep", "0.6", "--max-nodes", "32", "--history-window", "4",
+        "--accept-high", "0.6", "--accept-low", "0.1", "--adjust-step", "0.1", "--dynatree-phase", "2",
+    ]  # fmt: skip
+    args = parser.parse_args(["generate", "--method", "dynatree", "--prompt", "x", *flags])
+    opts = collect_method_options(args, "dynatree")
+    assert opts == {
+        "d0": 3, "d_max": 6, "b_min": 1, "b_mid": 2, "b_max": 4, "tau_high": 0.8, "tau_low": 0.3, "prune_tau": 0.05,
+        "rho_stop": 0.05, "rho_deep": 0.6, "max_nodes": 32, "history_window": 4, "accept_high": 0.6, "accept_low": 0.1,
+        "adjust_step": 0.1, "phase": 2,
+    }  # fmt: skip
+    make_policy("dynatree", **opts)
+    # existing flags keep working, and dynatree flags are refused by other methods
+    args = parser.parse_args(["generate", "--method", "static", "--prompt", "x", "--max-nodes", "16", "--depth", "3"])
+    assert collect_method_options(args, "static") == {"max_nodes": 16, "depth": 3}
+    args = parser.parse_args(["generate", "--method", "chain", "--prompt", "x", "--dynatree-phase", "1"])
+    with pytest.raises(SpecDecError, match="--dynatree-phase does not apply to --method chain"):
+        collect_method_options(args, "chain")
+
+
+def test_cli_generate_dynatree(capsys, tiny_pair_dir):
+    code = main(
+        ["generate", "--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"), "--method", "dynatree",
+         "--dynatree-phase", "3", "--max-nodes", "24", "--prompt", "def add(a, b):", "--max-new-tokens", "10", "--json"]
+    )  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    line = json.loads(out.out.strip().splitlines()[-1])
+    assert 1 <= len(line["token_ids"]) <= 10
+    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"), "--method", "dynatree",
+                 "--b-min", "3", "--prompt", "x"])  # fmt: skip
+    assert code == 2 and "b_min <= b_mid <= b_max" in capsys.readouterr().err
+
+
+# ----- greedy equivalence on tiny models -----------------------------------------------------
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
+MAX_NEW = 24
+CONFIGS = [
+    {"phase": 0},
+    {"phase": 1},
+    {"phase": 2},
+    {"phase": 3},
+    {"phase": 3, "history_window": 1},
+    {"b_min": 1, "b_mid": 1, "b_max": 1},  # degenerates to a chain
+    {"max_nodes": 1},
+    {"prune_tau": 0.99},
+    {"d0": 1, "d_max": 1},
+    {"b_min": 3, "b_mid": 3, "b_max": 3, "prune_tau": 0.0, "rho_stop": 0.0, "max_nodes": 40},  # wide, unpruned
+    {"phase": 0, "d0": 8, "d_max": 8, "b_mid": 2, "prune_tau": 0.0, "max_nodes": 64},
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt_neox"])
+def models(request):
+    """(arch, target, {draft kind: draft}, {prompt index: reference greedy tokens})."""
+    arch = request.param
+    target = sharpen(tiny_model(arch, seed=0), 40.0)  # peaked enough for trees to grow (confidences 0.2-1)
+    close = sharpen(tiny_model(arch, seed=0), 40.0)
+    with torch.no_grad():
+        for p in close.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    refs = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+            refs[i] = out[0, len(prompt) :].tolist()
+    return arch, target, {"self": target, "close": close}, refs
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "close"])
+def test_greedy_equals_target_generate(models, draft_kind):
+    arch, target, drafts, refs = models
+    accepted = 0
+    for options in CONFIGS:
+        policy = make_policy("dynatree", **options)
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(drafts[draft_kind]), eos_token_ids=[EOS])
+        outs = engine.generate(PROMPTS, MAX_NEW)  # one batch: rows have different trees per level
+        for i, out in enumerate(outs):
+            assert out.token_ids == refs[i], f"{arch}/{draft_kind}/{options}/prompt {i}"
+            accepted += out.stats.accepted_tokens
+            if options.get("max_nodes") == 1:
+                assert out.stats.drafted_tokens <= out.stats.steps
+    assert accepted > 0
+
+
+def test_feedback_adapts_within_one_generation(models):
+    """The engine calls feedback after every step: the history grows by one per step that drafted."""
+    arch, target, drafts, refs = models
+    policy = make_policy("dynatree", history_window=1000)
+    engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(drafts["close"]), eos_token_ids=[EOS])
+    out = engine.generate([PROMPTS[0]], MAX_NEW, keep_steps=True)[0]
+    assert out.token_ids == refs[0]
+    drafted_steps = sum(1 for s in out.steps if s.active[0] and s.drafted[0] > 0)
+    assert len(policy.history) == drafted_steps > 1
+    expected = [s.accepted_len[0] / s.drafted[0] for s in out.steps if s.drafted[0] > 0]
+    assert list(policy.history) == pytest.approx(expected)
+    lo, hi = policy.bounds()["d0"]
+    assert lo <= policy.cur_d0 <= hi
+
+
+def test_sampling_verification_runs(models):
+    arch, target, drafts, refs = models
+    engine = SpeculativeEngine(target, make_policy("dynatree"), make_rule("sampling"), ModelDraftSource(drafts["close"]), eos_token_ids=[])
+    outs = engine.generate(PROMPTS[:2], 12, params=SamplingParams(temperature=1.0), seed=0)
+    assert [len(o.token_ids) for o in outs] == [12, 12]
