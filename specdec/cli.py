@@ -291,6 +291,10 @@ def _add_train(sub) -> None:
     pair.add_argument("--tiny", action="store_true", help="tiny shapes and batches (for tests and smoke runs)")
     pair.set_defaults(func=_cmd_train_pair)
 
+    bundle = tsub.add_parser("bundle", help="copy a trained pair into the package (the default --target/--draft)")
+    bundle.add_argument("--from", dest="source", required=True, help="the --out folder of `specdec train pair`")
+    bundle.set_defaults(func=_cmd_train_bundle)
+
     ev = tsub.add_parser("evaluate", help="model-card figures: held-out perplexity, top-1 agreement, latency")
     add_model_args(ev)
     ev.add_argument("--corpus", nargs="*", default=[], help="the corpus the pair was trained on (default: the standard library)")
@@ -333,6 +337,14 @@ def _cmd_train_pair(args: argparse.Namespace) -> int:
         cfg.draft_shape = ModelShape(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64)
     summary = train_pair(cfg, tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None)
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _cmd_train_bundle(args: argparse.Namespace) -> int:
+    from specdec.training.pair import bundle_pair
+
+    dest = bundle_pair(Path(args.source))
+    print(f"bundled pair copied to {dest}")
     return 0
 
 

@@ -43,3 +43,27 @@ def test_tiny_pair_training_and_resume(tmp_path):
     log2 = json.loads((out / "train_log.json").read_text())
     target_steps = [r["step"] for r in log2["log"] if r["stage"] == "target"]
     assert min(target_steps) >= 3 and max(target_steps) == 4
+
+
+def test_bundle_copies_shippable_files_only(tmp_path):
+    from specdec.errors import SpecDecError
+    from specdec.training.pair import BUNDLE_FILES, bundle_pair
+
+    src = tmp_path / "run"
+    for name in BUNDLE_FILES:
+        if name.endswith((".json", ".jsonl")):
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            (src / name).write_text("{}")
+        else:
+            (src / name).mkdir(parents=True)
+            (src / name / "config.json").write_text("{}")
+    (src / "work").mkdir()
+    (src / "work" / "target.ckpt").write_text("big")
+    dest = bundle_pair(src, tmp_path / "assets")
+    assert sorted(p.name for p in dest.iterdir()) == sorted(BUNDLE_FILES)
+    try:
+        bundle_pair(tmp_path / "nothing", tmp_path / "assets2")
+    except SpecDecError as err:
+        assert "lacks" in str(err)
+    else:
+        raise AssertionError("a missing source must be refused")

@@ -91,8 +91,8 @@ class PairConfig:
     """folders or files; empty = the running interpreter's standard library"""
     vocab_size: int = 8192
     seed: int = 0
-    target: StageConfig = field(default_factory=lambda: StageConfig(steps=1400, batch_size=4, lr=1e-3))
-    draft: StageConfig = field(default_factory=lambda: StageConfig(steps=1200, batch_size=8, lr=2e-3, distill_weight=0.5))
+    target: StageConfig = field(default_factory=lambda: StageConfig(steps=1000, batch_size=4, lr=1e-3))
+    draft: StageConfig = field(default_factory=lambda: StageConfig(steps=500, batch_size=8, lr=2e-3, distill_weight=0.5))
     target_shape: ModelShape = field(default_factory=lambda: TARGET_SHAPE)
     draft_shape: ModelShape = field(default_factory=lambda: DRAFT_SHAPE)
     prompt_lines: int = 24
@@ -261,3 +261,30 @@ def save_half(model: PreTrainedModel, tokenizer, out_dir: Path) -> None:
     half.save_pretrained(out_dir, safe_serialization=True)
     model.to(torch.float32)
     tokenizer.save_pretrained(out_dir)
+
+
+BUNDLE_FILES = ("target", "draft", "stdlib-heldout.jsonl", "train_log.json", "pair_config.json")
+"""what `bundle_pair` copies (checkpoints and token caches stay behind)"""
+
+
+def bundle_pair(source: Path, dest: Path | None = None) -> Path:
+    """Copy a trained pair's shippable files into the package's assets (the bundled pair)."""
+    import shutil
+
+    from specdec.models.loading import BUNDLED_PAIR
+
+    dest = dest or BUNDLED_PAIR
+    missing = [name for name in BUNDLE_FILES if not (source / name).exists()]
+    if missing:
+        from specdec.errors import SpecDecError
+
+        raise SpecDecError(f"{source} lacks {', '.join(missing)}; pass the --out folder of a finished `specdec train pair` run")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in BUNDLE_FILES:
+        src, dst = source / name, dest / name
+        if src.is_dir():
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
+    return dest
