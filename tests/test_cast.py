@@ -372,3 +372,14 @@ def test_decoder_binds_models_for_cast(tiny_pair_dir, tmp_path):
     ar = SpeculativeDecoder(decoder.target, decoder.tokenizer, None, method="ar").generate("def add(a, b):", max_new_tokens=6)
     assert result.token_ids == ar.token_ids
     assert path.is_file()
+
+
+def test_sampling_runs_with_cast_trees():
+    """CAST's children are deterministic top-k picks, which lossless sampling verifies as point masses."""
+    from specdec.verification import SamplingRule
+
+    target, draft = close_pair("llama")
+    policy = make_policy("cast", cost_table=linear_table(), c1=0.1, c2=0.0, c3=0.1, depth=4, top_k=3, total_tokens=12)
+    engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[-1])
+    outs = engine.generate(PROMPTS, 12, SamplingParams(temperature=1.0), seed=0)
+    assert [len(o.token_ids) for o in outs] == [12, 12, 12]

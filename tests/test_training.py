@@ -6,6 +6,7 @@ import json
 import sysconfig
 from pathlib import Path
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.cli import main
@@ -61,9 +62,5 @@ def test_bundle_copies_shippable_files_only(tmp_path):
     (src / "work" / "target.ckpt").write_text("big")
     dest = bundle_pair(src, tmp_path / "assets")
     assert sorted(p.name for p in dest.iterdir()) == sorted(BUNDLE_FILES)
-    try:
+    with pytest.raises(SpecDecError, match="lacks"):
         bundle_pair(tmp_path / "nothing", tmp_path / "assets2")
-    except SpecDecError as err:
-        assert "lacks" in str(err)
-    else:
-        raise AssertionError("a missing source must be refused")

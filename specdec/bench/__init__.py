@@ -1,7 +1,9 @@
 """`specdec bench`: our methods and Hugging Face's peers, same prompts, same process, same run.
 
 `run_and_report(config, out_dir, argv)` runs the benchmark (`runner`), summarizes it
-(`report`), writes report.md, results.json and the PNG plots (`plots`).
+(`report`), writes report.md, results.json and the PNG plots (`plots`). `--methods` items
+and their labels: `variants`; output quality (`--quality`): `quality`; the DynaTree grid
+(`specdec sweep`): `sweep`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,6 @@ def run_and_report(config: BenchConfig, argv: Sequence[str] = ()) -> BenchOutput
     result = run_bench(config)
     summaries = summarize(result)
     out_dir = Path(config.out)
-    plots = write_plots(summaries, out_dir)
+    plots = write_plots(summaries, out_dir, mars_sweep=bool(config.mars_thetas))
     report, results = write_outputs(result, summaries, out_dir, argv, [str(p) for p in plots])
     return BenchOutputs(result=result, summaries=summaries, report=report, results=results, plots=plots)

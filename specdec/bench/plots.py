@@ -91,11 +91,67 @@ def plot_acceptance_by_depth(summaries: Sequence[MethodSummary], path: Path) -> 
     return path
 
 
-def write_plots(summaries: Sequence[MethodSummary], out_dir: Path) -> list[Path]:
-    """speedup.png, tau_distribution.png, acceptance_by_depth.png in `out_dir`."""
+MARS_PANELS: tuple[tuple[str, str], ...] = (
+    ("tau", "τ (tokens per step)"),
+    ("speedup", "speedup over AR (x)"),
+    ("relaxed_share", "relaxed share of accepted tokens"),
+    ("ar_prefix_agreement", "AR prefix agreement (precision)"),
+    ("nll", "target NLL (nats/token)"),
+    ("parse_share", "code completions that parse"),
+)
+"""MethodSummary field and axis title of each panel of mars_sweep.png"""
+
+
+def plot_mars_sweep(summaries: Sequence[MethodSummary], path: Path) -> Path:
+    """One panel per figure (τ, speedup, relaxed share, AR agreement, NLL, parse share) against θ.
+
+    Each method is one line over its mars variants; its strict variant is a dashed line in
+    the same colour, AR a dotted black line (where AR has the figure).
+    """
+    plt = _pyplot()
+    mars = [s for s in summaries if s.theta is not None]
+    bases = list(dict.fromkeys(s.base for s in mars))
+    ar = next((s for s in summaries if s.label == BASELINE), None)
+    panels = [(f, t) for f, t in MARS_PANELS if any(getattr(s, f) is not None for s in mars)]
+    cols = 3
+    rows = max(1, -(-len(panels) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (name, title) in zip(axes.flat, panels, strict=False):
+        for i, base in enumerate(bases):
+            color = colors[i % len(colors)]
+            points = sorted((s.theta, getattr(s, name)) for s in mars if s.base == base and getattr(s, name) is not None)
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=color, label=base)
+            strict = next((s for s in summaries if s.base == base and s.theta is None and s.label != BASELINE), None)
+            if strict is not None and getattr(strict, name) is not None:
+                ax.axhline(getattr(strict, name), color=color, linestyle="--", linewidth=1, label=f"{base} strict")
+        if ar is not None and name in ("nll", "parse_share", "speedup") and getattr(ar, name) is not None:
+            ax.axhline(getattr(ar, name), color="black", linestyle=":", linewidth=1, label="AR")
+        ax.set_xlabel("θ (logit-ratio threshold)")
+        ax.set_title(title, fontsize="medium")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    if not mars:
+        axes.flat[0].text(0.5, 0.5, "no mars variant measured", ha="center", va="center", transform=axes.flat[0].transAxes)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize="small")
+    fig.suptitle("MARS θ sweep (dashed: strict verification, dotted: AR)")
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(summaries: Sequence[MethodSummary], out_dir: Path, mars_sweep: bool = False) -> list[Path]:
+    """speedup.png, tau_distribution.png, acceptance_by_depth.png (and with `mars_sweep`, mars_sweep.png) in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [
+    paths = [
         plot_speedup(summaries, out_dir / "speedup.png"),
         plot_tau(summaries, out_dir / "tau_distribution.png"),
         plot_acceptance_by_depth(summaries, out_dir / "acceptance_by_depth.png"),
     ]
+    if mars_sweep:
+        paths.append(plot_mars_sweep(summaries, out_dir / "mars_sweep.png"))
+    return paths

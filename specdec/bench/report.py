@@ -8,6 +8,9 @@ and the GenerationStats properties); this module only aggregates over calls:
   ratio of its median tokens/s over repeats to AR's, then the median and IQR of those ratios;
 - τ and acceptance pool every step of every call; TTFT, TPOT and engine efficiency are
   medians over calls; the time split is summed time / summed wall time.
+- quality (`--quality`): AR agreement pools every row against AR's row of the same repeat,
+  prompt group and turn; NLL pools every generated token; the parse share pools code rows;
+  the relaxed share pools relaxed / accepted tokens over calls.
 """
 
 from __future__ import annotations
@@ -28,7 +31,18 @@ from typing import Any
 import numpy as np
 
 from specdec.bench.runner import BASELINE, BenchResult, CallRecord
-from specdec.stats import acceptance_rate, speedup, tau, upper_bound_speedup
+from specdec.stats import (
+    acceptance_rate,
+    exact_match_share,
+    mean_nll,
+    parse_share,
+    position_agreement,
+    prefix_agreement,
+    relaxed_share,
+    speedup,
+    tau,
+    upper_bound_speedup,
+)
 
 LOSSY_RULES = frozenset({"mars"})
 """accept rules that may commit tokens AR would not (their AR mismatches are reported, not alarms)"""
@@ -82,6 +96,31 @@ class MethodSummary:
     """accepted_len + 1 -> steps"""
     drafted_by_depth: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    """the policy options the variant ran with (global flags merged with its item's own)"""
+    rule_options: dict[str, Any] = field(default_factory=dict)
+    base: str = ""
+    """the label without the accept rule"""
+    theta: float | None = None
+    """the effective MARS theta (mars variants only)"""
+    drafted_per_step: float | None = None
+    """drafted tokens (tree nodes) per verification step, pooled"""
+    relaxed_share: float | None = None
+    """`specdec.stats.relaxed_share`: relaxed / accepted draft tokens (mars; 0 for strict rules)"""
+    ar_prefix_agreement: float | None = None
+    """quality: `specdec.stats.prefix_agreement` against AR (the MARS paper's precision)"""
+    ar_token_agreement: float | None = None
+    """quality: `specdec.stats.position_agreement` against AR"""
+    exact_match: float | None = None
+    """quality: `specdec.stats.exact_match_share` against AR"""
+    nll: float | None = None
+    """quality: `specdec.stats.mean_nll` of every generated token under the target"""
+    nll_delta: float | None = None
+    """quality: nll - AR's nll"""
+    parse_share: float | None = None
+    """quality: `specdec.stats.parse_share` over code prompts (None without any)"""
+    parse_rows: int = 0
+    """quality: code completions checked"""
 
     @property
     def acceptance_by_depth(self) -> list[float]:
@@ -141,6 +180,7 @@ def summarize(result: BenchResult) -> list[MethodSummary]:
     ar_outputs = {(r.repeat, r.group, r.turn): r.outputs for r in ar_records}
     ar_token_s = _ar_token_s(ar_records)
     greedy = result.config.temperature == 0
+    quality = result.config.quality or bool(result.config.mars_thetas)
     summaries = []
     for v in result.variants:
         records = by_label.get(v.label, [])
@@ -170,7 +210,13 @@ def summarize(result: BenchResult) -> list[MethodSummary]:
             rss_mb=max(r.rss_bytes for r in records) / 2**20,
             gpu_peak_mb=max(r.gpu_peak_bytes for r in records) / 2**20 if all(r.gpu_peak_bytes is not None for r in records) else None,
             lossless=v.verify not in LOSSY_RULES,
+            options=dict(v.options),
+            rule_options=dict(v.rule_options),
+            base=v.base or v.label,
+            theta=v.theta,
         )
+        if quality:
+            _add_quality(s, records, ar_outputs)
         if greedy:
             compared = mismatches = 0
             for r in records:
@@ -188,6 +234,9 @@ def summarize(result: BenchResult) -> list[MethodSummary]:
             s.relaxed_tokens = sum(st.relaxed_tokens for st in stats)
             drafted = sum(st.drafted_tokens for st in stats)
             s.acceptance_rate = acceptance_rate(sum(st.accepted_tokens for st in stats), drafted) if drafted else None
+            steps = sum(st.steps for st in stats)
+            s.drafted_per_step = drafted / steps if steps else None
+            s.relaxed_share = relaxed_share(s.relaxed_tokens, sum(st.accepted_tokens for st in stats))
             s.ttft_ms = _median([st.ttft_s for st in stats]) * 1e3
             s.tpot_ms = _median([st.tpot_s for st in stats]) * 1e3
             total = sum(st.wall_s for st in stats)
@@ -210,7 +259,31 @@ def summarize(result: BenchResult) -> list[MethodSummary]:
                 if v.label != BASELINE:
                     s.upper_bound_speedup = upper_bound_speedup(s.tau_max, ar_token_s, draft_step_s, verify_step_s)
         summaries.append(s)
+    ar = next((s for s in summaries if s.label == BASELINE), None)
+    if ar is not None and ar.nll is not None:
+        for s in summaries:
+            if s.nll is not None:
+                s.nll_delta = s.nll - ar.nll
     return summaries
+
+
+def _add_quality(s: MethodSummary, records: Sequence[CallRecord], ar_outputs: dict[tuple[int, int, int], list[list[int]]]) -> None:
+    """AR agreement (rows against AR's rows of the same repeat, group and turn), NLL and parse share."""
+    outputs: list[list[int]] = []
+    references: list[list[int]] = []
+    for r in records:
+        reference = ar_outputs.get((r.repeat, r.group, r.turn))
+        if reference is not None:
+            outputs.extend(r.outputs)
+            references.extend(reference)
+    if outputs:
+        s.ar_prefix_agreement = prefix_agreement(outputs, references)
+        s.ar_token_agreement = position_agreement(outputs, references)
+        s.exact_match = exact_match_share(outputs, references)
+    if all(r.token_logprobs is not None for r in records):
+        s.nll = mean_nll([lp for r in records for row in r.token_logprobs or [] for lp in row])
+    flags = [f for r in records for f in (r.parses or []) if f is not None]
+    s.parse_share, s.parse_rows = parse_share(flags), len(flags)
 
 
 # ----- machine and versions ------------------------------------------------------------
@@ -271,6 +344,36 @@ def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def _verify(s: MethodSummary) -> str:
+    """The accept rule, with theta for mars."""
+    if s.verify is None:
+        return "n/a"
+    return f"{s.verify} θ={s.theta:g}" if s.theta is not None else s.verify
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.3f}"
+
+
+def quality_lines(summaries: Sequence[MethodSummary]) -> list[str]:
+    """The `## Quality` table (one row per method)."""
+    lines = [
+        "| method | verify | speedup | τ | relaxed share | AR prefix agreement | AR token agreement | exact match | NLL | Δ NLL vs AR | parses |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        parses = "n/a" if s.parse_share is None else f"{100 * s.parse_share:.0f}% of {s.parse_rows}"
+        lines.append(
+            f"| {s.label} | {_verify(s)} | {s.speedup:.2f}x | {_fmt(s.tau)} | {_pct1(s.relaxed_share)} | {_pct1(s.ar_prefix_agreement)} | "
+            f"{_pct1(s.ar_token_agreement)} | {_pct1(s.exact_match)} | {_fmt(s.nll, '.3f')} | {_signed(s.nll_delta)} | {parses} |"
+        )
+    return lines
+
+
+def _pct1(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 def _equality(s: MethodSummary) -> str:
@@ -338,8 +441,12 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
     options = {m: o for m, o in cfg.method_options.items() if o}
     if options:
         lines.append(
-            "- **Method options**: " + "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in o.items()) for m, o in options.items())
+            "- **Method options** (global flags; an item's own options override them): "
+            + "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in o.items()) for m, o in options.items())
         )
+    if cfg.mars_thetas:
+        lines.append(f"- **MARS θ sweep**: every method strictly and with mars at θ = {', '.join(f'{t:g}' for t in cfg.mars_thetas)}")
+    quality = cfg.quality or bool(cfg.mars_thetas)
     lines.append(f"- **Bench wall time**: {result.wall_s:.1f} s")
     lines += ["", "## Speed", ""]
     lines.append(
@@ -348,7 +455,7 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for s in summaries:
         lines.append(
-            f"| {s.label} | {s.verify or 'n/a'} | {s.tokens_per_s_median:.1f} | {s.tokens_per_s_aggregate:.1f} | {s.speedup:.2f}x | "
+            f"| {s.label} | {_verify(s)} | {s.tokens_per_s_median:.1f} | {s.tokens_per_s_aggregate:.1f} | {s.speedup:.2f}x | "
             f"{s.speedup_per_prompt_median:.2f}x [{s.speedup_per_prompt_q1:.2f}, {s.speedup_per_prompt_q3:.2f}] | "
             f"{_fmt(s.upper_bound_speedup, '.2f', 'x')} | {_fmt(s.tau)} | {_pct(s.acceptance_rate)} | {_fmt(s.ttft_ms, '.1f')} | "
             f"{_fmt(s.tpot_ms, '.2f')} | {_equality(s)} |"
@@ -363,6 +470,8 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
             f"| {s.label} | {_pct(s.prefill_share)} | {_pct(s.draft_share)} | {_pct(s.verify_share)} | {_pct(s.overhead_share)} | "
             f"{_pct(s.engine_efficiency)} | {_fmt(s.draft_ms_per_step, '.2f')} | {_fmt(s.verify_ms_per_step, '.2f')} | {_fmt(s.tau_max)} | {s.rss_mb:.0f} | {_fmt(s.gpu_peak_mb, '.0f')} |"
         )
+    if quality:
+        lines += ["", "## Quality", ""] + quality_lines(summaries)
     lines += ["", "## Verdict", "", verdict(summaries), ""]
     lines += [
         "## How to read it",
@@ -377,10 +486,28 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         "- **RSS**: process-wide resident memory right after the method's calls (all loaded models included).",
         "- **= AR**: greedy only: every output equals plain AR's on the same prompt; n/a when sampling; "
         "a lossy rule (mars) may differ by design.",
+        "- **labels**: `method[options]` for a `--methods` item with its own options, `/rule[options]` when the accept rule is shown; "
+        "the options a variant ran with are in results.json (`methods.<label>.options`).",
         "- Hugging Face peers (hf, hf-assisted, hf-lookup) report no TTFT, τ or time split (n/a). They run with HF's defaults "
         "(hf-lookup: prompt_lookup_num_tokens=10); hf-assisted's adaptive draft length restarts from its initial value on every call.",
         "",
     ]
+    if quality:
+        lines += [
+            "Quality (definitions in `specdec/stats.py`; every row is compared with AR's row of the same prompt, turn and repeat):",
+            "",
+            "- **relaxed share**: draft tokens accepted only by the lossy rule's relaxation / all accepted draft tokens.",
+            "- **AR prefix agreement** (the MARS paper's precision): tokens equal to AR's up to the first divergence / "
+            "max(len, AR's len), pooled over rows; **AR token agreement**: tokens equal to AR's at the same position anywhere; "
+            "**exact match**: share of rows identical to AR's.",
+            "- **NLL**: the target's mean negative log-likelihood (nats/token, raw logits: temperature 1, no top-k/top-p) of the "
+            "generated tokens given the fed context, pooled over tokens; lower = more target-like. **Δ NLL vs AR**: minus AR's.",
+            "- **parses**: share of completions of code prompts for which prompt + completion, cut at the last complete line "
+            "(unless it ended with EOS), passes `ast.parse`.",
+            "- At temperature > 0 every method samples, so even lossless methods differ from AR's sample: compare a mars variant "
+            "with its strict variant (same method, sampling), not with 100%.",
+            "",
+        ]
     if result.notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
     if plots:
@@ -432,9 +559,14 @@ def print_summary(summaries: Sequence[MethodSummary], file: Any = sys.stdout) ->
     from rich.console import Console
     from rich.table import Table
 
+    quality = any(s.nll is not None or s.ar_prefix_agreement is not None for s in summaries)
     table = Table(title="specdec bench")
-    for col in ("method", "tok/s", "speedup", "τ", "acceptance", "= AR"):
+    columns = ["method", "tok/s", "speedup", "τ", "acceptance", "= AR"] + (["AR prefix", "NLL", "parses"] if quality else [])
+    for col in columns:
         table.add_column(col, justify="left" if col == "method" else "right")
     for s in summaries:
-        table.add_row(s.label, f"{s.tokens_per_s_median:.1f}", f"{s.speedup:.2f}x", _fmt(s.tau), _pct(s.acceptance_rate), _equality(s))
+        row = [s.label, f"{s.tokens_per_s_median:.1f}", f"{s.speedup:.2f}x", _fmt(s.tau), _pct(s.acceptance_rate), _equality(s)]
+        if quality:
+            row += [_pct1(s.ar_prefix_agreement), _fmt(s.nll, ".3f"), _pct(s.parse_share)]
+        table.add_row(*row)
     Console(file=file).print(table)
