@@ -23,6 +23,8 @@ from specdec.models.loading import (
     resolve_device,
 )
 from specdec.sampling import SamplingParams
+from specdec.sources.base import DraftSource
+from specdec.sources.lookup import LookupDraftSource
 from specdec.sources.model import ModelDraftSource
 from specdec.stats import GenerationStats
 from specdec.verification import make_rule
@@ -72,6 +74,17 @@ def rule_options(verify: str | None, verify_options: Mapping[str, Any] | None = 
     return options
 
 
+DRAFT_SOURCES = ("model", "lookup")
+"""every `--draft-source` name"""
+
+
+def check_draft_source(draft_source: str, lookup_ngram: int) -> None:
+    if draft_source not in DRAFT_SOURCES:
+        raise SpecDecError(f"--draft-source {draft_source!r} is not known; choose one of {', '.join(DRAFT_SOURCES)}")
+    if not isinstance(lookup_ngram, int) or lookup_ngram < 1:
+        raise SpecDecError(f"--lookup-ngram {lookup_ngram!r} must be a positive integer")
+
+
 class SpeculativeDecoder:
     """A target model, an optional draft model sharing its tokenizer, and a method."""
 
@@ -84,10 +97,17 @@ class SpeculativeDecoder:
         verify: str | None = None,
         verify_options: Mapping[str, Any] | None = None,
         mars_theta: float | None = None,
+        draft_source: str = "model",
+        lookup_ngram: int = 3,
         **method_options: Any,
     ) -> None:
         """verify_options: options of the accept rule, e.g. {"theta": 0.9} for verify="mars";
-        mars_theta: shorthand for verify_options={"theta": mars_theta}."""
+        mars_theta: shorthand for verify_options={"theta": mars_theta};
+        draft_source: "model" (the draft model) or "lookup" (n-gram prompt lookup, no draft
+        model; `lookup_ngram` is the longest n-gram matched)."""
+        check_draft_source(draft_source, lookup_ngram)
+        self.draft_source = draft_source
+        self.lookup_ngram = lookup_ngram
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -95,8 +115,8 @@ class SpeculativeDecoder:
         self.verify = verify
         self.verify_options = rule_options(verify, verify_options, mars_theta)
         self.policy = make_policy(method, **method_options)
-        if self.policy.uses_draft and draft is None:
-            raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH or use --method ar")
+        if self.policy.uses_draft and draft is None and draft_source == "model":
+            raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH, use --draft-source lookup, or use --method ar")
         bind = getattr(self.policy, "bind_models", None)
         if callable(bind):  # cost-aware policies (cast) find or measure the pair's cost profile
             bind(target, draft)
@@ -117,6 +137,8 @@ class SpeculativeDecoder:
         dtype: str | torch.dtype | None = None,
         verify_options: Mapping[str, Any] | None = None,
         mars_theta: float | None = None,
+        draft_source: str = "model",
+        lookup_ngram: int = 3,
         **method_options: Any,
     ) -> SpeculativeDecoder:
         """Load from local folders or hub ids; with neither given, the bundled pair.
@@ -125,22 +147,34 @@ class SpeculativeDecoder:
         """
         make_policy(method, **method_options)  # fail on bad options before loading anything
         options = rule_options(verify, verify_options, mars_theta)
+        check_draft_source(draft_source, lookup_ngram)
         if target is None:
             target = bundled_target()
             draft = draft or bundled_draft()
         dev = resolve_device(device)
         tokenizer = load_tokenizer(target, "target")
         draft_model = None
-        if method != "ar":
+        if method != "ar" and draft_source == "model":
             if draft is None:
                 raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH or use --method ar")
             check_same_tokenizer(tokenizer, load_tokenizer(draft, "draft"))
             draft_model = load_model(draft, "draft", dev, dtype)
         target_model = load_model(target, "target", dev, dtype)
-        return cls(target_model, tokenizer, draft_model, method=method, verify=verify, verify_options=options, **method_options)
+        return cls(
+            target_model, tokenizer, draft_model, method=method, verify=verify, verify_options=options,
+            draft_source=draft_source, lookup_ngram=lookup_ngram, **method_options,
+        )
+
+    def make_source(self) -> DraftSource | None:
+        """A fresh draft source for one engine run (None for plain AR)."""
+        if not self.policy.uses_draft:
+            return None
+        if self.draft_source == "lookup":
+            return LookupDraftSource(vocab_size=self.target.get_output_embeddings().weight.shape[0], max_ngram=self.lookup_ngram)
+        return ModelDraftSource(self.draft) if self.draft is not None else None
 
     def engine(self, verify: str) -> SpeculativeEngine:
-        source = ModelDraftSource(self.draft) if self.draft is not None and self.policy.uses_draft else None
+        source = self.make_source()
         return SpeculativeEngine(
             self.target,
             self.policy,

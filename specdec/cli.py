@@ -1,4 +1,4 @@
-"""The `specdec` command: generate, bench, train, profile."""
+"""The `specdec` command: generate, bench, sweep, train, profile."""
 
 from __future__ import annotations
 
@@ -46,7 +46,15 @@ def add_method_args(
 
     names = ", ".join(POLICY_CLASSES)
     if multi:
-        p.add_argument("--methods", default=methods_default, help=f"comma-separated methods ({', '.join([*POLICY_CLASSES, *extra_methods])}; default {methods_default})")
+        p.add_argument(
+            "--methods",
+            default=methods_default,
+            help=f"comma-separated methods ({', '.join([*POLICY_CLASSES, *extra_methods])}; default {methods_default}); "
+            "an item may carry its own options and accept rule: METHOD[@RULE][:NAME=VALUE,...], e.g. "
+            "chain:k=3,dynatree:phase=0,static:depth=5,branching=2,chain@mars:theta=0.85 "
+            "(option names are the method's fields; an item's options override the global flags below; "
+            "its label in the report is e.g. chain[k=3], chain/mars[theta=0.85])",
+        )
         p.add_argument("--verify", default="auto", help="comma-separated accept rules: greedy, sampling, mars or auto (by temperature)")
     else:
         p.add_argument("--method", default="chain", help=f"one of {names} (default chain)")
@@ -54,6 +62,8 @@ def add_method_args(
     p.add_argument(
         "--mars-theta", type=float, default=None, help="--verify mars: logit-ratio threshold theta > 0 (default 0.9); theta >= 1 disables the relaxation"
     )
+    p.add_argument("--draft-source", default="model", help="model (the draft model, default) or lookup (n-gram prompt lookup: no draft model)")
+    p.add_argument("--lookup-ngram", type=int, default=3, help="lookup: longest n-gram matched (3)")
     g = p.add_argument_group("method options (defaults: each method's own)")
     g.add_argument("--k", type=int, default=None, help="chain: draft tokens per step (5)")
     g.add_argument("--depth", type=int, default=None, help="static/eagle2/cast: tree depth (4 / 6 / 13 at batch 1 ... 9 at batch >= 8)")
@@ -173,7 +183,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.mars_theta is not None and args.verify != "mars":
         raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
     decoder = SpeculativeDecoder.from_pretrained(
-        args.target, args.draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta, **options
+        args.target, args.draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta,
+        draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, **options,
     )
     stream = None
     if args.stream and not args.json:
@@ -221,6 +232,25 @@ def _add_bench(sub) -> None:
     bench.add_argument("--repeats", type=int, default=3, help="measured rounds over every prompt (figures are medians)")
     bench.add_argument("--num-prompts", type=int, default=10, help="first N prompts of the set (0 = all)")
     bench.add_argument("--out", required=True, help="output folder: report.md, results.json, PNG plots")
+    bench.add_argument(
+        "--quality",
+        action="store_true",
+        help="also measure output quality after the timed run: agreement with AR's output, the target's NLL of each completion "
+        "(one extra target forward per distinct completion), the share of code completions that parse, the relaxed share",
+    )
+    bench.add_argument(
+        "--mars-thetas",
+        default=None,
+        help="MARS θ sweep, e.g. 0.84,0.86,0.88,0.9,0.92,0.94,0.96: every engine method runs strictly and with --verify mars "
+        "at each θ (labels method/greedy, method/mars[theta=0.84], ...); implies --quality and writes mars_sweep.png; "
+        "run once with --temperature 0 and once with --temperature 1 --seed N",
+    )
+    bench.add_argument(
+        "--code-prompts",
+        default="auto",
+        choices=("auto", "all", "none"),
+        help="which prompts count as code for the parse share: auto (a 'language: python' line, an id ending in .py or starting with HumanEval), all, none",
+    )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_cmd_bench)
 
@@ -228,20 +258,27 @@ def _add_bench(sub) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specdec.bench import BenchConfig, run_and_report
     from specdec.bench.report import print_summary
-    from specdec.bench.runner import parse_methods, parse_verify
+    from specdec.bench.runner import parse_verify
+    from specdec.bench.variants import parse_method_specs, parse_thetas
     from specdec.methods import POLICY_CLASSES, method_options
 
-    methods = parse_methods(args.methods)
+    specs = parse_method_specs(args.methods)
+    methods = [spec.text for spec in specs]
     verify = parse_verify(args.verify, args.temperature)
-    engine_methods = [m for m in methods if m in POLICY_CLASSES]
+    engine_methods = list(dict.fromkeys(spec.method for spec in specs if spec.method in POLICY_CLASSES))
     options = {m: collect_method_options(args, m, strict=False) for m in engine_methods}
     allowed = {f for m in engine_methods for f in method_options(m)}
     for dest, field_name in OPTION_FIELDS.items():
         if getattr(args, dest, None) is not None and field_name not in allowed:
             flag = "--" + ("expand-top-k" if dest == "top_k_expand" else dest.replace("_", "-"))
             raise SpecDecError(f"{flag} applies to none of --methods {','.join(methods)}; drop it or add a method that takes it")
-    if args.mars_theta is not None and "mars" not in verify:
-        raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
+    thetas = parse_thetas(args.mars_thetas) if args.mars_thetas is not None else None
+    if thetas is not None and args.verify != "auto":
+        raise SpecDecError(f"--mars-thetas runs every method strictly and with mars at each theta; drop --verify {args.verify}")
+    if thetas is not None and args.mars_theta is not None:
+        raise SpecDecError("give either --mars-theta (one theta) or --mars-thetas (a sweep), not both")
+    if args.mars_theta is not None and "mars" not in verify and not any(spec.rule == "mars" for spec in specs):
+        raise SpecDecError(f"--mars-theta applies only to --verify mars or items METHOD@mars (got --verify {args.verify})")
     config = BenchConfig(
         prompts=args.prompts,
         out=args.out,
@@ -261,11 +298,74 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         method_options=options,
         mars_theta=args.mars_theta,
+        mars_thetas=thetas,
+        quality=args.quality or thetas is not None,
+        code_prompts=args.code_prompts,
         progress=not args.no_progress,
     )
     outputs = run_and_report(config, getattr(args, "argv", ()))
     print_summary(outputs.summaries)
     print(f"report: {outputs.report}\nresults: {outputs.results}\nplots: {', '.join(str(p) for p in outputs.plots)}")
+    return 0
+
+
+def _add_sweep(sub) -> None:
+    from specdec.bench.sweep import DEFAULT_BRANCHINGS, DEFAULT_DEPTHS, DEFAULT_TAUS, estimate_text
+
+    full = estimate_text(90, 3, 2, 128).replace("%", "%%")
+    sweep = sub.add_parser(
+        "sweep",
+        help="DynaTree grid: tree depth x branching x pruning threshold, greedy speedup over AR measured in the same run",
+        description="Runs the dynatree policy (phase 0: fixed tree) at every (D, B, prune tau) of the grid and AR, interleaved, "
+        "in one process; writes sweep.md, sweep.json and one heatmap per tau. Cost: every config generates up to "
+        "prompts x repeats x max-new-tokens tokens; the full default grid on the bundled pair: " + full + ". "
+        "Shrink --num-prompts, --repeats, --max-new-tokens or the lists for a quick look.",
+    )
+    sweep.add_argument("--prompts", default="stdlib-heldout", help="'stdlib-heldout' (the bundled set) or a JSONL(.gz) file with 'prompt' or 'turns' lines")
+    add_model_args(sweep)
+    sweep.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"tree depths D (dynatree d0) (default {DEFAULT_DEPTHS})")
+    sweep.add_argument("--branchings", default=DEFAULT_BRANCHINGS, help=f"children per node B (dynatree b_mid) (default {DEFAULT_BRANCHINGS})")
+    sweep.add_argument("--taus", default=DEFAULT_TAUS, help=f"pruning thresholds tau (dynatree prune_tau; 0 = off) (default {DEFAULT_TAUS})")
+    sweep.add_argument("--phase", type=int, default=0, help="dynatree phase of every config: 0 fixed tree (default); 1-3 add the adaptive rules, D and B then set d0 and b_mid")
+    sweep.add_argument("--max-nodes", type=int, default=256, help="node budget N_max, draft tokens per step (default 256, the paper's)")
+    sweep.add_argument("--max-new-tokens", type=int, default=128)
+    sweep.add_argument("--num-prompts", type=int, default=3, help="first N prompts of the set (0 = all; default 3)")
+    sweep.add_argument("--repeats", type=int, default=2, help="measured rounds over every prompt (default 2)")
+    sweep.add_argument("--seed", type=int, default=0, help="seeds the method-order shuffle")
+    sweep.add_argument("--out", required=True, help="output folder: sweep.md, sweep.json, heatmap_tau_*.png")
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sweep.set_defaults(func=_cmd_sweep)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from specdec.bench.prompts import load_prompts, resolve_prompt_source
+    from specdec.bench.sweep import SweepConfig, best_row, estimate_text, grid_points, parse_float_list, parse_int_list, run_sweep
+
+    config = SweepConfig(
+        prompts=args.prompts,
+        out=args.out,
+        depths=parse_int_list(args.depths, "--depths"),
+        branchings=parse_int_list(args.branchings, "--branchings"),
+        taus=parse_float_list(args.taus, "--taus"),
+        phase=args.phase,
+        max_nodes=args.max_nodes,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        num_prompts=None if args.num_prompts == 0 else args.num_prompts,
+        seed=args.seed,
+        target=args.target,
+        draft=args.draft,
+        device=args.device,
+        dtype=args.dtype,
+        progress=not args.no_progress,
+    )
+    n_prompts = len(load_prompts(resolve_prompt_source(config.prompts), config.num_prompts))
+    print(f"sweep: {estimate_text(len(grid_points(config)), n_prompts, config.repeats, config.max_new_tokens)}", file=sys.stderr)
+    outputs = run_sweep(config, getattr(args, "argv", ()))
+    best = best_row(outputs.rows)
+    if best is not None:
+        print(f"best: {best.point.label}: {best.summary.speedup:.2f}x AR ({best.summary.tokens_per_s_median:.1f} vs {outputs.ar.tokens_per_s_median:.1f} tok/s)")
+    print(f"table: {outputs.markdown}\nresults: {outputs.json}\nheatmaps: {', '.join(str(p) for p in outputs.heatmaps)}")
     return 0
 
 
@@ -405,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
     _add_bench(sub)
+    _add_sweep(sub)
     _add_train(sub)
     _add_profile(sub)
     return parser

@@ -1,0 +1,102 @@
+"""Prompt lookup as a draft source: draft tokens copied from earlier in the context.
+
+For a node, the context is the committed tokens plus the node's path. The source finds
+the most recent earlier occurrence of the context's last n tokens (n from `max_ngram`
+down to `min_ngram`) and proposes the token that followed it, as a point mass. With no
+match it proposes nothing (all -inf), so tree policies stop growing that branch. No
+model, no KV cache: `expand` costs a list search, not a forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.errors import SpecDecError
+from specdec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.drafting.builder import TreeBuilder
+    from specdec.stats import StepRecord
+
+
+def lookup_next(context: list[int], max_ngram: int, min_ngram: int) -> int | None:
+    """The token after the latest earlier occurrence of the context's trailing n-gram.
+
+    Example: context [5, 6, 7, 9, 5, 6] with n=2 finds [5, 6] at index 0 -> proposes 7.
+    """
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == tail:
+                return context[start + n]
+    return None
+
+
+@dataclass
+class LookupDraftSource:
+    """n-gram prompt lookup (Saxena 2023; `generate(prompt_lookup_num_tokens=...)` in HF)."""
+
+    vocab_size: int
+    max_ngram: int = 3
+    """longest n-gram matched"""
+    min_ngram: int = 1
+    """shortest n-gram matched"""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise SpecDecError(f"lookup n-grams min={self.min_ngram}, max={self.max_ngram} need 1 <= min <= max")
+        self.history: list[list[int]] = []
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None) -> None:
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
+        if rows is None:
+            self.history = prompts
+        else:
+            for row, prompt in zip(rows, prompts, strict=True):
+                self.history[row] = prompt
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.history = [self.history[r] for r in rows]
+
+    def _propose(self, contexts: list[list[int]], device: torch.device) -> torch.Tensor:
+        """Point-mass log-distributions [len(contexts), V] (all -inf where nothing matches)."""
+        out = torch.full((len(contexts), self.vocab_size), float("-inf"), device=device)
+        for i, ctx in enumerate(contexts):
+            token = lookup_next(ctx, self.max_ngram, self.min_ngram)
+            if token is not None:
+                out[i, token] = 0.0
+        return out
+
+    def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        self._roots = roots.tolist()
+        return self._propose([h + [r] for h, r in zip(self.history, self._roots, strict=True)], roots.device)
+
+    def expand(self, builder: TreeBuilder, nodes: torch.Tensor, valid: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        b, k = nodes.shape
+        contexts = []
+        for row in range(b):
+            for j in range(k):
+                path = _path_tokens(builder, row, int(nodes[row, j]))
+                contexts.append(self.history[row] + path)
+        return self._propose(contexts, nodes.device).view(b, k, self.vocab_size)
+
+    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]]) -> None:
+        for row, path in enumerate(accepted_nodes):
+            self.history[row] = self.history[row] + [self._roots[row]] + [int(builder.tokens[row, n]) for n in path]
+
+    def feedback(self, record: StepRecord) -> None:
+        return None
+
+
+def _path_tokens(builder: TreeBuilder, row: int, node: int) -> list[int]:
+    """Tokens from the root to `node` inclusive (the root is the last committed token)."""
+    parents = builder.parents[row].tolist()
+    tokens = builder.tokens[row].tolist()
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
