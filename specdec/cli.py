@@ -388,6 +388,7 @@ def _add_train(sub) -> None:
     pair.add_argument("--draft-steps", type=int, default=500)
     pair.add_argument("--seq-len", type=int, default=512)
     pair.add_argument("--distill-weight", type=float, default=0.5, help="weight of KL(target||draft) in the draft loss; 0 disables distillation")
+    pair.add_argument("--target-from", default=None, help="reuse this trained target folder (train only a draft)")
     pair.add_argument("--tiny", action="store_true", help="tiny shapes and batches (for tests and smoke runs)")
     pair.set_defaults(func=_cmd_train_pair)
 
@@ -427,6 +428,7 @@ def _cmd_train_pair(args: argparse.Namespace) -> int:
         corpus=list(args.corpus),
         vocab_size=args.vocab_size,
         seed=args.seed,
+        target_from=args.target_from,
         target=StageConfig(steps=args.target_steps, batch_size=batch_t, seq_len=args.seq_len, lr=1e-3, warmup_steps=min(50, args.target_steps)),
         draft=StageConfig(
             steps=args.draft_steps, batch_size=batch_d, seq_len=args.seq_len, lr=2e-3, warmup_steps=min(50, args.draft_steps), distill_weight=args.distill_weight

@@ -96,6 +96,8 @@ class PairConfig:
     target_shape: ModelShape = field(default_factory=lambda: TARGET_SHAPE)
     draft_shape: ModelShape = field(default_factory=lambda: DRAFT_SHAPE)
     prompt_lines: int = 24
+    target_from: str | None = None
+    """reuse this trained target folder instead of training one (e.g. to train another draft)"""
 
 
 def lr_at(step: int, cfg: StageConfig) -> float:
@@ -225,9 +227,12 @@ def train_pair(cfg: PairConfig, tokenizer_dir: Path | None = None) -> dict:
     timings = {"tokenizer_and_data_s": t_tok}
 
     t0 = time.time()
-    torch.manual_seed(cfg.seed)
-    target = AutoModelForCausalLM.from_config(cfg.target_shape.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id))
-    target = train_stage("target", target, stream, cfg.target, work, cfg.seed, log=log)
+    if cfg.target_from:
+        target = AutoModelForCausalLM.from_pretrained(cfg.target_from, dtype=torch.float32).eval()
+    else:
+        torch.manual_seed(cfg.seed)
+        target = AutoModelForCausalLM.from_config(cfg.target_shape.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id))
+        target = train_stage("target", target, stream, cfg.target, work, cfg.seed, log=log)
     timings["target_s"] = time.time() - t0
 
     t0 = time.time()
