@@ -101,6 +101,9 @@ MARS_PANELS: tuple[tuple[str, str], ...] = (
 )
 """MethodSummary field and axis title of each panel of mars_sweep.png"""
 
+SHARE_PANELS = frozenset({"relaxed_share", "ar_prefix_agreement", "parse_share"})
+"""panels whose values are shares in [0, 1]"""
+
 
 def plot_mars_sweep(summaries: Sequence[MethodSummary], path: Path) -> Path:
     """One panel per figure (τ, speedup, relaxed share, AR agreement, NLL, parse share) against θ.
@@ -128,6 +131,11 @@ def plot_mars_sweep(summaries: Sequence[MethodSummary], path: Path) -> Path:
                 ax.axhline(getattr(strict, name), color=color, linestyle="--", linewidth=1, label=f"{base} strict")
         if ar is not None and name in ("nll", "parse_share", "speedup") and getattr(ar, name) is not None:
             ax.axhline(getattr(ar, name), color="black", linestyle=":", linewidth=1, label="AR")
+        if name in SHARE_PANELS:  # shares: stay within [0, 1], at least 0.1 tall
+            shown = [v for s in summaries if s.base in bases and (v := getattr(s, name)) is not None]
+            lo, hi = min(shown, default=0.0), max(shown, default=1.0)
+            pad = max(0.05, 0.1 * (hi - lo))
+            ax.set_ylim(max(-0.02, lo - pad), min(1.02, hi + pad))
         ax.set_xlabel("θ (logit-ratio threshold)")
         ax.set_title(title, fontsize="medium")
     for ax in list(axes.flat)[len(panels) :]:

@@ -557,6 +557,7 @@ def write_outputs(
 def print_summary(summaries: Sequence[MethodSummary], file: Any = sys.stdout) -> None:
     """A compact table on the terminal."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     quality = any(s.nll is not None or s.ar_prefix_agreement is not None for s in summaries)
@@ -565,7 +566,7 @@ def print_summary(summaries: Sequence[MethodSummary], file: Any = sys.stdout) ->
     for col in columns:
         table.add_column(col, justify="left" if col == "method" else "right")
     for s in summaries:
-        row = [s.label, f"{s.tokens_per_s_median:.1f}", f"{s.speedup:.2f}x", _fmt(s.tau), _pct(s.acceptance_rate), _equality(s)]
+        row = [escape(s.label), f"{s.tokens_per_s_median:.1f}", f"{s.speedup:.2f}x", _fmt(s.tau), _pct(s.acceptance_rate), _equality(s)]
         if quality:
             row += [_pct1(s.ar_prefix_agreement), _fmt(s.nll, ".3f"), _pct(s.parse_share)]
         table.add_row(*row)

@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -503,7 +504,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         warm = progress.add_task("warm-up", total=len(variants))
         kept: list[Variant] = []
         for v in variants:
-            progress.update(warm, description=f"warm-up {v.label}")
+            progress.update(warm, description=f"warm-up {escape(v.label)}")
             try:
                 runner.run_group(v, groups[0], repeat=-1, group=0, max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens), turns=1)
             except Exception as err:  # a peer that this transformers version or model cannot run is dropped, not fatal
@@ -522,11 +523,11 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
                 order = list(variants)
                 rng.shuffle(order)
                 for v in order:
-                    progress.update(task, description=f"repeat {repeat + 1}/{config.repeats} prompt group {g + 1}/{len(groups)} {v.label}")
+                    progress.update(task, description=f"repeat {repeat + 1}/{config.repeats} prompt group {g + 1}/{len(groups)} {escape(v.label)}")
                     records.extend(runner.run_group(v, group, repeat, g))
                     progress.advance(task)
     if config.quality or config.mars_thetas:
-        _score_quality(records, prompts, models, runner.eos_token_ids, config, progress_enabled=config.progress)
+        _score_quality(records, prompts, models, runner.eos_token_ids, config)
     if runner.truncated:
         notes.append(
             f"{len(runner.truncated)} prompt turn(s) were cut to their last {runner.max_context - config.max_new_tokens if runner.max_context else 0} tokens "
@@ -555,13 +556,12 @@ def _score_quality(
     models: _Models,
     eos_token_ids: Sequence[int],
     config: BenchConfig,
-    progress_enabled: bool,
 ) -> None:
     """After the measurement: every row's token log-probabilities under the target and, for
     code prompts, whether it parses (`specdec.bench.quality`); stored on the records."""
     scorer = QualityScorer(models.target, models.tokenizer, eos_token_ids)
     by_id = {p.id: p for p in prompts}
-    with _progress(progress_enabled) as progress:
+    with _progress(config.progress) as progress:
         task = progress.add_task("quality", total=len(records))
         for record in records:
             record.token_logprobs = [scorer.logprobs(ctx, out) for ctx, out in zip(record.contexts, record.outputs, strict=True)]

@@ -9,7 +9,8 @@ An item of `--methods` is
 - RULE (optional): the accept rule of this item only (`greedy`, `sampling`, `mars`, `auto`);
   without it the item runs once per `--verify` rule;
 - NAME=VALUE: options of the method's policy (its fields, e.g. `k`, `depth`, `phase`) or of
-  the rule (`theta` for `mars`). Names may use `-` for `_`; values are numbers.
+  the rule (`theta` for `mars`). Names may use `-` for `_`; values are typed like the
+  field's default (integers, numbers, on/off for switches, text for paths).
 
 Items are separated by commas; a comma-separated piece without a `:` that looks like
 NAME=VALUE continues the options of the item before it, so
@@ -24,6 +25,7 @@ e.g. `dynatree[phase=0]`, `chain[k=3]/mars[theta=0.85]`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,19 +90,55 @@ class Variant:
     """the effective MARS theta (None unless verify is mars)"""
 
 
+def _fmt_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 def _fmt_options(options: Mapping[str, Any], sep: str = ",") -> str:
-    return sep.join(f"{k}={v}" for k, v in options.items())
+    return sep.join(f"{k}={_fmt_value(v)}" for k, v in options.items())
 
 
-def _number(item: str, name: str, text: str) -> int | float:
+ON = ("on", "true", "yes", "1")
+OFF = ("off", "false", "no", "0")
+
+
+def _field_default(method: str, name: str) -> Any:
+    """The default of policy field `name` (None when it has none or is not a dataclass field)."""
+    cls = POLICY_CLASSES.get(method)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return None
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return None if f.default is dataclasses.MISSING else f.default
+    return None
+
+
+def _value(item: str, name: str, text: str, default: Any) -> Any:
+    """Option text -> value, typed like the field's default: on/off for a switch, an int for an
+    int field, a float for a float field; otherwise a number if it reads as one, else the text."""
+    if isinstance(default, bool):
+        if text.lower() in ON:
+            return True
+        if text.lower() in OFF:
+            return False
+        raise SpecDecError(f"--methods item {item!r}: option {name}={text!r} must be on or off")
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise SpecDecError(f"--methods item {item!r}: option {name}={text!r} must be an integer") from None
     try:
-        return int(text)
+        return int(text) if not isinstance(default, float) else float(text)
     except ValueError:
         pass
     try:
         return float(text)
     except ValueError:
-        raise SpecDecError(f"--methods item {item!r}: option {name}={text!r} must be a number") from None
+        if isinstance(default, float):
+            raise SpecDecError(f"--methods item {item!r}: option {name}={text!r} must be a number") from None
+        return text
 
 
 def split_method_list(text: str) -> list[str]:
@@ -146,7 +184,7 @@ def parse_method_item(item: str) -> MethodSpec:
         name = OPTION_ALIASES.get(name, name)
         if not eq or not name or not value.strip():
             raise SpecDecError(f"--methods item {item!r}: {pair!r} is not NAME=VALUE")
-        number = _number(item, name, value.strip())
+        number = _value(item, name, value.strip(), _field_default(method, name) if name in policy_fields else 0.0)
         if name in options or name in rule_options:
             raise SpecDecError(f"--methods item {item!r}: option {name} is given twice")
         if name in policy_fields:
@@ -226,7 +264,9 @@ def make_variants(
             variants.setdefault(spec.method, Variant(label=spec.method, method=spec.method, verify=None, peer=True, base=spec.method))
             continue
         if spec.method == BASELINE:
-            variants.setdefault(BASELINE, Variant(label=BASELINE, method=BASELINE, verify=resolve_verify(None, temperature), peer=False, base=BASELINE))
+            variants.setdefault(
+                BASELINE, Variant(label=BASELINE, method=BASELINE, verify=resolve_verify(None, temperature), peer=False, base=BASELINE)
+            )
             continue
         options = {**(method_options or {}).get(spec.method, {}), **spec.options}
         try:

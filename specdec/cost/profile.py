@@ -79,9 +79,17 @@ class ProfileGrid:
 
 
 def quick_grid(batch_size: int) -> ProfileGrid:
-    """The first-use grid: one batch size, 2 contexts (256, 512), 6 n values, 2 timed forwards."""
+    """The first-use grid: one batch size, 2 contexts (256, 512), n up to 96, >= 3 timed forwards."""
     return ProfileGrid(
-        batch_sizes=(batch_size,), context_step=256, num_contexts=2, n_grid=(1, 4, 16, 32, 64, 128), warmup=1, repeats=2, min_time_ms=30.0, quick=True
+        batch_sizes=(batch_size,),
+        context_step=256,
+        num_contexts=2,
+        n_grid=(1, 2, 4, 8, 16, 32, 64, 96),
+        warmup=1,
+        repeats=3,
+        min_time_ms=30.0,
+        max_repeats=9,
+        quick=True,
     )
 
 
@@ -101,7 +109,14 @@ def _fill_context(runner: ModelRunner, batch: int, context: int, generator: torc
 
 
 def measure_forward_ms(
-    runner: ModelRunner, context: int, n: int, warmup: int, repeats: int, generator: torch.Generator, min_time_ms: float = 0.0, max_repeats: int = 25
+    runner: ModelRunner,
+    context: int,
+    n: int,
+    warmup: int,
+    repeats: int,
+    generator: torch.Generator,
+    min_time_ms: float = 0.0,
+    max_repeats: int = 25,
 ) -> float:
     """Median latency (ms) of one forward of `n` new tokens per row over the runner's current
     cache (filled by `_fill_context` to `context` entries); the cache is rolled back after each.
@@ -162,7 +177,10 @@ def profile_models(
                     )
                 tables[which][batch] = rows
                 if progress is not None:
-                    progress(f"{which} B={batch}: {time.perf_counter() - t_start:.0f}s; " + ", ".join(f"n={n} {ms:.1f}ms" for n, ms in zip(grid.n_grid, rows[0], strict=True)))
+                    progress(
+                        f"{which} B={batch}: {time.perf_counter() - t_start:.0f}s; "
+                        + ", ".join(f"n={n} {ms:.1f}ms" for n, ms in zip(grid.n_grid, rows[0], strict=True))
+                    )
     for runner in runners.values():
         runner.reset(0)
     param = next(target.parameters())

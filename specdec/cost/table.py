@@ -9,7 +9,8 @@ counts are measured on a sparse grid (e.g. 1, 2, 4, ..., 128) and linearly inter
 Batch sizes between two profiled ones are interpolated linearly; below the smallest the
 smallest is used; above the largest the last two are extrapolated linearly (never below
 the largest's cost). Costs are made non-decreasing in `n` when a table is built (a longer
-forward cannot be cheaper; measured dips are noise), which CAST's selection rule needs.
+forward cannot be cheaper; measured dips are noise; see `_monotone`), which CAST's
+selection rule needs.
 
 The JSON file (`CostTable.save` / `CostTable.load`) also records what the numbers were
 measured on: device, dtype, torch/transformers versions and each model's identity
@@ -99,11 +100,19 @@ def _cpu_name() -> str:
 
 
 def _monotone(values: Sequence[float]) -> list[float]:
-    """Running maximum: a forward over more tokens is never cheaper than one over fewer."""
-    out: list[float] = []
+    """The closest non-decreasing sequence in least squares (pool-adjacent-violators): a forward
+    over more tokens is never cheaper than one over fewer, so a measured dip is noise. Unlike a
+    running maximum, one slow outlier is averaged with its neighbours instead of lifting every
+    later point. Example: [5, 4, 6, 5.5] -> [4.5, 4.5, 5.75, 5.75]."""
+    blocks: list[list[float]] = []  # [mean, count]
     for v in values:
-        out.append(max(float(v), out[-1]) if out else float(v))
-    return out
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            prev = blocks[-1]
+            prev[0] = (prev[0] * prev[1] + mean * count) / (prev[1] + count)
+            prev[1] += count
+    return [mean for mean, count in blocks for _ in range(int(count))]
 
 
 @dataclass
@@ -151,7 +160,9 @@ class CostTable:
             )
         out = [_monotone(r) for r in rows]
         if any(not math.isfinite(v) or v < 0 for r in out for v in r):
-            raise SpecDecError(f"cost table {which} entry for batch {batch} holds a negative or non-finite latency; re-run `specdec profile`")
+            raise SpecDecError(
+                f"cost table {which} entry for batch {batch} holds a negative or non-finite latency; re-run `specdec profile`"
+            )
         return out
 
     # ----- lookups -------------------------------------------------------------------------
@@ -279,9 +290,22 @@ class CostTable:
         if data.get("format") != FORMAT:
             raise SpecDecError(f"{source} is not a specdec cost profile (no 'format': '{FORMAT}'); create one with `specdec profile`")
         if data.get("version") != VERSION:
-            raise SpecDecError(f"{source} has version {data.get('version')!r}, this specdec reads version {VERSION}; re-run `specdec profile`")
+            raise SpecDecError(
+                f"{source} has version {data.get('version')!r}, this specdec reads version {VERSION}; re-run `specdec profile`"
+            )
         try:
-            reserved = {"format", "version", "context_step", "num_contexts", "contexts", "n_grid", "batch_sizes", "units", "target_ms", "draft_ms"}
+            reserved = {
+                "format",
+                "version",
+                "context_step",
+                "num_contexts",
+                "contexts",
+                "n_grid",
+                "batch_sizes",
+                "units",
+                "target_ms",
+                "draft_ms",
+            }
             return cls(
                 context_step=int(data["context_step"]),
                 num_contexts=int(data["num_contexts"]),

@@ -96,18 +96,20 @@ def max_valid_index(u: Sequence[float], c: Sequence[float], threshold: float, rt
     return best
 
 
-def batch_utility(score: torch.Tensor, rows: torch.Tensor, k: int | None = None) -> list[float]:
+def batch_utility(score: torch.Tensor, rows: torch.Tensor, k: int | None = None, presorted: bool = False) -> list[float]:
     """u_k for k = 1..K: the batch-averaged cumulative confidence of the k best candidates.
 
     score: [B, N] log path confidences (cum_logq; -inf for missing candidates);
     rows: [B] bool, the rows to average over (the active ones). Each row's confidences
     v = exp(score) are sorted in descending order; u_k = mean over rows of the sum of the
     k largest. Returns a list of length K = min(k, N) (all N when k is None).
+    presorted: each row of `score` is already in descending order (skips the sort).
     """
     n = score.shape[1] if k is None else min(k, score.shape[1])
     if n == 0 or not bool(rows.any()):
         return [0.0] * n
-    top = torch.topk(score[rows], n, dim=1).values.exp()  # [B', n] descending
+    picked = score[rows]
+    top = (picked[:, :n] if presorted else torch.topk(picked, n, dim=1).values).exp()  # [B', n] descending
     return top.double().mean(dim=0).cumsum(dim=0).tolist()
 
 
@@ -220,13 +222,17 @@ class CastPolicy:
             raise SpecDecError(f"depth={self.depth!r} must be a positive integer (or None for the batch preset)")
         for name in ("c1", "c2", "c3"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            ):
                 raise SpecDecError(f"{name}={value!r} must be a finite number >= 0 (or None for the batch preset)")
         for name in ("breadth_pruning", "depth_pruning", "dynamic_rerank"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.cost_table is not None and not isinstance(self.cost_table, CostTable):
-            raise SpecDecError(f"cost_table must be a specdec.cost.CostTable, got {type(self.cost_table).__name__}; pass a file path as cost_profile")
+            raise SpecDecError(
+                f"cost_table must be a specdec.cost.CostTable, got {type(self.cost_table).__name__}; pass a file path as cost_profile"
+            )
         if self.cost_profile is not None and not isinstance(self.cost_profile, str):
             raise SpecDecError(f"cost_profile={self.cost_profile!r} must be a file path")
         if self.cost_table is not None and self.cost_profile is not None:
@@ -251,13 +257,16 @@ class CastPolicy:
     # ----- cost tables -------------------------------------------------------------------
     def bind_models(self, target: torch.nn.Module, draft: torch.nn.Module | None) -> None:
         """Give the policy its target and draft models, so it can find (or measure) their
-        cost profile on first use. Without an injected `cost_table` this is required unless
-        `cost_profile` names a file."""
+        cost profile. Without an injected `cost_table` this is required unless `cost_profile`
+        names a file. The batch-1 table is resolved now (a quick measurement when no profile
+        fits), so that cost is paid when the decoder is built, not inside a timed generation;
+        other batch sizes are resolved on first use."""
         if draft is None or self.cost_table is not None:
             return
         from specdec.cost.profile import CostTableResolver
 
         self._resolver = CostTableResolver(target, draft, self.cost_profile)
+        self._resolver.table_for(1)
 
     def table_for(self, batch: int) -> CostTable:
         """The cost table used for a batch of `batch` rows."""
@@ -293,18 +302,19 @@ class CastPolicy:
         k = min(self.top_k, builder.root_logprobs.shape[-1])
 
         root = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        parents, tokens, logq, valid = builder.top_children(root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev))
-        candidates = builder.add(parents, tokens, logq, valid)  # [B, k], sorted by confidence
+        parents, tokens, logq, valid = builder.top_children(
+            root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev)
+        )
+        candidates = builder.add(parents, tokens, logq, valid)  # [B, k], sorted by confidence (topk order)
         kept_before = 0  # sum_{j<i} n_j
         prev_utility: float | None = None
         for level in range(1, depth + 1):
+            # candidates come from topk, so each row is already sorted by confidence (invalid ones last)
             cand_valid = builder.valid.gather(1, candidates)  # [B, m]
             score = builder.cum_logq.gather(1, candidates).masked_fill(~cand_valid, float("-inf"))  # [B, m]
-            order = torch.sort(score, dim=1, descending=True, stable=True).indices
-            candidates, score, cand_valid = candidates.gather(1, order), score.gather(1, order), cand_valid.gather(1, order)
-            utility = batch_utility(score, rows)  # u_1..u_m
+            utility = batch_utility(score, rows, presorted=True)  # u_1..u_m
             ctx_i = n0 + 1 + kept_before  # the draft cache: committed tokens, the root, kept layers
-            t_one = table.target_cost(b, ctx_i, 1)
+            t_one = max(table.target_cost(b, ctx_i, 1), 1e-9)  # a plain decoding step (ms)
             d_ms = table.draft_costs(b, ctx_i, len(utility))
             cost = [d_ms[j] / t_one for j in range(1, len(utility) + 1)]  # c_1..c_m
             width = len(utility)
@@ -347,7 +357,7 @@ class CastPolicy:
             return 0
         utility = batch_utility(builder.cum_logq.masked_fill(~pool, float("-inf")), rows, n)  # u_1..u_N
         t_ms = table.target_costs(batch, n0, n + 1)  # f_T(n0, tokens) for tokens = 0..N+1
-        cost = [t_ms[j + 1] / t_ms[1] for j in range(n + 1)]  # c_0..c_N
+        cost = [t_ms[j + 1] / max(t_ms[1], 1e-9) for j in range(n + 1)]  # c_0..c_N
         self.last_verified = rerank_count(utility, cost, c3)
         return self.last_verified
 

@@ -1,0 +1,110 @@
+"""`specdec sweep`: the DynaTree grid (depth x branching x pruning threshold) on the tiny pair."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdec.bench.sweep import (
+    GridPoint,
+    SweepConfig,
+    estimate_tokens,
+    grid_points,
+    grid_variants,
+    heatmap_name,
+    parse_float_list,
+    parse_int_list,
+)
+from specdec.cli import main
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _sweep_args(pair: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "sweep",
+        "--prompts",
+        str(prompts),
+        "--target",
+        str(pair / "target"),
+        "--draft",
+        str(pair / "draft"),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--num-prompts",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def _prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "add.py", "prompt": "def add(a, b):\n"}) + "\n", encoding="utf-8")
+    return path
+
+
+def test_grid_and_lists():
+    config = SweepConfig(prompts="x", out="y")
+    points = grid_points(config)
+    assert len(points) == 6 * 3 * 5 == 90  # the paper's grid by default
+    assert points[0] == GridPoint(3, 2, 0.01) and points[-1] == GridPoint(8, 4, 0.1)
+    variants = grid_variants(config)
+    assert variants[0].label == "ar" and len(variants) == 91
+    opts = dict(variants[-1].options)
+    assert opts["phase"] == 0 and opts["d0"] == 8 and opts["b_mid"] == 4 and opts["prune_tau"] == 0.1 and opts["max_nodes"] == 256
+    policy = make_policy("dynatree", **opts)
+    assert policy.b_mid == 4 and policy.b_max >= 4  # b_max is raised so B=4 is a valid bound
+    assert GridPoint(9, 2, 0.03).options(0, 256)["d_max"] == 9  # d_max follows a deeper D
+    assert parse_int_list("3, 4,4,5", "--depths") == [3, 4, 5] and parse_float_list("0.01,0", "--taus") == [0.01, 0.0]
+    for text, flag, needle in (("0", "--depths", "must be a positive integer"), ("x", "--depths", "not an integer"), ("", "--depths", "is empty")):
+        with pytest.raises(SpecDecError, match=needle):
+            parse_int_list(text, flag)
+    with pytest.raises(SpecDecError, match=r"must be in \[0, 1\)"):
+        parse_float_list("1.5", "--taus")
+    assert estimate_tokens(90, 3, 2, 128) == 91 * 3 * 2 * 128
+    assert heatmap_name(0.03) == "heatmap_tau_0.03.png"
+
+
+def test_sweep_end_to_end(tiny_pair_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = _sweep_args(tiny_pair_dir, _prompts(tmp_path), out, "--depths", "2,3", "--branchings", "2", "--taus", "0.01,0.1")
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "4 configs + AR" in captured.err and "best: D=" in captured.out
+    data = json.loads((out / "sweep.json").read_text())
+    assert [(r["depth"], r["branching"], r["tau"]) for r in data["rows"]] == [(2, 2, 0.01), (2, 2, 0.1), (3, 2, 0.01), (3, 2, 0.1)]
+    for row in data["rows"]:
+        assert row["speedup"] > 0 and row["tokens_per_s_median"] > 0 and row["matches_ar"] is True  # greedy: lossless
+        assert row["options"]["phase"] == 0 and row["options"]["d0"] == row["depth"] and row["options"]["prune_tau"] == row["tau"]
+        assert row["tau_tokens_per_step"] >= 1.0
+    assert data["ar"]["tokens_per_s_median"] > 0 and data["best"]["speedup"] == max(r["speedup"] for r in data["rows"])
+    assert data["heatmaps"] == ["heatmap_tau_0.01.png", "heatmap_tau_0.1.png"]
+    for name in data["heatmaps"]:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    table = (out / "sweep.md").read_text()
+    assert "## Every configuration" in table and "| 3 | 2 | 0.1 |" in table and "**Best**" in table and "specdec sweep" in table
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--depths", "0"], "--depths: 0 must be a positive integer"),
+        (["--taus", "0.01,2"], "--taus: 2.0 must be in [0, 1)"),
+        (["--branchings", "2,x"], "--branchings: 'x' is not an integer"),
+        (["--phase", "5"], "--phase 5 must be 0, 1, 2 or 3"),
+    ],
+)
+def test_sweep_errors_exit_2(tiny_pair_dir, tmp_path, capsys, extra, needle):
+    assert main(_sweep_args(tiny_pair_dir, _prompts(tmp_path), tmp_path / "out", *extra)) == 2
+    assert needle in capsys.readouterr().err
