@@ -302,6 +302,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         quality=args.quality or thetas is not None,
         code_prompts=args.code_prompts,
         progress=not args.no_progress,
+        draft_source=args.draft_source,
+        lookup_ngram=args.lookup_ngram,
     )
     outputs = run_and_report(config, getattr(args, "argv", ()))
     print_summary(outputs.summaries)

@@ -190,6 +190,15 @@ def test_bench_end_to_end_greedy(tiny_pair_dir, tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
+def test_bench_lookup_draft_source(tiny_pair_dir, tmp_path):
+    prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:1])
+    out = tmp_path / "out"
+    assert main(_bench_args(tiny_pair_dir, prompts, out, "--methods", "ar,chain", "--draft-source", "lookup", "--repeats", "1")) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["draft_source"] == "lookup"
+    assert results["methods"]["chain"]["matches_ar"] is True
+
+
 def test_bench_batched_sampling_skips_peers(tiny_pair_dir, tmp_path):
     prompts = _write_jsonl(tmp_path / "p.jsonl", LINES)
     out = tmp_path / "out"

@@ -107,6 +107,9 @@ class BenchConfig:
     code_prompts: str = "auto"
     """which prompts count as code for the parse share: auto, all, none (`specdec.bench.quality.is_code_prompt`)"""
     progress: bool = True
+    draft_source: str = "model"
+    """where engine methods get drafts: the draft model, or n-gram `lookup` (the HF peers keep the draft model)"""
+    lookup_ngram: int = 3
 
 
 @dataclass
@@ -338,7 +341,8 @@ class _Runner:
             if not v.peer:
                 draft = models.draft if make_policy(v.method).uses_draft else None
                 self.decoders[v.label] = SpeculativeDecoder(
-                    models.target, models.tokenizer, draft, method=v.method, verify=v.verify, verify_options=v.rule_options, **v.options
+                    models.target, models.tokenizer, draft, method=v.method, verify=v.verify, verify_options=v.rule_options,
+                    draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, **v.options,
                 )
         probe = SpeculativeDecoder(models.target, models.tokenizer, models.draft, method=BASELINE)
         self.max_context = probe.max_context
