@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specdec.errors import SpecDecError
+from specdec.parsing import parse_int_list
 
 EXIT_USAGE = 2
 
@@ -229,6 +230,7 @@ def _add_bench(sub) -> None:
     add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS, extra_methods=PEERS)
     add_sampling_args(bench)
     bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by the engine (peers only run at 1)")
+    bench.add_argument("--batch-sizes", default=None, help="run the whole bench at each of these batch sizes (e.g. 1,2,4,8,16) and compare them")
     bench.add_argument("--repeats", type=int, default=3, help="measured rounds over every prompt (figures are medians)")
     bench.add_argument("--num-prompts", type=int, default=10, help="first N prompts of the set (0 = all)")
     bench.add_argument("--out", required=True, help="output folder: report.md, results.json, PNG plots")
@@ -305,6 +307,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         draft_source=args.draft_source,
         lookup_ngram=args.lookup_ngram,
     )
+    if args.batch_sizes:
+        from specdec.bench.batch_sweep import run_batch_sweep
+        sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
+        print(f"batch sweep: {run_batch_sweep(config, sizes, getattr(args, 'argv', ()))}")
+        return 0
     outputs = run_and_report(config, getattr(args, "argv", ()))
     print_summary(outputs.summaries)
     print(f"report: {outputs.report}\nresults: {outputs.results}\nplots: {', '.join(str(p) for p in outputs.plots)}")
@@ -341,7 +348,7 @@ def _add_sweep(sub) -> None:
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from specdec.bench.prompts import load_prompts, resolve_prompt_source
-    from specdec.bench.sweep import SweepConfig, best_row, estimate_text, grid_points, parse_float_list, parse_int_list, run_sweep
+    from specdec.bench.sweep import SweepConfig, best_row, estimate_text, grid_points, parse_float_list, run_sweep
 
     config = SweepConfig(
         prompts=args.prompts,
@@ -479,8 +486,9 @@ def _add_profile(sub) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from specdec.cost.profile import ProfileGrid, describe, parse_int_list, profile_models
+    from specdec.cost.profile import ProfileGrid, describe, profile_models
     from specdec.models.loading import bundled_draft, bundled_target, load_model
+    from specdec.parsing import parse_int_list
 
     grid = ProfileGrid(
         batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),

@@ -199,6 +199,17 @@ def test_bench_lookup_draft_source(tiny_pair_dir, tmp_path):
     assert results["methods"]["chain"]["matches_ar"] is True
 
 
+def test_bench_batch_sizes_sweep(tiny_pair_dir, tmp_path):
+    prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:1] * 4)
+    out = tmp_path / "out"
+    assert main(_bench_args(tiny_pair_dir, prompts, out, "--methods", "ar,chain", "--batch-sizes", "1,2", "--repeats", "1", "--num-prompts", "2")) == 0
+    sweep = json.loads((out / "batch_sweep.json").read_text())
+    assert sweep["batch_sizes"] == [1, 2] and set(sweep["methods"]) == {"ar", "chain"}
+    assert sweep["methods"]["ar"]["2"]["speedup"] == 1.0
+    assert (out / "batch-2" / "report.md").is_file() and (out / "speedup_vs_batch.png").read_bytes()[:8] == PNG_MAGIC
+    assert "| chain |" in (out / "batch_sweep.md").read_text()
+
+
 def test_bench_batched_sampling_skips_peers(tiny_pair_dir, tmp_path):
     prompts = _write_jsonl(tmp_path / "p.jsonl", LINES)
     out = tmp_path / "out"

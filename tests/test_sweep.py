@@ -15,11 +15,11 @@ from specdec.bench.sweep import (
     grid_variants,
     heatmap_name,
     parse_float_list,
-    parse_int_list,
 )
 from specdec.cli import main
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
+from specdec.parsing import parse_int_list
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

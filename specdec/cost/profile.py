@@ -265,17 +265,6 @@ class CostTableResolver:
         LOG.warning("CAST: cost profile saved to %s", path)
 
 
-def parse_int_list(text: str, what: str) -> tuple[int, ...]:
-    """'1,2,4' -> (1, 2, 4); a clear error otherwise."""
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as err:
-        raise SpecDecError(f"{what}={text!r} must be comma-separated integers, e.g. 1,2,4,8") from err
-    if not values:
-        raise SpecDecError(f"{what}={text!r} is empty; give comma-separated integers, e.g. 1,2,4,8")
-    return values
-
-
 def describe(table: CostTable, batch_sizes: Sequence[int] | None = None) -> str:
     """A short text summary: per batch size, target and draft ms at the smallest context."""
     lines = [f"contexts {table.contexts}, n grid {table.n_grid}"]
