@@ -232,7 +232,7 @@ def _add_bench(sub) -> None:
     bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by the engine (peers only run at 1)")
     bench.add_argument("--batch-sizes", default=None, help="run the whole bench at each of these batch sizes (e.g. 1,2,4,8,16) and compare them")
     bench.add_argument("--repeats", type=int, default=3, help="measured rounds over every prompt (figures are medians)")
-    bench.add_argument("--num-prompts", type=int, default=10, help="first N prompts of the set (0 = all)")
+    bench.add_argument("--num-prompts", type=int, default=10, help="N prompts spread evenly over the set (0 = all)")
     bench.add_argument("--out", required=True, help="output folder: report.md, results.json, PNG plots")
     bench.add_argument(
         "--quality",
@@ -338,7 +338,7 @@ def _add_sweep(sub) -> None:
     sweep.add_argument("--phase", type=int, default=0, help="dynatree phase of every config: 0 fixed tree (default); 1-3 add the adaptive rules, D and B then set d0 and b_mid")
     sweep.add_argument("--max-nodes", type=int, default=256, help="node budget N_max, draft tokens per step (default 256, the paper's)")
     sweep.add_argument("--max-new-tokens", type=int, default=128)
-    sweep.add_argument("--num-prompts", type=int, default=3, help="first N prompts of the set (0 = all; default 3)")
+    sweep.add_argument("--num-prompts", type=int, default=3, help="N prompts spread evenly over the set (0 = all; default 3)")
     sweep.add_argument("--repeats", type=int, default=2, help="measured rounds over every prompt (default 2)")
     sweep.add_argument("--seed", type=int, default=0, help="seeds the method-order shuffle")
     sweep.add_argument("--out", required=True, help="output folder: sweep.md, sweep.json, heatmap_tau_*.png")

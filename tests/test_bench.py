@@ -43,7 +43,7 @@ def test_load_prompts_prompt_turns_and_fields(tmp_path):
     assert items[0].turns == ["def add(a, b):\n"] and items[0].reference == "    return a + b\n"
     assert items[1].turns == ["for i in range(10):\n", "class A:\n"] and items[1].reference is None
     assert items[2].images == ["a.png"] and items[2].reference == "    pass\n"
-    assert [p.id for p in load_prompts(path, limit=2)] == ["HumanEval/0", "81"]
+    assert [p.id for p in load_prompts(path, limit=2)] == ["HumanEval/0", "img"]  # spread over the file: indices 0 and 2
 
 
 def test_load_prompts_gzip(tmp_path):

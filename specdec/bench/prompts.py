@@ -98,7 +98,11 @@ def _parse_line(obj: Any, where: str, lineno: int) -> BenchPrompt:
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[BenchPrompt]:
-    """Parse a JSONL(.gz) prompt file; `limit` keeps the first N items. Errors name file and line."""
+    """Parse a JSONL(.gz) prompt file. Errors name file and line.
+
+    `limit` keeps N items spread evenly over the file (indices round(i * total / N)), so a
+    file sorted by topic or module is sampled across its whole range, not at its head.
+    """
     path = Path(path)
     prompts: list[BenchPrompt] = []
     for lineno, line in enumerate(_read_lines(path), start=1):
@@ -110,8 +114,8 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[BenchPrompt
         except json.JSONDecodeError as err:
             raise SpecDecError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON object") from err
         prompts.append(_parse_line(obj, where, lineno))
-        if limit is not None and len(prompts) >= limit:
-            break
     if not prompts:
         raise SpecDecError(f"prompt file {path} has no prompts; each line must be a JSON object with a 'prompt' or 'turns' field")
+    if limit is not None and limit < len(prompts):
+        prompts = [prompts[round(i * len(prompts) / limit)] for i in range(limit)]
     return prompts

@@ -89,7 +89,7 @@ class BenchConfig:
     batch_size: int = 1
     repeats: int = 3
     num_prompts: int | None = 10
-    """first N prompts of the set; None = all"""
+    """N prompts spread evenly over the set; None = all"""
     seed: int = 0
     """seeds the method order shuffle and every sampled call (the same seed for every method)"""
     target: str | None = None
