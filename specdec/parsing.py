@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from specdec.errors import SpecDecError
 
 
@@ -21,4 +23,24 @@ def parse_int_list(text: str, flag: str) -> list[int]:
             values.append(value)
     if not values:
         raise SpecDecError(f"{flag} is empty; give a comma-separated list such as 3,4,5")
+    return values
+
+
+def parse_float_list(text: str, flag: str, check: Callable[[float], float] | None = None, example: str = "0.01,0.03,0.1") -> list[float]:
+    """'0.01,0.03' -> [0.01, 0.03] (duplicates dropped, order kept); `check` validates (and may
+    normalise) each value, raising SpecDecError."""
+    values: list[float] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        try:
+            value = float(piece)
+        except ValueError:
+            raise SpecDecError(f"{flag}: {piece!r} is not a number; give a comma-separated list such as {example}") from None
+        if check is not None:
+            value = check(value)
+        if value not in values:
+            values.append(value)
+    if not values:
+        raise SpecDecError(f"{flag} is empty; give a comma-separated list such as {example}")
     return values

@@ -59,3 +59,11 @@ def tiny_pair_dir(tmp_path_factory) -> Path:
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
     return root
+
+
+def cli_args(command: str, pair: Path, prompts: Path, out: Path, max_new_tokens: int, repeats: int, *extra: str) -> list[str]:
+    """`specdec bench`/`sweep` arguments for the tiny pair on CPU, quiet."""
+    return [
+        command, "--prompts", str(prompts), "--target", str(pair / "target"), "--draft", str(pair / "draft"), "--device", "cpu",
+        "--max-new-tokens", str(max_new_tokens), "--repeats", str(repeats), "--no-progress", "--out", str(out), *extra,
+    ]

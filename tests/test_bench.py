@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import cli_args
 
 from specdec.bench import prompts as prompts_mod
 from specdec.bench.prompts import STDLIB_HELDOUT, load_prompts, resolve_prompt_source
@@ -141,25 +142,7 @@ def test_turn_context_and_fit(tiny_pair_dir):
 
 
 def _bench_args(pair: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "bench",
-        "--prompts",
-        str(prompts),
-        "--target",
-        str(pair / "target"),
-        "--draft",
-        str(pair / "draft"),
-        "--device",
-        "cpu",
-        "--max-new-tokens",
-        "10",
-        "--repeats",
-        "2",
-        "--no-progress",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return cli_args("bench", pair, prompts, out, 10, 2, *extra)
 
 
 def test_bench_end_to_end_greedy(tiny_pair_dir, tmp_path, capsys):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_args
 
 from specdec.bench.prompts import BenchPrompt
 from specdec.bench.quality import completion_logprobs, is_code_prompt
@@ -39,25 +40,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def _bench_args(pair: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "bench",
-        "--prompts",
-        str(prompts),
-        "--target",
-        str(pair / "target"),
-        "--draft",
-        str(pair / "draft"),
-        "--device",
-        "cpu",
-        "--max-new-tokens",
-        "12",
-        "--repeats",
-        "1",
-        "--no-progress",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return cli_args("bench", pair, prompts, out, 12, 1, *extra)
 
 
 # ----- variant parsing --------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import cli_args
 
 from specdec.bench.sweep import (
     GridPoint,
@@ -25,27 +26,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _sweep_args(pair: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "sweep",
-        "--prompts",
-        str(prompts),
-        "--target",
-        str(pair / "target"),
-        "--draft",
-        str(pair / "draft"),
-        "--device",
-        "cpu",
-        "--max-new-tokens",
-        "8",
-        "--repeats",
-        "1",
-        "--num-prompts",
-        "1",
-        "--no-progress",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return cli_args("sweep", pair, prompts, out, 8, 1, "--num-prompts", "1", *extra)
 
 
 def _prompts(tmp_path: Path) -> Path:

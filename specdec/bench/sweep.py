@@ -29,6 +29,7 @@ from specdec.bench.runner import BASELINE, BenchConfig, BenchResult, run_bench
 from specdec.bench.variants import Variant
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
+from specdec.parsing import parse_float_list as parse_floats
 
 DEFAULT_DEPTHS = "3,4,5,6,7,8"
 DEFAULT_BRANCHINGS = "2,3,4"
@@ -139,22 +140,14 @@ class SweepOutputs:
 
 
 def parse_float_list(text: str, flag: str) -> list[float]:
-    """'0.01,0.03' -> [0.01, 0.03] (each in [0, 1), duplicates dropped, order kept)."""
-    values: list[float] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        try:
-            value = float(piece)
-        except ValueError:
-            raise SpecDecError(f"{flag}: {piece!r} is not a number; give a comma-separated list such as 0.01,0.03,0.1") from None
+    """'0.01,0.03' -> [0.01, 0.03], each a pruning threshold in [0, 1)."""
+
+    def in_unit(value: float) -> float:
         if not 0 <= value < 1:
             raise SpecDecError(f"{flag}: {value} must be in [0, 1) (0 disables pruning)")
-        if value not in values:
-            values.append(value)
-    if not values:
-        raise SpecDecError(f"{flag} is empty; give a comma-separated list such as 0.01,0.03,0.1")
-    return values
+        return value
+
+    return parse_floats(text, flag, in_unit)
 
 
 def grid_points(config: SweepConfig) -> list[GridPoint]:

@@ -222,22 +222,10 @@ def parse_method_specs(methods: str | Sequence[str]) -> list[MethodSpec]:
 
 def parse_thetas(text: str) -> list[float]:
     """`--mars-thetas 0.84,0.86,...` -> validated thetas (duplicates dropped, order kept)."""
+    from specdec.parsing import parse_float_list
     from specdec.verification.mars import validate_theta
 
-    thetas: list[float] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        try:
-            value = float(piece)
-        except ValueError:
-            raise SpecDecError(f"--mars-thetas: {piece!r} is not a number; give e.g. 0.84,0.86,0.88,0.9") from None
-        value = validate_theta(value)
-        if value not in thetas:
-            thetas.append(value)
-    if not thetas:
-        raise SpecDecError("--mars-thetas is empty; give e.g. 0.84,0.86,0.88,0.9")
-    return thetas
+    return parse_float_list(text, "--mars-thetas", validate_theta, example="0.84,0.86,0.88,0.9")
 
 
 def make_variants(
