@@ -17,13 +17,13 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
 import pytest
 import torch
 from conftest import EOS, sharpen, tiny_model
+from distribution import chi2_pvalue, exact_joint
 from scipy.stats import chisquare
 
 from specdec.api import SpeculativeDecoder
@@ -31,7 +31,7 @@ from specdec.cli import main
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
-from specdec.sampling import SamplingParams, logits_to_logprobs
+from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
 from specdec.tree import TokenTree
 from specdec.verification import MarsRule, SamplingRule, make_rule
@@ -336,34 +336,6 @@ def sampling_pair(draft_scale: float):
     return target, draft
 
 
-def exact_joint(target, params: SamplingParams) -> np.ndarray:
-    """P(x1, x2, x3 | PROMPT) under the processed target distribution, by enumeration: [V, V, V]."""
-    cache: dict[tuple[int, ...], np.ndarray] = {}
-
-    def conditional(prefix: tuple[int, ...]) -> np.ndarray:
-        if prefix not in cache:
-            with torch.no_grad():
-                logits = target(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-            cache[prefix] = logits_to_logprobs(logits, params).exp().double().numpy()
-        return cache[prefix]
-
-    joint = np.zeros((V,) * TOKENS)
-    for prefix in itertools.product(range(V), repeat=TOKENS - 1):
-        joint[prefix] = np.prod([conditional(prefix[:i])[prefix[i]] for i in range(len(prefix))]) * conditional(prefix)
-    return joint
-
-
-def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
-    expected, observed = probs.flatten() * counts.sum(), counts.flatten()
-    small = expected < 5
-    exp_cells = np.append(expected[~small], expected[small].sum())
-    obs_cells = np.append(observed[~small], observed[small].sum())
-    if exp_cells[-1] == 0:
-        exp_cells, obs_cells = exp_cells[:-1], obs_cells[:-1]
-    return float(chisquare(obs_cells, exp_cells * obs_cells.sum() / exp_cells.sum()).pvalue)
-
-
 def sample_counts(engine: SpeculativeEngine, params: SamplingParams, n: int = 3000, seed: int = 1000) -> tuple[np.ndarray, int]:
     counts, relaxed = np.zeros((V,) * TOKENS), 0
     for i in range(n // 500):
@@ -385,7 +357,7 @@ def test_theta_at_least_one_sampling_is_lossless(case):
     target, draft = sampling_pair(draft_scale)
     engine = SpeculativeEngine(target, make_policy(method, **options), MarsRule(1.0), ModelDraftSource(draft), eos_token_ids=[])
     counts, relaxed = sample_counts(engine, params)
-    joint = exact_joint(target, params)
+    joint = exact_joint(target, PROMPT, V, TOKENS, params)
     assert abs(joint.sum() - 1) < 1e-4
     pvalue = chi2_pvalue(counts, joint)
     assert pvalue > 1e-3, f"{case}: chi-square p = {pvalue:.2e}"
@@ -404,7 +376,7 @@ def test_relaxed_sampling_is_lossy_and_counted():
     engine = SpeculativeEngine(target, make_policy("chain", k=3), MarsRule(0.5), ModelDraftSource(draft), eos_token_ids=[])
     counts, relaxed = sample_counts(engine, params)
     assert relaxed > 0
-    pvalue = chi2_pvalue(counts, exact_joint(target, params))
+    pvalue = chi2_pvalue(counts, exact_joint(target, PROMPT, V, TOKENS, params))
     assert pvalue < 1e-6, f"theta = 0.5 passed the lossless test: p = {pvalue:.2e}"
 
 

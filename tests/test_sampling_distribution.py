@@ -10,13 +10,11 @@ token) must give p < 1e-6 on the same data size.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
-from scipy.stats import chisquare
+from distribution import chi2_pvalue, exact_joint
 
 from specdec.engine import SpeculativeEngine
 from specdec.methods import make_policy
@@ -39,24 +37,6 @@ def models():
     return target, draft
 
 
-def exact_joint(target, params: SamplingParams) -> np.ndarray:
-    """P(x1, x2, x3 | PROMPT) under the processed target distribution, shape [V, V, V]."""
-    cache: dict[tuple[int, ...], np.ndarray] = {}
-
-    def conditional(prefix: tuple[int, ...]) -> np.ndarray:
-        if prefix not in cache:
-            with torch.no_grad():
-                logits = target(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-            cache[prefix] = logits_to_logprobs(logits, params).exp().numpy()
-        return cache[prefix]
-
-    joint = np.zeros((V,) * TOKENS)
-    for prefix in itertools.product(range(V), repeat=TOKENS - 1):
-        prefix_prob = np.prod([conditional(prefix[:i])[prefix[i]] for i in range(len(prefix))])
-        joint[prefix] = prefix_prob * conditional(prefix)
-    return joint
-
-
 def sample_counts(engine: SpeculativeEngine, params: SamplingParams, seed: int) -> np.ndarray:
     counts = np.zeros((V,) * TOKENS)
     per_batch = 500
@@ -65,19 +45,6 @@ def sample_counts(engine: SpeculativeEngine, params: SamplingParams, seed: int) 
         for o in outs:
             counts[tuple(o.token_ids)] += 1
     return counts
-
-
-def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
-    n = counts.sum()
-    expected = probs.flatten() * n
-    observed = counts.flatten()
-    small = expected < 5
-    exp_cells = np.append(expected[~small], expected[small].sum())
-    obs_cells = np.append(observed[~small], observed[small].sum())
-    if exp_cells[-1] == 0:
-        exp_cells, obs_cells = exp_cells[:-1], obs_cells[:-1]
-    return float(chisquare(obs_cells, exp_cells * obs_cells.sum() / exp_cells.sum()).pvalue)
 
 
 class AcceptEverything:
@@ -113,7 +80,7 @@ def test_sampling_rule_is_lossless(case):
     target, draft = models()
     engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
     counts = sample_counts(engine, params, seed=1000)
-    joint = exact_joint(target, params)
+    joint = exact_joint(target, PROMPT, V, TOKENS, params)
     assert abs(joint.sum() - 1) < 1e-4
     pvalue = chi2_pvalue(counts, joint)
     assert pvalue > 1e-3, f"{case}: chi-square p = {pvalue:.2e}"
@@ -129,7 +96,7 @@ def test_broken_rule_fails_the_same_test(method, options):
     target, draft = models()
     params = SamplingParams(temperature=1.0)
     engine = SpeculativeEngine(target, make_policy(method, **options), AcceptEverything(), ModelDraftSource(draft), eos_token_ids=[])
-    pvalue = chi2_pvalue(sample_counts(engine, params, seed=1000), exact_joint(target, params))
+    pvalue = chi2_pvalue(sample_counts(engine, params, seed=1000), exact_joint(target, PROMPT, V, TOKENS, params))
     assert pvalue < 1e-6, f"the broken rule passed: p = {pvalue:.2e}"
 
 
