@@ -147,7 +147,7 @@ class GenerationStats:
             self.accepted_by_depth[d] += 1
 
     def summary(self) -> dict:
-        """The headline figures (what `--json` prints)."""
+        """The headline figures (`specdec generate --json` prints tau, acceptance_rate, tokens_per_s, steps, ttft_ms, tpot_ms)."""
         return {
             "tau": self.tau,
             "acceptance_rate": self.acceptance_rate,
@@ -159,6 +159,7 @@ class GenerationStats:
             "accepted_tokens": self.accepted_tokens,
             "drafted_tokens": self.drafted_tokens,
             "relaxed_tokens": self.relaxed_tokens,
+            "strict_fallbacks": self.strict_fallbacks,
             "draft_ms": self.draft_s * 1e3,
             "verify_ms": self.verify_s * 1e3,
             "engine_efficiency": self.engine_efficiency,
