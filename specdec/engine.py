@@ -196,7 +196,7 @@ class SpeculativeEngine:
         return results
 
     def _forward_s(self) -> float:
-        return self.target.forward_s + (self.source.runner.forward_s if self._has_runner() else 0.0)
+        return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
 
     def _admit(self, rows, ids, mask, batch_rows, params, generator, run, t_start) -> torch.Tensor:
         """Prefill prompts `rows` (into batch rows `batch_rows`, or as a new batch when None);
@@ -239,9 +239,6 @@ class SpeculativeEngine:
             rows = [rows[r] for r in keep]
             roots = roots[torch.tensor(keep, dtype=torch.long, device=roots.device)] if keep else roots[:0]
         return rows, roots
-
-    def _has_runner(self) -> bool:
-        return self.source is not None and hasattr(self.source, "runner")
 
     def _commit(self, tree, accepted_nodes: list[list[int]]) -> None:
         """Keep the root and the accepted path in the target cache (their KV from the verify forward)."""

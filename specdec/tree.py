@@ -27,6 +27,15 @@ from dataclasses import dataclass
 import torch
 
 
+def path_to(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root to `node` inclusive, following `parents` (-1 ends the walk)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
 @dataclass
 class TokenTree:
     """A batch of draft trees. All tensors share the leading shape [B, N]."""
@@ -91,8 +100,15 @@ class TokenTree:
         """[B, N, N] bool: [b, i, j] is True when node j is node i itself or one of its ancestors.
 
         Padding nodes see only themselves (so attention over them stays finite) and are
-        seen by nobody else.
+        seen by nobody else. Computed once per tree (the verify forward and the accept rule
+        both need it); a TokenTree is not modified after it is built.
         """
+        cached = self.__dict__.get("_ancestor_mask")
+        if cached is None:
+            cached = self.__dict__["_ancestor_mask"] = self._build_ancestor_mask()
+        return cached
+
+    def _build_ancestor_mask(self) -> torch.Tensor:
         b, n = self.tokens.shape
         eye = torch.eye(n, dtype=torch.bool, device=self.tokens.device).expand(b, n, n)
         mask = eye.clone()
@@ -115,12 +131,7 @@ class TokenTree:
 
     def path_to(self, row: int, node: int) -> list[int]:
         """Node indices from the root to `node` inclusive, e.g. [0, 1, 3] for node 3 above."""
-        path = []
-        parents = self.parents[row].tolist()
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        return path[::-1]
+        return path_to(self.parents[row].tolist(), node)
 
     def leaf_paths(self, row: int) -> list[list[int]]:
         """Every root-to-leaf path of `row`."""

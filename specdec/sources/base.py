@@ -46,3 +46,8 @@ class DraftSource(Protocol):
     def feedback(self, record: StepRecord) -> None:
         """Called after every step (adaptive sources learn here)."""
         ...
+
+    @property
+    def forward_s(self) -> float:
+        """Cumulative wall time inside model forwards (0 for sources without a model)."""
+        ...

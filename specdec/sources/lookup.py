@@ -16,6 +16,7 @@ import torch
 
 from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
+from specdec.tree import path_to
 
 if TYPE_CHECKING:
     from specdec.drafting.builder import TreeBuilder
@@ -79,7 +80,8 @@ class LookupDraftSource:
         contexts = []
         for row in range(b):
             for j in range(k):
-                path = _path_tokens(builder, row, int(nodes[row, j]))
+                tokens = builder.tokens[row].tolist()
+                path = [tokens[i] for i in path_to(builder.parents[row].tolist(), int(nodes[row, j]))]
                 contexts.append(self.history[row] + path)
         return self._propose(contexts, nodes.device).view(b, k, self.vocab_size)
 
@@ -90,13 +92,7 @@ class LookupDraftSource:
     def feedback(self, record: StepRecord) -> None:
         return None
 
-
-def _path_tokens(builder: TreeBuilder, row: int, node: int) -> list[int]:
-    """Tokens from the root to `node` inclusive (the root is the last committed token)."""
-    parents = builder.parents[row].tolist()
-    tokens = builder.tokens[row].tolist()
-    path = []
-    while node >= 0:
-        path.append(tokens[node])
-        node = parents[node]
-    return path[::-1]
+    @property
+    def forward_s(self) -> float:
+        """Time inside model forwards: none, lookup runs no model."""
+        return 0.0

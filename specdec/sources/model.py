@@ -121,3 +121,8 @@ class ModelDraftSource:
 
     def feedback(self, record: StepRecord) -> None:
         return None
+
+    @property
+    def forward_s(self) -> float:
+        """Cumulative wall time inside the draft model's forwards."""
+        return self.runner.forward_s
