@@ -104,3 +104,18 @@ def test_console_script_exit_code(tiny_pair_dir):
     )
     assert proc.returncode == 2
     assert "top_p=2.0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_stream_and_prompt_file(capsys, tiny_pair_dir, tmp_path):
+    """--stream prints the prompt then the text as it is committed; --prompt-file reads the prompt."""
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text("def add(a, b):")
+    pair = ["--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"), "--max-new-tokens", "10"]
+    code, out, _ = run_cli(capsys, "generate", *pair, "--prompt-file", str(prompt_file), "--json")
+    assert code == 0
+    expected = json.loads(out.strip().splitlines()[-1])["text"]
+    code, streamed, err = run_cli(capsys, "generate", *pair, "--prompt-file", str(prompt_file), "--stream")
+    assert code == 0 and "tok/s" in err
+    assert streamed == "def add(a, b):" + expected + "\n"  # prompt, streamed text, final newline
+    code, _, err = run_cli(capsys, "generate", *pair, "--prompt-file", str(tmp_path / "missing.txt"))
+    assert code == 2 and "does not exist" in err

@@ -7,6 +7,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.cli import main
@@ -64,3 +65,31 @@ def test_bundle_copies_shippable_files_only(tmp_path):
     assert sorted(p.name for p in dest.iterdir()) == sorted(BUNDLE_FILES)
     with pytest.raises(SpecDecError, match="lacks"):
         bundle_pair(tmp_path / "nothing", tmp_path / "assets2")
+
+
+def test_train_draft_against_existing_target(tmp_path):
+    """--target-from reuses a trained target unchanged and trains only the draft."""
+    first = tmp_path / "first"
+    base = ["train", "pair", "--tiny", "--corpus", str(STDLIB / "json"), "--vocab-size", "320", "--seq-len", "32"]
+    assert main([*base, "--out", str(first), "--target-steps", "2", "--draft-steps", "1"]) == 0
+    second = tmp_path / "second"
+    assert main([*base, "--out", str(second), "--tokenizer", str(first / "tokenizer"), "--target-from", str(first / "target"),
+                 "--distill-weight", "0", "--draft-steps", "2"]) == 0
+    a = AutoModelForCausalLM.from_pretrained(first / "target").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(second / "target").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    log = json.loads((second / "train_log.json").read_text())
+    assert {r["stage"] for r in log["log"]} == {"draft"}
+
+
+def test_evaluate_pair_figures(tiny_pair_dir):
+    from specdec.api import SpeculativeDecoder
+    from specdec.training.evaluate import evaluate_pair
+
+    dec = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"))
+    figures = evaluate_pair(dec.target, dec.draft, dec.tokenizer, [STDLIB / "json"], max_tokens=256, window=64, latency_context=32)
+    assert figures["tokens"] > 0
+    assert figures["target_perplexity"] > 1 and figures["draft_perplexity"] > 1
+    assert 0 <= figures["top1_agreement"] <= 1
+    assert set(figures["latency_ms"]["target"]) == {1, 16, 64} and all(v > 0 for v in figures["latency_ms"]["draft"].values())
+    assert figures["target_params"] > figures["draft_params"]

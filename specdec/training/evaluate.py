@@ -73,10 +73,20 @@ def forward_latency_ms(model: PreTrainedModel, context: int = 512, new_tokens: t
     return out
 
 
-def evaluate_pair(target: PreTrainedModel, draft: PreTrainedModel, tokenizer, corpus: list[Path] | None = None, max_tokens: int = 65536) -> dict:
+def evaluate_pair(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer,
+    corpus: list[Path] | None = None,
+    max_tokens: int = 65536,
+    window: int = 512,
+    latency_context: int = 512,
+) -> dict:
+    """Model-card figures: held-out perplexity of both models, top-1 agreement, forward latency
+    after `latency_context` tokens of context (1-, 16- and 64-token forwards)."""
     stream = heldout_stream(tokenizer, corpus)
-    quality = perplexity_and_agreement(target, draft, stream, max_tokens=max_tokens)
-    latency = {name: forward_latency_ms(model) for name, model in (("target", target), ("draft", draft))}
+    quality = perplexity_and_agreement(target, draft, stream, window=window, max_tokens=max_tokens)
+    latency = {name: forward_latency_ms(model, context=latency_context) for name, model in (("target", target), ("draft", draft))}
     return {
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
