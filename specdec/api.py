@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.engine import EngineOutput, SpeculativeEngine
@@ -18,10 +20,14 @@ from specdec.models.loading import (
     check_same_tokenizer,
     context_length,
     eos_token_ids,
+    is_multimodal_source,
     load_model,
+    load_processor,
     load_tokenizer,
     resolve_device,
 )
+from specdec.multimodal.inputs import check_placeholders, count_placeholders, encode_multimodal, is_multimodal, same_image_encoding
+from specdec.multimodal.views import FullView, PromptView, TextOnlyView
 from specdec.sampling import SamplingParams
 from specdec.sources.base import DraftSource
 from specdec.sources.lookup import LookupDraftSource
@@ -99,9 +105,13 @@ class SpeculativeDecoder:
         mars_theta: float | None = None,
         draft_source: str = "model",
         lookup_ngram: int = 3,
+        processor: Any = None,
+        draft_processor: Any = None,
         **method_options: Any,
     ) -> None:
-        """verify_options: options of the accept rule, e.g. {"theta": 0.9} for verify="mars";
+        """processor / draft_processor: the image+text processors of LLaVA-family models
+        (prompts with images need the target's);
+        verify_options: options of the accept rule, e.g. {"theta": 0.9} for verify="mars";
         mars_theta: shorthand for verify_options={"theta": mars_theta};
         draft_source: "model" (the draft model) or "lookup" (n-gram prompt lookup, no draft
         model; `lookup_ngram` is the longest n-gram matched)."""
@@ -111,6 +121,9 @@ class SpeculativeDecoder:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
+        self.processor = processor
+        self.draft_processor = draft_processor
+        self.multimodal = is_multimodal(target)
         self.method = method
         self.verify = verify
         self.verify_options = rule_options(verify, verify_options, mars_theta)
@@ -153,17 +166,32 @@ class SpeculativeDecoder:
             draft = draft or bundled_draft()
         dev = resolve_device(device)
         tokenizer = load_tokenizer(target, "target")
-        draft_model = None
+        processor = load_processor(target, "target") if is_multimodal_source(target, "target") else None
+        draft_model = draft_processor = None
         if method != "ar" and draft_source == "model":
             if draft is None:
                 raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH or use --method ar")
             check_same_tokenizer(tokenizer, load_tokenizer(draft, "draft"))
             draft_model = load_model(draft, "draft", dev, dtype)
+            if processor is not None and is_multimodal(draft_model):
+                draft_processor = load_processor(draft, "draft")
         target_model = load_model(target, "target", dev, dtype)
         return cls(
             target_model, tokenizer, draft_model, method=method, verify=verify, verify_options=options,
-            draft_source=draft_source, lookup_ngram=lookup_ngram, **method_options,
+            draft_source=draft_source, lookup_ngram=lookup_ngram, processor=processor, draft_processor=draft_processor, **method_options,
         )
+
+    def draft_view(self) -> PromptView | None:
+        """How the draft model sees prompts with images: the target's own encoding when both
+        read images the same way (None), the draft's processor when they differ, text only
+        (each `<image>` becomes a newline) for a text-only draft of a vision-language target."""
+        if not self.multimodal or self.draft is None:
+            return None
+        if not is_multimodal(self.draft):
+            return TextOnlyView(self.tokenizer)
+        if self.draft_processor is None or same_image_encoding(self.target, self.draft, self.processor, self.draft_processor):
+            return None
+        return FullView(self.draft_processor)
 
     def make_source(self) -> DraftSource | None:
         """A fresh draft source for one engine run (None for plain AR)."""
@@ -171,7 +199,7 @@ class SpeculativeDecoder:
             return None
         if self.draft_source == "lookup":
             return LookupDraftSource(vocab_size=self.target.get_output_embeddings().weight.shape[0], max_ngram=self.lookup_ngram)
-        return ModelDraftSource(self.draft) if self.draft is not None else None
+        return ModelDraftSource(self.draft, view=self.draft_view()) if self.draft is not None else None
 
     def engine(self, verify: str) -> SpeculativeEngine:
         source = self.make_source()
@@ -185,11 +213,21 @@ class SpeculativeDecoder:
             max_context=self.max_context,
         )
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, images: Sequence[str | Path | Image.Image] | None = None) -> Sequence[int]:
+        """Token ids of `prompt`; with images, a `MultimodalPrompt` (one `<image>` placeholder per image)."""
         if not isinstance(prompt, str):
             raise SpecDecError(f"prompt must be a string, got {type(prompt).__name__}")
         if not prompt:
             raise SpecDecError("the prompt is empty; give some text to continue")
+        if images:
+            if self.processor is None:
+                raise SpecDecError(
+                    f"{len(images)} image(s) were given but the target is a text-only model; "
+                    "use a vision-language (LLaVA-family) target, e.g. the bundled LVLM pair (no --target), or drop --image"
+                )
+            return encode_multimodal(self.processor, prompt, images)
+        if self.processor is not None and count_placeholders(prompt):
+            check_placeholders(prompt, 0)
         return self.tokenizer(prompt)["input_ids"]
 
     def generate(
@@ -202,20 +240,32 @@ class SpeculativeDecoder:
         seed: int | None = None,
         stream: Callable[[int, list[int]], None] | None = None,
         batch_size: int | None = None,
+        images: Sequence[Any] | None = None,
     ) -> GenerationResult | list[GenerationResult]:
         """Continue `prompt`, or each prompt of a list: up to `batch_size` (default: all) rows
-        are decoded together; finished rows take the next waiting prompt."""
+        are decoded together; finished rows take the next waiting prompt.
+
+        images: for a vision-language target, the images of `prompt` (paths or PIL images,
+        one per `<image>` placeholder), or for a list of prompts one such list per prompt."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         verify = resolve_verify(self.verify, temperature)
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        ids = [self.encode(p) for p in prompts]
+        if images is None:
+            per_prompt: list[Any] = [None] * len(prompts)
+        elif isinstance(prompt, str):
+            per_prompt = [list(images)]
+        else:
+            per_prompt = list(images)
+            if len(per_prompt) != len(prompts) or not all(i is None or isinstance(i, list | tuple) for i in per_prompt):
+                raise SpecDecError(f"images must hold one list of images per prompt ({len(prompts)} prompts, {len(per_prompt)} entries)")
+        ids = [self.encode(p, imgs) for p, imgs in zip(prompts, per_prompt, strict=True)]
         outputs = self.generate_ids(ids, max_new_tokens, params, verify, seed, stream, batch_size=batch_size)
         results = [self._result(o) for o in outputs]
         return results[0] if isinstance(prompt, str) else results
 
     def generate_ids(
         self,
-        prompt_ids: list[list[int]],
+        prompt_ids: Sequence[Sequence[int]],
         max_new_tokens: int,
         params: SamplingParams,
         verify: str | None = None,

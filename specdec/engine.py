@@ -19,6 +19,7 @@ from specdec.drafting.base import TreePolicy
 from specdec.drafting.builder import DraftContext
 from specdec.errors import SpecDecError
 from specdec.models.runner import ModelRunner
+from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.sampling import SamplingParams, choose_tokens
 from specdec.sources.base import DraftSource
 from specdec.stats import GenerationStats, StepRecord
@@ -63,6 +64,7 @@ class SpeculativeEngine:
         self.pad_token_id = pad_token_id
         self.max_context = max_context
         self.device = self.target.device
+        self.multimodal = is_multimodal(target)
 
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -79,6 +81,11 @@ class SpeculativeEngine:
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpecDecError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
         for i, prompt in enumerate(prompts):
+            if isinstance(prompt, MultimodalPrompt) and prompt.model_inputs and not self.multimodal:
+                raise SpecDecError(
+                    f"prompt {i} has {len(prompt.images)} image(s) but the target is a text-only model; "
+                    "use a vision-language (LLaVA-family) target or drop the images"
+                )
             if len(prompt) == 0:
                 raise SpecDecError(f"prompt {i} is empty (0 tokens); give at least one token of text")
             if self.max_context is not None and len(prompt) + max_new_tokens > self.max_context:
@@ -99,7 +106,8 @@ class SpeculativeEngine:
         keep_steps: bool = False,
         batch_size: int | None = None,
     ) -> list[EngineOutput]:
-        """Decode every prompt (token ids); returns one output per prompt, in order.
+        """Decode every prompt (token ids, or a `MultimodalPrompt` for a LLaVA-family target);
+        returns one output per prompt, in order.
 
         Up to `batch_size` prompts (default: all) are decoded together as rows of one batch.
         A row that finishes retires; while prompts wait, the next one is prefilled into the
@@ -203,9 +211,14 @@ class SpeculativeEngine:
         choose and append their first tokens; return those tokens [len(rows)]."""
         t0 = time.perf_counter()
         # target_logits: [B', V], the distribution of each admitted prompt's first new token
-        target_logits = self.target.prefill(ids, mask) if batch_rows is None else self.target.replace_rows(batch_rows, ids, mask)
+        prompts = [run.prompts[i] for i in rows]
+        model_inputs = batch_model_inputs(prompts, self.device)  # pixel values of multimodal prompts
+        if batch_rows is None:
+            target_logits = self.target.prefill(ids, mask, model_inputs)
+        else:
+            target_logits = self.target.replace_rows(batch_rows, ids, mask, model_inputs)
         if self.source is not None:
-            self.source.prefill(ids, mask, batch_rows)
+            self.source.prefill(ids, mask, batch_rows, prompts=prompts)
         first = choose_tokens(target_logits, params, generator)  # [B']
         t1 = time.perf_counter()
         for r, prompt_index in enumerate(rows):

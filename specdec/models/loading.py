@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from specdec.errors import SpecDecError
 
@@ -64,13 +73,25 @@ def _check_source(name: str, what: str) -> str:
     return expanded if Path(expanded).exists() else name
 
 
+def is_multimodal_source(name: str, what: str = "target") -> bool:
+    """True when the model at `name` is a vision-language (LLaVA-family) model."""
+    source = _check_source(name, what)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise SpecDecError(f"could not read the config of {what} model {name!r}: {err}".strip()) from err
+    return getattr(config, "vision_config", None) is not None
+
+
 def load_model(name: str, what: str = "target", device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> PreTrainedModel:
-    """`AutoModelForCausalLM.from_pretrained` with clear errors; returns the model in eval mode."""
+    """`AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for LLaVA-family
+    models) with clear errors; returns the model in eval mode."""
     source = _check_source(name, what)
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    auto = AutoModelForImageTextToText if is_multimodal_source(name, what) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        model = auto.from_pretrained(source, dtype=torch_dtype)
     except (OSError, ValueError) as err:
         raise SpecDecError(f"could not load {what} model {name!r}: {err}".strip()) from err
     return model.to(dev).eval()
@@ -82,6 +103,15 @@ def load_tokenizer(name: str, what: str = "target") -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise SpecDecError(f"could not load the tokenizer of {what} model {name!r}: {err}") from err
+
+
+def load_processor(name: str, what: str = "target") -> Any:
+    """The image+text processor of a LLaVA-family model (`AutoProcessor`)."""
+    source = _check_source(name, what)
+    try:
+        return AutoProcessor.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as err:
+        raise SpecDecError(f"could not load the processor of {what} model {name!r}: {err}; a vision-language model needs its processor files") from err
 
 
 def check_same_tokenizer(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
@@ -99,11 +129,11 @@ def check_same_tokenizer(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrai
 
 def context_length(model: PreTrainedModel) -> int | None:
     """The model's maximum number of positions, from its config (None when it sets none)."""
-    cfg = model.config
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(cfg, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
+    for cfg in (model.config, getattr(model.config, "text_config", None)):
+        for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(cfg, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
     return None
 
 

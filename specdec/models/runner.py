@@ -15,6 +15,7 @@ explicit `position_ids`, so any decoder-only architecture with a standard cache 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -63,6 +64,7 @@ class ModelRunner:
         position_ids: torch.Tensor,
         step_visibility: torch.Tensor,
         logits_to_keep: int = 0,
+        model_inputs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Append `n` step slots and return their logits.
 
@@ -71,6 +73,8 @@ class ModelRunner:
         step_visibility: [B, n, step_len + n] bool: which step slots (earlier ones of this
                          step, then the n new ones) each new token attends to. Every new
                          token also attends to all valid committed slots and to itself.
+        model_inputs:    extra model inputs for this forward (prefill of a multimodal
+                         prompt: pixel_values and the like).
         Returns logits [B, n, V] float32 (or [B, logits_to_keep, V]).
         """
         if self.cache is None:
@@ -93,6 +97,7 @@ class ModelRunner:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **(model_inputs or {}),
         )
         logits = out.logits.float()
         if self.device.type == "cuda":
@@ -103,10 +108,11 @@ class ModelRunner:
         self.forward_tokens += b * n
         return logits
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None = None) -> torch.Tensor:
         """Run left-padded prompts and commit them; return the logits of the last position.
 
-        input_ids: [B, L] int64 (left-padded); attention_mask: [B, L] (1 = real token).
+        input_ids: [B, L] int64 (left-padded); attention_mask: [B, L] (1 = real token);
+        model_inputs: the batch's other inputs (pixel_values of its images, in row order).
         Returns [B, V] float32: the distribution of each row's first new token.
         """
         self.reset(input_ids.shape[0])
@@ -114,7 +120,7 @@ class ModelRunner:
         positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
         causal = torch.tril(torch.ones(input_ids.shape[1], input_ids.shape[1], dtype=torch.bool, device=self.device))
         visibility = causal[None] & real[:, None, :]  # [B, L, L]
-        logits = self.forward(input_ids, positions, visibility, logits_to_keep=1)[:, -1]
+        logits = self.forward(input_ids, positions, visibility, logits_to_keep=1, model_inputs=model_inputs)[:, -1]
         keep = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
         self.commit(keep, real)
         return logits
@@ -165,7 +171,9 @@ class ModelRunner:
         self.compact_if_wasteful()
 
     @torch.inference_mode()
-    def replace_rows(self, rows: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def replace_rows(
+        self, rows: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None = None
+    ) -> torch.Tensor:
         """Prefill new prompts into batch rows `rows` (their old contents are dropped).
 
         input_ids, attention_mask: [len(rows), L] left-padded. The new rows are prefilled on
@@ -175,7 +183,7 @@ class ModelRunner:
         if self.cache is None or self.step_len:
             raise RuntimeError("replace_rows needs a committed cache (call it between steps)")
         fresh = ModelRunner(self.model)
-        logits = fresh.prefill(input_ids, attention_mask)
+        logits = fresh.prefill(input_ids, attention_mask, model_inputs)
         assert fresh.cache is not None
         s_new = fresh.past_len
         if s_new > self.past_len:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -20,9 +21,13 @@ class DraftSource(Protocol):
     tree level, all frontier nodes of all rows batched), then `end_step` with the verdict.
     """
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None) -> None:
-        """input_ids, attention_mask: [B', L] left-padded prompts (1 = real token). With `rows`
-        None they start a new batch; otherwise they replace those rows of the running batch."""
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None, prompts: Sequence[Sequence[int]] | None = None
+    ) -> None:
+        """input_ids, attention_mask: [B', L] left-padded prompts (1 = real token), as the
+        target sees them. With `rows` None they start a new batch; otherwise they replace
+        those rows of the running batch. `prompts` are the prompt objects themselves (a
+        `MultimodalPrompt` carries images and text, from which a source builds its own view)."""
         ...
 
     def keep_rows(self, rows: list[int]) -> None:

@@ -51,7 +51,7 @@ class LookupDraftSource:
             raise SpecDecError(f"lookup n-grams min={self.min_ngram}, max={self.max_ngram} need 1 <= min <= max")
         self.history: list[list[int]] = []
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None) -> None:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None, prompts=None) -> None:
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
         if rows is None:
             self.history = prompts

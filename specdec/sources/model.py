@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
 
+from specdec.errors import SpecDecError
 from specdec.models.runner import ModelRunner
+from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
+from specdec.multimodal.views import PromptView, encode_batch
 from specdec.sampling import SamplingParams, logits_to_logprobs
 
 if TYPE_CHECKING:
@@ -25,20 +29,33 @@ class ModelDraftSource:
     step's pending+root slots, and its ancestors' slots, never its siblings'.
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, view: PromptView | None = None) -> None:
+        """view: how the draft sees a prompt (e.g. text only, for a text-only draft of a
+        vision-language target); None = the target's own token ids and image inputs."""
         self.runner = ModelRunner(model)
+        self.view = view
+        self.multimodal = is_multimodal(model)
         self.pending: list[list[int]] = []
         # per step: builder node -> step slot, and each forwarded node's visible step slots
         self._node_slot = torch.zeros(0, 0, dtype=torch.long)  # [B, N_alloc], -1 = not forwarded
         self._node_vis = torch.zeros(0, 0, 0, dtype=torch.bool)  # [B, N_alloc, S_step]
         self._root_pos = torch.zeros(0, dtype=torch.long)  # [B] position id of the root
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None) -> None:
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None, prompts: Sequence[Sequence[int]] | None = None
+    ) -> None:
+        model_inputs: dict[str, Any] = {}
+        if prompts is not None and self.view is not None:
+            input_ids, attention_mask, model_inputs = encode_batch(self.view, prompts, self.runner.device)
+        elif prompts is not None and any(isinstance(p, MultimodalPrompt) and p.model_inputs for p in prompts):
+            if not self.multimodal:
+                raise SpecDecError("the draft is a text-only model but the prompts have images; give the draft source a view (e.g. TextOnlyView)")
+            model_inputs = batch_model_inputs(prompts, self.runner.device)
         if rows is None:
-            self.runner.prefill(input_ids, attention_mask)
+            self.runner.prefill(input_ids, attention_mask, model_inputs)
             self.pending = [[] for _ in range(input_ids.shape[0])]
             return
-        self.runner.replace_rows(rows, input_ids, attention_mask)
+        self.runner.replace_rows(rows, input_ids, attention_mask, model_inputs)
         for row in rows:
             self.pending[row] = []
 

@@ -1,0 +1,148 @@
+"""Prompts with images for LLaVA-family models, and what a model needs to prefill them.
+
+A LLaVA-family model (`LlavaForConditionalGeneration` and models sharing its interface)
+reads a prompt whose `<image>` placeholders its processor expands to one image token per
+image feature, plus `pixel_values`. Prefill passes those pixel values once; after that,
+decoding only appends text tokens, so the whole tree/verify/commit machinery is unchanged.
+
+`MultimodalPrompt` behaves as the sequence of its token ids (so length checks, padding and
+n-gram lookup work as for text) and carries the processor's other outputs
+(`model_inputs`) plus the original text and images, from which drafting views (text only,
+caption, pooled image) are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from specdec.errors import SpecDecError
+
+IMAGE_PLACEHOLDER = "<image>"
+"""the placeholder a prompt's text uses for each image (LLaVA convention)"""
+
+
+@dataclass(eq=False)
+class MultimodalPrompt(Sequence[int]):
+    """A prompt with images, encoded for one model family (its processor)."""
+
+    token_ids: list[int]
+    """the processor's input ids: each placeholder expanded to the model's image tokens"""
+    model_inputs: dict[str, Any] = field(default_factory=dict)
+    """the processor's other outputs, e.g. pixel_values [n_images, 3, H, W] (batch dim = images)"""
+    text: str = ""
+    """the prompt text with `<image>` placeholders"""
+    images: list[Image.Image] = field(default_factory=list)
+    """the original images, in placeholder order"""
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.token_ids[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.token_ids)
+
+
+def is_multimodal(model_or_config: Any) -> bool:
+    """True for LLaVA-family models/configs (they have a vision config)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "vision_config", None) is not None
+
+
+def image_token_id(model_or_config: Any) -> int | None:
+    config = getattr(model_or_config, "config", model_or_config)
+    for attr in ("image_token_id", "image_token_index"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def load_images(images: Sequence[str | Path | Image.Image]) -> list[Image.Image]:
+    """Open file paths (or pass PIL images through) as RGB images; errors name the file."""
+    loaded = []
+    for item in images:
+        if isinstance(item, Image.Image):
+            loaded.append(item.convert("RGB"))
+            continue
+        path = Path(item).expanduser()
+        if not path.is_file():
+            raise SpecDecError(f"image {str(item)!r} does not exist; pass a path to a PNG or JPEG file")
+        try:
+            with Image.open(path) as img:
+                loaded.append(img.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as err:
+            raise SpecDecError(f"image {str(item)!r} could not be read as an image ({err}); pass a PNG or JPEG file") from err
+    return loaded
+
+
+def count_placeholders(text: str) -> int:
+    return text.count(IMAGE_PLACEHOLDER)
+
+
+def check_placeholders(text: str, n_images: int) -> None:
+    """Each image needs exactly one `<image>` placeholder in the text, and vice versa."""
+    n_slots = count_placeholders(text)
+    if n_slots != n_images:
+        raise SpecDecError(
+            f"the prompt has {n_slots} {IMAGE_PLACEHOLDER} placeholder(s) but {n_images} image(s) were given; "
+            f"put one {IMAGE_PLACEHOLDER} in the prompt where each image goes, e.g. \"USER: {IMAGE_PLACEHOLDER}\\nWhat is in the picture? ASSISTANT:\""
+        )
+
+
+def encode_multimodal(processor: Any, text: str, images: Sequence[str | Path | Image.Image]) -> MultimodalPrompt:
+    """Run a LLaVA-family processor on one prompt and its images."""
+    pil_images = load_images(images)
+    check_placeholders(text, len(pil_images))
+    try:
+        out = processor(text=text, images=pil_images or None, return_tensors="pt")
+    except (ValueError, TypeError) as err:
+        raise SpecDecError(f"the processor could not encode the prompt with {len(pil_images)} image(s): {err}") from err
+    ids = out["input_ids"][0].tolist()
+    model_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")}
+    return MultimodalPrompt(token_ids=ids, model_inputs=model_inputs, text=text, images=pil_images)
+
+
+def batch_model_inputs(prompts: Sequence[Sequence[int]], device: torch.device | None = None) -> dict[str, Any]:
+    """The extra prefill inputs of a batch of prompts, in row order (images concatenated).
+
+    LLaVA-family models scatter image features into the image tokens of the flattened
+    [B, L] ids in order, so concatenating each row's images in row order is exact.
+    Text-only prompts contribute nothing; an all-text batch gives {}.
+    """
+    merged: dict[str, list[Any]] = {}
+    for prompt in prompts:
+        if isinstance(prompt, MultimodalPrompt):
+            for key, value in prompt.model_inputs.items():
+                merged.setdefault(key, []).append(value)
+    batch: dict[str, Any] = {}
+    for key, values in merged.items():
+        if all(isinstance(v, torch.Tensor) for v in values):
+            tensor = torch.cat(values, dim=0)
+            batch[key] = tensor.to(device) if device is not None else tensor
+        elif all(isinstance(v, list) for v in values):
+            batch[key] = [item for v in values for item in v]
+        else:
+            batch[key] = values
+    return batch
+
+
+def same_image_encoding(target: Any, draft: Any, target_processor: Any, draft_processor: Any) -> bool:
+    """True when the draft can reuse the target's encoding of a prompt with images: same
+    image token, same number of image tokens per image, same image preprocessing."""
+    if image_token_id(target) != image_token_id(draft):
+        return False
+    if getattr(target.config, "image_seq_length", None) != getattr(draft.config, "image_seq_length", None):
+        return False
+    t_img = getattr(target_processor, "image_processor", None)
+    d_img = getattr(draft_processor, "image_processor", None)
+    if t_img is None or d_img is None:
+        return t_img is d_img
+    return t_img.to_dict() == d_img.to_dict()

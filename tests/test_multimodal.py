@@ -1,0 +1,184 @@
+"""Vision-language (LLaVA-family) targets and drafts: greedy output equals the target's own
+`generate` with the same images, batched and rolling; drafting views; input errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import LlavaForConditionalGeneration
+
+from specdec.api import SpeculativeDecoder
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.multimodal.inputs import MultimodalPrompt, encode_multimodal
+from specdec.multimodal.views import PassThroughView, PooledImageView, TextOnlyView
+from specdec.sources import ModelDraftSource
+from specdec.training.lvlm import LvlmSize, lvlm_config, make_processor, train_lvlm_tokenizer
+from specdec.verification import GreedyRule
+
+SIZE_T = LvlmSize(vision_hidden=32, vision_layers=1, vision_heads=2, text_hidden=32, text_layers=2, text_heads=2, image_size=32, patch_size=8)
+SIZE_D = LvlmSize(vision_hidden=16, vision_layers=1, vision_heads=2, text_hidden=32, text_layers=1, text_heads=2, image_size=32, patch_size=8)
+METHODS = {
+    "ar": {},
+    "chain": {"k": 4},
+    "static": {"depth": 3, "branching": 2, "max_nodes": 12},
+    "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10},
+    "dynatree": {"d0": 3, "d_max": 5, "max_nodes": 12},
+}
+TEXTS = [
+    "USER: <image>\nWhat is in the picture? ASSISTANT:",
+    "USER: <image>\n<image>\nWhat changed between the two images? ASSISTANT:",
+    "USER: What is two plus three? ASSISTANT:",
+]
+
+
+def _image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8))
+
+
+def _sharpen(model, scale: float = 8.0):
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lvlm(tmp_path_factory):
+    """A tiny random LLaVA target and draft saved with tokenizer and processor."""
+    texts = [t + " There is a red circle at the top left.</s>" for t in TEXTS] * 40
+    tok = train_lvlm_tokenizer(texts, vocab_size=300)
+    root = tmp_path_factory.mktemp("lvlm")
+    models = {}
+    for name, size, seed in (("target", SIZE_T, 0), ("draft", SIZE_D, 1)):
+        torch.manual_seed(seed)
+        cfg = lvlm_config(size, tok)
+        cfg.tie_word_embeddings = False
+        cfg.text_config.tie_word_embeddings = False
+        model = _sharpen(LlavaForConditionalGeneration(cfg).eval())
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        make_processor(tok, size).save_pretrained(root / name)
+        models[name] = model
+    processor = make_processor(tok, SIZE_T)
+    prompts = [
+        encode_multimodal(processor, TEXTS[0], [_image(0)]),
+        encode_multimodal(processor, TEXTS[1], [_image(1), _image(2)]),
+        tok(TEXTS[2])["input_ids"],
+        encode_multimodal(processor, TEXTS[0], [_image(3)]),
+    ]
+    return {"root": root, "tok": tok, "processor": processor, "prompts": prompts, **models}
+
+
+def reference(target, prompt, max_new: int, eos: int) -> list[int]:
+    ids = torch.tensor([list(prompt)])
+    extra = prompt.model_inputs if isinstance(prompt, MultimodalPrompt) else {}
+    with torch.no_grad():
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def engine(lvlm, method: str, draft=None, view=None) -> SpeculativeEngine:
+    draft = lvlm["draft"] if draft is None else draft
+    return SpeculativeEngine(
+        lvlm["target"], make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(draft, view=view),
+        eos_token_ids=[lvlm["tok"].eos_token_id], pad_token_id=1,
+    )
+
+
+def test_prompt_expands_each_image(lvlm):
+    one, two = lvlm["prompts"][:2]
+    image_id = lvlm["target"].config.image_token_index
+    assert sum(t == image_id for t in one) == SIZE_T.image_tokens
+    assert sum(t == image_id for t in two) == 2 * SIZE_T.image_tokens
+    assert two.model_inputs["pixel_values"].shape == (2, 3, 32, 32)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_equals_generate_batched_and_rolling(lvlm, method):
+    """Every method, a batch mixing one-image, two-image and text-only prompts, decoded all
+    at once and with 2 rows (rows retire and new prompts with images are prefilled in)."""
+    eos = lvlm["tok"].eos_token_id
+    refs = [reference(lvlm["target"], p, 16, eos) for p in lvlm["prompts"]]
+    assert refs[0] != refs[3], "different images should give different outputs (the images are read)"
+    for batch_size in (None, 2):
+        outs = engine(lvlm, method).generate(lvlm["prompts"], 16, batch_size=batch_size)
+        assert [o.token_ids for o in outs] == refs, f"{method} batch_size={batch_size}"
+
+
+def test_text_only_draft_of_a_vision_target(lvlm):
+    """A draft that cannot see images drafts from the text-only view; output is unchanged."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(3)
+    text_draft = AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=len(lvlm["tok"]), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=512)
+    ).eval()
+    eos = lvlm["tok"].eos_token_id
+    refs = [reference(lvlm["target"], p, 12, eos) for p in lvlm["prompts"]]
+    view = TextOnlyView(lvlm["tok"])
+    outs = engine(lvlm, "chain", draft=text_draft, view=view).generate(lvlm["prompts"], 12)
+    assert [o.token_ids for o in outs] == refs
+    with pytest.raises(SpecDecError, match="text-only model but the prompts have images"):
+        engine(lvlm, "chain", draft=text_draft).generate(lvlm["prompts"], 4)
+
+
+def test_text_only_view_replaces_each_image_by_a_newline(lvlm):
+    ids, extra = TextOnlyView(lvlm["tok"]).encode(lvlm["prompts"][1])
+    assert extra == {}
+    assert ids == lvlm["tok"]("USER: \n\nWhat changed between the two images? ASSISTANT:")["input_ids"]
+    assert TextOnlyView(lvlm["tok"]).encode([5, 6, 7]) == ([5, 6, 7], {})
+
+
+def test_pooled_view(lvlm):
+    """pool=1 reproduces the full view's draft logits; pool=2 keeps a quarter of the image tokens."""
+    draft, processor = lvlm["draft"], make_processor(lvlm["tok"], SIZE_D)
+    prompt = lvlm["prompts"][1]
+    image_id = draft.config.image_token_index
+
+    def last_logits(view):
+        source = ModelDraftSource(draft, view=view)
+        source.prefill(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long), prompts=[prompt])
+        root = torch.tensor([5])
+        from specdec.sampling import SamplingParams
+
+        return source.begin_step(root, SamplingParams())
+
+    full = last_logits(PassThroughView())
+    same = last_logits(PooledImageView(draft, processor, pool=1))
+    assert torch.allclose(full, same, atol=1e-4)
+    ids, extra = PooledImageView(draft, processor, pool=2).encode(prompt)
+    assert sum(t == image_id for t in ids) == 2 * SIZE_D.image_tokens // 4
+    assert len(extra["image_features"]) == 2
+    pooled = last_logits(PooledImageView(draft, processor, pool=2))
+    assert not torch.allclose(full, pooled, atol=1e-3)
+
+
+def test_api_with_images(lvlm, tmp_path):
+    root: Path = lvlm["root"]
+    path = tmp_path / "scene.png"
+    _image(0).save(path)
+    dec = SpeculativeDecoder.from_pretrained(str(root / "target"), str(root / "draft"), method="chain", device="cpu", k=3)
+    assert dec.draft_view() is None  # both read 32px images as 16 tokens: the draft reuses the target's encoding
+    result = dec.generate(TEXTS[0], max_new_tokens=10, images=[str(path)])
+    ref = reference(lvlm["target"], encode_multimodal(lvlm["processor"], TEXTS[0], [Image.open(path)]), 10, lvlm["tok"].eos_token_id)
+    assert result.token_ids == ref
+    with pytest.raises(SpecDecError, match="1 <image> placeholder"):
+        dec.generate(TEXTS[0], max_new_tokens=4, images=[str(path), str(path)])
+    with pytest.raises(SpecDecError, match="does not exist"):
+        dec.generate(TEXTS[0], max_new_tokens=4, images=[str(tmp_path / "missing.png")])
+    with pytest.raises(SpecDecError, match="placeholder"):
+        dec.generate(TEXTS[0], max_new_tokens=4)
+
+
+def test_images_for_a_text_target(tiny_pair_dir, tmp_path):
+    path = tmp_path / "scene.png"
+    _image(0).save(path)
+    dec = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), method="chain", device="cpu")
+    with pytest.raises(SpecDecError, match="text-only model"):
+        dec.generate("USER: <image>\nhi", max_new_tokens=4, images=[str(path)])
