@@ -405,6 +405,17 @@ def _add_train(sub) -> None:
     bundle.add_argument("--from", dest="source", required=True, help="the --out folder of `specdec train pair`")
     bundle.set_defaults(func=_cmd_train_bundle)
 
+    lvlm = tsub.add_parser("lvlm", help="train the tiny LLaVA-style target/draft pair on synthetic scenes")
+    lvlm.add_argument("--out", required=True, help="output folder: tokenizer/, target/, draft/, train_log.json")
+    lvlm.add_argument("--minutes", type=float, default=45.0, help="wall-time budget; the step count is set from the speed of the first steps")
+    lvlm.add_argument("--steps", type=int, default=None, help="a fixed number of optimizer steps instead of --minutes")
+    lvlm.add_argument("--batch-size", type=int, default=16)
+    lvlm.add_argument("--seed", type=int, default=0)
+    lvlm.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    lvlm.add_argument("--tiny", action="store_true", help="tiny shapes (for tests and smoke runs)")
+    lvlm.add_argument("--bundle", action="store_true", help="copy the result into the package (the default LVLM pair)")
+    lvlm.set_defaults(func=_cmd_train_lvlm)
+
     ev = tsub.add_parser("evaluate", help="model-card figures: held-out perplexity, top-1 agreement, latency")
     add_model_args(ev)
     ev.add_argument("--corpus", nargs="*", default=[], help="the corpus the pair was trained on (default: the standard library)")
@@ -448,6 +459,31 @@ def _cmd_train_pair(args: argparse.Namespace) -> int:
         cfg.draft_shape = ModelShape(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64)
     summary = train_pair(cfg, tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None)
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _cmd_train_lvlm(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from specdec.training.lvlm import DRAFT_SIZE, TARGET_SIZE
+    from specdec.training.lvlm_train import LvlmTrainConfig, bundle_lvlm, train_lvlm
+
+    if args.steps is not None and args.steps <= 0:
+        raise SpecDecError(f"--steps={args.steps} must be a positive integer")
+    if args.minutes <= 0:
+        raise SpecDecError(f"--minutes={args.minutes} must be positive")
+    if args.batch_size <= 0:
+        raise SpecDecError(f"--batch-size={args.batch_size} must be a positive integer")
+    cfg = LvlmTrainConfig(steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, seed=args.seed, threads=args.threads)
+    target_size, draft_size = TARGET_SIZE, DRAFT_SIZE
+    if args.tiny:
+        target_size = dataclasses.replace(TARGET_SIZE, vision_hidden=32, vision_layers=1, vision_heads=2, text_hidden=32, text_layers=1, text_heads=2, image_size=96, patch_size=32)
+        draft_size = dataclasses.replace(target_size, text_hidden=16, text_heads=1)
+        cfg.vocab_size, cfg.warmup_steps = 400, 2
+    out = Path(args.out)
+    train_lvlm(out, cfg, target_size, draft_size, log=lambda line: print(line, flush=True))
+    if args.bundle:
+        print(f"bundled LVLM pair copied to {bundle_lvlm(out)}")
     return 0
 
 

@@ -38,16 +38,18 @@ def _write_jsonl(path: Path, rows: list, gz: bool = False) -> Path:
 
 
 def test_load_prompts_prompt_turns_and_fields(tmp_path):
+    (tmp_path / "a.png").write_bytes(PNG_MAGIC)
     path = _write_jsonl(tmp_path / "p.jsonl", [LINES[0], "", LINES[1], LINES[2]])
     items = load_prompts(path)
     assert [p.id for p in items] == ["HumanEval/0", "81", "img"]
     assert items[0].turns == ["def add(a, b):\n"] and items[0].reference == "    return a + b\n"
     assert items[1].turns == ["for i in range(10):\n", "class A:\n"] and items[1].reference is None
-    assert items[2].images == ["a.png"] and items[2].reference == "    pass\n"
+    assert items[2].images == [tmp_path / "a.png"] and items[2].reference == "    pass\n"
     assert [p.id for p in load_prompts(path, limit=2)] == ["HumanEval/0", "img"]  # spread over the file: indices 0 and 2
 
 
 def test_load_prompts_gzip(tmp_path):
+    (tmp_path / "a.png").write_bytes(PNG_MAGIC)
     path = _write_jsonl(tmp_path / "p.jsonl.gz", LINES, gz=True)
     assert [p.turns for p in load_prompts(path)] == [p.turns for p in load_prompts(_write_jsonl(tmp_path / "q.jsonl", LINES))]
 

@@ -1,4 +1,4 @@
-"""Benchmark prompt sets: the bundled `stdlib-heldout` set or any JSONL file (optionally gzipped).
+"""Benchmark prompt sets: the bundled `stdlib-heldout` set, the synthetic multimodal `scenes-*` sets, or any JSONL file (optionally gzipped).
 
 Each line is one JSON object with either
 - `prompt`: a string (HumanEval style; one generation), or
@@ -6,7 +6,12 @@ Each line is one JSON object with either
   appended to the conversation so far together with the previous answer).
 Optional fields: `id` (or `task_id` / `question_id`), `reference` (or `canonical_solution`),
 `language` (e.g. "python": `--quality` checks such completions with `ast.parse`),
-`images` (kept but not used yet).
+`images` (a list of image paths, relative to the JSONL file's directory unless absolute; each
+must exist, and is kept as a `Path`).
+
+The named sets "scenes-first-turn", "scenes-second-turn" and "scenes-ood"
+(`specdec.multimodal.scenes.SCENARIOS`) are generated in memory: one prompt per item, its
+`images` PIL images and its `reference` the expected answer (None for scenes-ood).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from specdec.models.loading import BUNDLED_PAIR
 
 STDLIB_HELDOUT = "stdlib-heldout"
 """the name of the bundled held-out prompt set"""
+SCENARIO_SIZE = 24
+"""items in a generated scenes-* set (`specdec.multimodal.scenes.scenario_items`' default n)"""
 
 
 @dataclass
@@ -33,7 +40,7 @@ class BenchPrompt:
     """one entry for a plain prompt; several for a multi-turn conversation"""
     reference: Any = None
     images: list[Any] = field(default_factory=list)
-    """image references (ignored for now; multimodal targets come later)"""
+    """the prompt's images, one per `<image>` placeholder: `Path`s (JSONL files) or PIL images (the scenes-* sets)"""
     language: str | None = None
     """the line's `language` field, e.g. "python" (None when absent)"""
 
@@ -43,8 +50,12 @@ def bundled_heldout_path() -> Path:
     return BUNDLED_PAIR / f"{STDLIB_HELDOUT}.jsonl"
 
 
-def resolve_prompt_source(source: str) -> Path:
-    """`stdlib-heldout` -> the bundled set; anything else -> an existing JSONL(.gz) file."""
+def resolve_prompt_source(source: str) -> Path | str:
+    """`stdlib-heldout` -> the bundled set; a scenes-* name -> that name (for `load_prompts`); anything else -> an existing JSONL(.gz) file."""
+    from specdec.multimodal.scenes import SCENARIOS
+
+    if source in SCENARIOS:
+        return source
     if source == STDLIB_HELDOUT:
         path = bundled_heldout_path()
         if not path.is_file():
@@ -56,7 +67,8 @@ def resolve_prompt_source(source: str) -> Path:
     path = Path(source).expanduser()
     if not path.is_file():
         raise SpecDecError(
-            f"--prompts {source!r}: no such file; pass {STDLIB_HELDOUT!r} or a JSONL file whose lines have a 'prompt' or 'turns' field"
+            f"--prompts {source!r}: no such file; pass {STDLIB_HELDOUT!r}, one of the generated sets ({', '.join(SCENARIOS)}) "
+            "or a JSONL file whose lines have a 'prompt' or 'turns' field"
         )
     return path
 
@@ -71,7 +83,22 @@ def _read_lines(path: Path) -> list[str]:
         raise SpecDecError(f"could not read prompt file {path}: {err}") from err
 
 
-def _parse_line(obj: Any, where: str, lineno: int) -> BenchPrompt:
+def _image_paths(images: Any, base: Path, where: str) -> list[Path]:
+    """The line's `images` as existing paths, relative ones resolved against `base` (the JSONL file's directory)."""
+    items = images if isinstance(images, list) else [images]
+    paths = []
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise SpecDecError(f"{where}: 'images' must be a list of image file paths, got {item!r}")
+        path = Path(item).expanduser()
+        path = path if path.is_absolute() else base / path
+        if not path.is_file():
+            raise SpecDecError(f"{where}: image {item!r} not found (looked for {path}); image paths are relative to the JSONL file")
+        paths.append(path)
+    return paths
+
+
+def _parse_line(obj: Any, where: str, lineno: int, base: Path) -> BenchPrompt:
     if not isinstance(obj, dict):
         raise SpecDecError(f"{where}: expected a JSON object with a 'prompt' or 'turns' field, got {type(obj).__name__}")
     if "turns" in obj:
@@ -92,19 +119,35 @@ def _parse_line(obj: Any, where: str, lineno: int) -> BenchPrompt:
         id=str(ident),
         turns=list(turns),
         reference=reference,
-        images=images if isinstance(images, list) else [images],
+        images=_image_paths(images, base, where) if images else [],
         language=str(language) if language is not None else None,
     )
 
 
+def _scenario_prompts(name: str, limit: int | None) -> list[BenchPrompt]:
+    """A generated scenes-* set: its default size, or `limit` items when more are asked for."""
+    from specdec.multimodal.scenes import scenario_items
+
+    items = scenario_items(name, max(SCENARIO_SIZE, limit or 0))
+    return [BenchPrompt(id=item.id, turns=[item.prompt], reference=item.answer, images=list(item.images)) for item in items]
+
+
 def load_prompts(path: str | Path, limit: int | None = None) -> list[BenchPrompt]:
-    """Parse a JSONL(.gz) prompt file. Errors name file and line.
+    """Parse a JSONL(.gz) prompt file, or generate a scenes-* set given its name (a `str`). Errors name file and line.
 
     `limit` keeps N items spread evenly over the file (indices round(i * total / N)), so a
     file sorted by topic or module is sampled across its whole range, not at its head.
+    A scenes-* set has `SCENARIO_SIZE` items (or `limit`, if larger), sampled the same way.
     """
-    path = Path(path)
+    from specdec.multimodal.scenes import SCENARIOS
+
     prompts: list[BenchPrompt] = []
+    if isinstance(path, str) and path in SCENARIOS:
+        prompts = _scenario_prompts(path, limit)
+        if limit is not None and limit < len(prompts):
+            prompts = [prompts[round(i * len(prompts) / limit)] for i in range(limit)]
+        return prompts
+    path = Path(path)
     for lineno, line in enumerate(_read_lines(path), start=1):
         if not line.strip():
             continue
@@ -113,7 +156,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[BenchPrompt
             obj = json.loads(line)
         except json.JSONDecodeError as err:
             raise SpecDecError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON object") from err
-        prompts.append(_parse_line(obj, where, lineno))
+        prompts.append(_parse_line(obj, where, lineno, path.parent))
     if not prompts:
         raise SpecDecError(f"prompt file {path} has no prompts; each line must be a JSON object with a 'prompt' or 'turns' field")
     if limit is not None and limit < len(prompts):

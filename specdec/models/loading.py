@@ -21,6 +21,8 @@ from specdec.errors import SpecDecError
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_PAIR = ASSETS / "pair"
+BUNDLED_LVLM = ASSETS / "lvlm"
+"""the bundled tiny LLaVA-style pair (trained by `specdec train lvlm`)"""
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -44,7 +44,7 @@ class LvlmSize:
     text_layers: int
     text_heads: int
     image_size: int = 96
-    patch_size: int = 12
+    patch_size: int = 16
     max_positions: int = 1024
 
     @property

@@ -1,0 +1,1 @@
+"""Multimodal (LLaVA-style) prompts, drafting views and synthetic scene data."""
