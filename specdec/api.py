@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from PIL import Image
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.drafting.base import TreePolicy
 from specdec.engine import EngineOutput, SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
@@ -27,9 +29,20 @@ from specdec.models.loading import (
     resolve_device,
 )
 from specdec.multimodal.inputs import check_placeholders, count_placeholders, encode_multimodal, is_multimodal, same_image_encoding
-from specdec.multimodal.views import FullView, PromptView, TextOnlyView
+from specdec.multimodal.views import (
+    CaptionView,
+    FullView,
+    ModelCaptioner,
+    PassThroughView,
+    PooledImageView,
+    PromptView,
+    TextOnlyView,
+    TruncatedView,
+    parse_views,
+)
 from specdec.sampling import SamplingParams
 from specdec.sources.base import DraftSource
+from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource
 from specdec.sources.lookup import LookupDraftSource
 from specdec.sources.model import ModelDraftSource
 from specdec.stats import GenerationStats
@@ -80,7 +93,7 @@ def rule_options(verify: str | None, verify_options: Mapping[str, Any] | None = 
     return options
 
 
-DRAFT_SOURCES = ("model", "lookup")
+DRAFT_SOURCES = ("model", "lookup", "tabed")
 """every `--draft-source` name"""
 
 
@@ -89,6 +102,20 @@ def check_draft_source(draft_source: str, lookup_ngram: int) -> None:
         raise SpecDecError(f"--draft-source {draft_source!r} is not known; choose one of {', '.join(DRAFT_SOURCES)}")
     if not isinstance(lookup_ngram, int) or lookup_ngram < 1:
         raise SpecDecError(f"--lookup-ngram {lookup_ngram!r} must be a positive integer")
+
+
+def make_ensemble_config(options: Mapping[str, Any] | EnsembleConfig | None, num_views: int) -> EnsembleConfig:
+    """EnsembleConfig from a mapping of its fields (a SpecDecError names an unknown field or bad value)."""
+    if isinstance(options, EnsembleConfig):
+        config = dataclasses.replace(options)
+    else:
+        names = {f.name for f in dataclasses.fields(EnsembleConfig)}
+        unknown = sorted(set(options or {}) - names)
+        if unknown:
+            raise SpecDecError(f"ensemble option(s) {', '.join(unknown)} are not known; use {', '.join(sorted(names))}")
+        config = EnsembleConfig(**dict(options or {}))
+    config.validate(num_views)
+    return config
 
 
 class SpeculativeDecoder:
@@ -107,10 +134,14 @@ class SpeculativeDecoder:
         lookup_ngram: int = 3,
         processor: Any = None,
         draft_processor: Any = None,
+        views: str | Sequence[str] = "M,T",
+        ensemble_options: Mapping[str, Any] | None = None,
         **method_options: Any,
     ) -> None:
         """processor / draft_processor: the image+text processors of LLaVA-family models
         (prompts with images need the target's);
+        views, ensemble_options: for draft_source="tabed", the drafting views ("M,T,C,P",
+        tailN) and the weight rule (EnsembleConfig fields: policy, distance, window, ...);
         verify_options: options of the accept rule, e.g. {"theta": 0.9} for verify="mars";
         mars_theta: shorthand for verify_options={"theta": mars_theta};
         draft_source: "model" (the draft model) or "lookup" (n-gram prompt lookup, no draft
@@ -118,6 +149,9 @@ class SpeculativeDecoder:
         check_draft_source(draft_source, lookup_ngram)
         self.draft_source = draft_source
         self.lookup_ngram = lookup_ngram
+        self.view_names = parse_views(views)
+        self.ensemble_config = make_ensemble_config(ensemble_options, len(self.view_names))
+        self._views: list[PromptView] | None = None
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -127,12 +161,8 @@ class SpeculativeDecoder:
         self.method = method
         self.verify = verify
         self.verify_options = rule_options(verify, verify_options, mars_theta)
-        self.policy = make_policy(method, **method_options)
-        if self.policy.uses_draft and draft is None and draft_source == "model":
-            raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH, use --draft-source lookup, or use --method ar")
-        bind = getattr(self.policy, "bind_models", None)
-        if callable(bind):  # cost-aware policies (cast) find or measure the pair's cost profile
-            bind(target, draft)
+        self.method_options = dict(method_options)
+        self.policy = self.make_policy(method)
         limits = [c for c in (context_length(target), context_length(draft) if draft is not None else None) if c]
         self.max_context = min(limits) if limits else None
         self.eos_token_ids = eos_token_ids(target, tokenizer)
@@ -152,6 +182,8 @@ class SpeculativeDecoder:
         mars_theta: float | None = None,
         draft_source: str = "model",
         lookup_ngram: int = 3,
+        views: str | Sequence[str] = "M,T",
+        ensemble_options: Mapping[str, Any] | None = None,
         **method_options: Any,
     ) -> SpeculativeDecoder:
         """Load from local folders or hub ids; with neither given, the bundled pair.
@@ -161,6 +193,7 @@ class SpeculativeDecoder:
         make_policy(method, **method_options)  # fail on bad options before loading anything
         options = rule_options(verify, verify_options, mars_theta)
         check_draft_source(draft_source, lookup_ngram)
+        make_ensemble_config(ensemble_options, len(parse_views(views)))
         if target is None:
             target = bundled_target()
             draft = draft or bundled_draft()
@@ -168,7 +201,7 @@ class SpeculativeDecoder:
         tokenizer = load_tokenizer(target, "target")
         processor = load_processor(target, "target") if is_multimodal_source(target, "target") else None
         draft_model = draft_processor = None
-        if method != "ar" and draft_source == "model":
+        if method != "ar" and draft_source in ("model", "tabed"):
             if draft is None:
                 raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH or use --method ar")
             check_same_tokenizer(tokenizer, load_tokenizer(draft, "draft"))
@@ -178,7 +211,8 @@ class SpeculativeDecoder:
         target_model = load_model(target, "target", dev, dtype)
         return cls(
             target_model, tokenizer, draft_model, method=method, verify=verify, verify_options=options,
-            draft_source=draft_source, lookup_ngram=lookup_ngram, processor=processor, draft_processor=draft_processor, **method_options,
+            draft_source=draft_source, lookup_ngram=lookup_ngram, processor=processor, draft_processor=draft_processor,
+            views=views, ensemble_options=ensemble_options, **method_options,
         )
 
     def draft_view(self) -> PromptView | None:
@@ -193,21 +227,74 @@ class SpeculativeDecoder:
             return None
         return FullView(self.draft_processor)
 
-    def make_source(self) -> DraftSource | None:
-        """A fresh draft source for one engine run (None for plain AR)."""
-        if not self.policy.uses_draft:
+    def make_policy(self, method: str) -> TreePolicy:
+        """A fresh tree policy for `method`: with this decoder's method options when it is the
+        decoder's own method, with the method's defaults otherwise; bound to the models."""
+        policy = make_policy(method, **(self.method_options if method == self.method else {}))
+        if policy.uses_draft and self.draft is None and self.draft_source in ("model", "tabed"):
+            raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH, use --draft-source lookup, or use --method ar")
+        bind = getattr(policy, "bind_models", None)
+        if callable(bind):  # cost-aware policies (cast) find or measure the pair's cost profile
+            bind(self.target, self.draft)
+        return policy
+
+    def make_source(self, policy: TreePolicy | None = None) -> DraftSource | None:
+        """A fresh draft source for one engine run of `policy` (default: the decoder's); None for plain AR."""
+        if not (policy or self.policy).uses_draft:
             return None
         if self.draft_source == "lookup":
             return LookupDraftSource(vocab_size=self.target.get_output_embeddings().weight.shape[0], max_ngram=self.lookup_ngram)
-        return ModelDraftSource(self.draft, view=self.draft_view()) if self.draft is not None else None
+        if self.draft is None:
+            return None
+        if self.draft_source == "tabed":
+            return EnsembleDraftSource(self.draft, self.ensemble_views(), dataclasses.replace(self.ensemble_config))
+        return ModelDraftSource(self.draft, view=self.draft_view())
+
+    def ensemble_views(self) -> list[PromptView]:
+        """The TABED views (built once; the caption view keeps its captions across calls)."""
+        if self._views is None:
+            self._views = [self._make_view(name) for name in self.view_names]
+        return self._views
+
+    def _make_view(self, name: str) -> PromptView:
+        assert self.draft is not None
+        vision_draft = is_multimodal(self.draft)
+        if name.startswith("tail"):
+            return TruncatedView(int(name[4:]), self.tokenizer)
+        if name == "T":
+            return TextOnlyView(self.tokenizer)
+        if not self.multimodal:
+            if name == "M":
+                return PassThroughView()
+            raise SpecDecError(f"view {name} needs a vision-language pair; for a text pair use M, T (the same for text) or tailN, e.g. --views M,tail64")
+        if not vision_draft:
+            raise SpecDecError(f"view {name} needs a vision-language draft; with a text-only draft use T or tailN")
+        draft_processor = self.draft_processor or self.processor
+        if name == "M":
+            view = self.draft_view()
+            return view if view is not None else PassThroughView()
+        if name == "C":
+            return CaptionView(self.tokenizer, ModelCaptioner(self.draft, draft_processor))
+        return PooledImageView(self.draft, draft_processor)
 
     def engine(self, verify: str) -> SpeculativeEngine:
-        source = self.make_source()
+        """An engine with the decoder's policy (shared across calls, so adaptive policies keep learning)."""
+        return self._engine(self.policy, verify, self.verify_options)
+
+    def make_engine(self, method: str | None = None, verify: str = "greedy", verify_options: Mapping[str, Any] | None = None) -> SpeculativeEngine:
+        """A new engine over the shared models with its own KV caches, draft source and policy
+        (`make_policy`): `method` (default: the decoder's), accept rule `verify` with
+        `verify_options` (default: the decoder's when `verify` is its rule, else none)."""
+        if verify_options is None:
+            verify_options = self.verify_options if verify == self.verify else {}
+        return self._engine(self.make_policy(method or self.method), verify, verify_options)
+
+    def _engine(self, policy: TreePolicy, verify: str, verify_options: Mapping[str, Any]) -> SpeculativeEngine:
         return SpeculativeEngine(
             self.target,
-            self.policy,
-            make_rule(verify, **self.verify_options),
-            source,
+            policy,
+            make_rule(verify, **verify_options),
+            self.make_source(policy),
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             max_context=self.max_context,

@@ -1,4 +1,4 @@
-"""The `specdec` command: generate, bench, sweep, train, profile."""
+"""The `specdec` command: generate, serve, bench, bench-serve, sweep, train, profile."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specdec.errors import SpecDecError
+from specdec.models.loading import bundled_lvlm_draft, bundled_lvlm_target
 from specdec.parsing import parse_int_list
 
 EXIT_USAGE = 2
@@ -63,8 +64,15 @@ def add_method_args(
     p.add_argument(
         "--mars-theta", type=float, default=None, help="--verify mars: logit-ratio threshold theta > 0 (default 0.9); theta >= 1 disables the relaxation"
     )
-    p.add_argument("--draft-source", default="model", help="model (the draft model, default) or lookup (n-gram prompt lookup: no draft model)")
+    p.add_argument(
+        "--draft-source", default="model",
+        help="model (the draft model, default), lookup (n-gram prompt lookup: no draft model) or tabed (an adaptive ensemble of --views of the draft)",
+    )
     p.add_argument("--lookup-ngram", type=int, default=3, help="lookup: longest n-gram matched (3)")
+    p.add_argument("--views", default="M,T", help="tabed: drafting views, from M (image+text), T (text only), C (caption), P (pooled image), tailN (last N tokens); default M,T")
+    p.add_argument("--tabed-policy", default="grid", help="tabed: weight policy grid (default), softmax, static, random or fixed")
+    p.add_argument("--tabed-distance", default="kl", help="tabed: kl (default), tv or hard")
+    p.add_argument("--tabed-window", default="all", help="tabed: past positions scored (a positive integer, or all)")
     g = p.add_argument_group("method options (defaults: each method's own)")
     g.add_argument("--k", type=int, default=None, help="chain: draft tokens per step (5)")
     g.add_argument("--depth", type=int, default=None, help="static/eagle2/cast: tree depth (4 / 6 / 13 at batch 1 ... 9 at batch >= 8)")
@@ -157,6 +165,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def ensemble_options(args: argparse.Namespace) -> dict:
+    """--tabed-* flags as EnsembleConfig fields."""
+    window = args.tabed_window
+    if window != "all":
+        try:
+            window = int(window)
+        except ValueError:
+            raise SpecDecError(f"--tabed-window {window!r} must be a positive integer or 'all'") from None
+    return {"policy": args.tabed_policy, "distance": args.tabed_distance, "window": None if window == "all" else window}
+
+
 def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
     add_model_args(gen)
@@ -164,6 +183,10 @@ def _add_generate(sub) -> None:
     add_sampling_args(gen)
     gen.add_argument("--prompt", default=None, help="the text to continue")
     gen.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    gen.add_argument(
+        "--image", action="append", default=[],
+        help="an image for a vision-language target (repeat for several; one <image> in the prompt per image); without --target the bundled LVLM pair is used",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON line: text, token_ids, stats")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     gen.set_defaults(func=_cmd_generate)
@@ -183,9 +206,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     options = collect_method_options(args, args.method)
     if args.mars_theta is not None and args.verify != "mars":
         raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
+    target, draft = args.target, args.draft
+    if args.image and target is None:  # images: the bundled vision-language pair
+        target, draft = bundled_lvlm_target(), draft or bundled_lvlm_draft()
     decoder = SpeculativeDecoder.from_pretrained(
-        args.target, args.draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta,
-        draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, **options,
+        target, draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta,
+        draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, views=args.views, ensemble_options=ensemble_options(args), **options,
     )
     stream = None
     if args.stream and not args.json:
@@ -200,7 +226,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             printed[0] = text
 
     result = decoder.generate(
-        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=stream
+        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=stream,
+        images=args.image or None,
     )
     stats = result.stats.summary()
     if args.json:
@@ -217,6 +244,112 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         + (f", {result.stats.relaxed_tokens} relaxed tokens, {result.stats.strict_fallbacks} strict fallbacks" if args.verify == "mars" else ""),
         file=sys.stderr,
     )
+    return 0
+
+
+def _add_serve(sub) -> None:
+    srv = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with batched speculative decoding",
+        description="Serves the target (default: the bundled pair) with --method/--verify as defaults; requests may pick another "
+        "method, rule or MARS theta in their `specdec` field. Design, API and metrics: docs/serving.md.",
+    )
+    add_model_args(srv)
+    add_method_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 for every interface)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port (8000)")
+    srv.add_argument("--max-batch-size", type=int, default=8, help="rows decoded at once, over all lanes (8)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get HTTP 429 (64)")
+    srv.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists (default: the target's name)")
+    srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level (info)")
+    srv.set_defaults(func=_cmd_serve)
+
+
+def _check_server_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise SpecDecError(f"--port {args.port} is not a TCP port; give a number from 1 to 65535")
+    if args.max_batch_size < 1:
+        raise SpecDecError(f"--max-batch-size {args.max_batch_size} must be a positive integer")
+    if args.max_queue < 0:
+        raise SpecDecError(f"--max-queue {args.max_queue} must be 0 or more")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from specdec.api import SpeculativeDecoder
+    from specdec.serve import create_app, serve
+
+    _check_server_args(args)
+    options = collect_method_options(args, args.method)
+    if args.mars_theta is not None and args.verify != "mars":
+        raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
+    decoder = SpeculativeDecoder.from_pretrained(
+        args.target, args.draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta,
+        draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, views=args.views, ensemble_options=ensemble_options(args), **options,
+    )
+    app = create_app(decoder, model_name=args.model_name, max_batch_size=args.max_batch_size, max_queue=args.max_queue)
+    print(f"specdec: serving {app.state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _add_bench_serve(sub) -> None:
+    from specdec.bench.serving import DEFAULT_CONCURRENCY, DEFAULT_METHODS
+
+    bench = sub.add_parser(
+        "bench-serve",
+        help="benchmark `specdec serve` per method under 1..N concurrent streaming clients: throughput, TTFT, TPOT, speedup over AR",
+        description="For each --methods item, starts the server in-process on a free port and runs every --concurrency level "
+        "against it; writes report.md, results.json and serve.png into --out.",
+    )
+    bench.add_argument("--prompts", default="stdlib-heldout", help="'stdlib-heldout' (the bundled set) or a JSONL(.gz) file with 'prompt' or 'turns' lines")
+    add_model_args(bench)
+    add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS)
+    bench.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help=f"comma-separated numbers of concurrent clients ({DEFAULT_CONCURRENCY})")
+    bench.add_argument("--requests-per-client", type=int, default=4, help="requests each client sends, one after another (4)")
+    bench.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (64)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (0 = greedy)")
+    bench.add_argument("--num-prompts", type=int, default=0, help="N prompts spread evenly over the set (0 = all)")
+    bench.add_argument("--max-batch-size", type=int, default=None, help="the server's --max-batch-size (default: the largest --concurrency)")
+    bench.add_argument("--out", required=True, help="output folder: report.md, results.json, serve.png")
+    bench.set_defaults(func=_cmd_bench_serve)
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from specdec.bench.serving import ServeBenchConfig, run_serve_bench
+    from specdec.bench.variants import parse_method_specs
+    from specdec.methods import POLICY_CLASSES
+
+    specs = parse_method_specs(args.methods)
+    engine_methods = list(dict.fromkeys(spec.method for spec in specs if spec.method in POLICY_CLASSES))
+    if args.verify not in ("auto", "greedy", "sampling", "mars"):
+        raise SpecDecError(f"--verify {args.verify!r}: bench-serve takes one accept rule (greedy, sampling, mars or auto); give others per item, e.g. chain@mars")
+    if args.mars_theta is not None and args.verify != "mars" and not any(spec.rule == "mars" for spec in specs):
+        raise SpecDecError(f"--mars-theta applies only to --verify mars or items METHOD@mars (got --verify {args.verify})")
+    if args.num_prompts < 0:
+        raise SpecDecError(f"--num-prompts {args.num_prompts} must be 0 (all) or more")
+    config = ServeBenchConfig(
+        prompts=args.prompts,
+        out=args.out,
+        methods=[spec.text for spec in specs],
+        concurrency=parse_int_list(args.concurrency, "--concurrency"),
+        requests_per_client=args.requests_per_client,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        num_prompts=args.num_prompts or None,
+        max_batch_size=args.max_batch_size,
+        target=args.target,
+        draft=args.draft,
+        device=args.device,
+        dtype=args.dtype,
+        method_options={m: collect_method_options(args, m, strict=False) for m in engine_methods},
+        mars_theta=args.mars_theta,
+        verify=args.verify,
+        decoder_options={
+            "draft_source": args.draft_source, "lookup_ngram": args.lookup_ngram, "views": args.views, "ensemble_options": ensemble_options(args),
+        },
+    )
+    outputs = run_serve_bench(config, getattr(args, "argv", ()))
+    print(f"report: {outputs.report}\nresults: {outputs.results}\nplot: {outputs.plot}")
     return 0
 
 
@@ -416,6 +549,12 @@ def _add_train(sub) -> None:
     lvlm.add_argument("--bundle", action="store_true", help="copy the result into the package (the default LVLM pair)")
     lvlm.set_defaults(func=_cmd_train_lvlm)
 
+    evl = tsub.add_parser("evaluate-lvlm", help="LVLM model-card figures: exact match per scene task with and without the image, latency")
+    add_model_args(evl)
+    evl.add_argument("--per-task", type=int, default=40, help="evaluation examples per task")
+    evl.add_argument("--out", default=None, help="also write the figures to this JSON file")
+    evl.set_defaults(func=_cmd_train_evaluate_lvlm)
+
     ev = tsub.add_parser("evaluate", help="model-card figures: held-out perplexity, top-1 agreement, latency")
     add_model_args(ev)
     ev.add_argument("--corpus", nargs="*", default=[], help="the corpus the pair was trained on (default: the standard library)")
@@ -487,6 +626,24 @@ def _cmd_train_lvlm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_evaluate_lvlm(args: argparse.Namespace) -> int:
+    from specdec.api import SpeculativeDecoder
+    from specdec.training.lvlm_eval import evaluate_lvlm
+
+    if args.per_task < 1:
+        raise SpecDecError(f"--per-task={args.per_task} must be a positive integer")
+    target, draft = args.target or bundled_lvlm_target(), args.draft or (None if args.target else bundled_lvlm_draft())
+    decoder = SpeculativeDecoder.from_pretrained(target, draft, method="chain", device=args.device, dtype=args.dtype)
+    if not decoder.multimodal or decoder.draft is None:
+        raise SpecDecError("evaluate-lvlm needs a vision-language target and draft")
+    figures = evaluate_lvlm(decoder.target, decoder.draft, decoder.processor, per_task=args.per_task)
+    text = json.dumps(figures, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def _cmd_train_bundle(args: argparse.Namespace) -> int:
     from specdec.training.pair import bundle_pair
 
@@ -548,14 +705,53 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_tabed(sub) -> None:
+    b = sub.add_parser("bench-tabed", help="TABED: block efficiency of drafting views and ensembles per multimodal scenario")
+    add_model_args(b)
+    b.add_argument("--scenarios", default="scenes-first-turn,scenes-second-turn,scenes-ood", help="comma-separated scenario prompt sets")
+    b.add_argument("--gammas", default="3,5,7", help="chain lengths (draft tokens per step)")
+    b.add_argument("--widths", default="2,3", help="tree widths d (trees: depth 5, top-d expansion, 5d nodes)")
+    b.add_argument("--num-prompts", type=int, default=24)
+    b.add_argument("--max-new-tokens", type=int, default=48)
+    b.add_argument("--no-ablations", action="store_true", help="skip the window/distance ablations")
+    b.add_argument("--out", required=True, help="output folder: report.md, results.json, plots")
+    b.set_defaults(func=_cmd_bench_tabed)
+
+
+def _cmd_bench_tabed(args: argparse.Namespace) -> int:
+    import shlex
+
+    from specdec.api import SpeculativeDecoder
+    from specdec.bench.tabed import run_tabed_bench
+    from specdec.multimodal.scenes import check_scenario
+
+    scenarios = [check_scenario(s.strip()) for s in args.scenarios.split(",") if s.strip()]
+    gammas = parse_int_list(args.gammas, "--gammas")
+    widths = parse_int_list(args.widths, "--widths")
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise SpecDecError("--num-prompts and --max-new-tokens must be positive integers")
+    target, draft = args.target or bundled_lvlm_target(), args.draft or (None if args.target else bundled_lvlm_draft())
+    decoder = SpeculativeDecoder.from_pretrained(target, draft, method="chain", device=args.device, dtype=args.dtype)
+    command = "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    run_tabed_bench(
+        decoder, Path(args.out), scenarios, gammas, widths, args.num_prompts, args.max_new_tokens, ablations=not args.no_ablations, command=command,
+        log=lambda line: print(line, flush=True),
+    )
+    print(f"report written to {Path(args.out) / 'report.md'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
+    _add_serve(sub)
     _add_bench(sub)
+    _add_bench_serve(sub)
     _add_sweep(sub)
     _add_train(sub)
     _add_profile(sub)
+    _add_bench_tabed(sub)
     return parser
 
 

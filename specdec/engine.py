@@ -4,11 +4,16 @@ One loop serves every method: the tree policy decides the shape, the draft sourc
 draft distributions, the accept rule picks the path. Plain autoregressive decoding is the
 policy that drafts nothing (each step verifies only the root). Rows of a batch are decoded
 together; each keeps its own tree, acceptance and stopping point.
+
+The loop runs step by step in a `DecodeSession` (a rolling batch: prompts are submitted at
+any time, join free rows at a step boundary and leave when they finish or are cancelled);
+`SpeculativeEngine.generate` submits a fixed list of prompts and steps until all are done.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,9 +25,10 @@ from specdec.drafting.builder import DraftContext
 from specdec.errors import SpecDecError
 from specdec.models.runner import ModelRunner
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
-from specdec.sampling import SamplingParams, choose_tokens
+from specdec.sampling import SamplingParams, choose_tokens, logits_to_logprobs
 from specdec.sources.base import DraftSource
 from specdec.stats import GenerationStats, StepRecord
+from specdec.tree import TokenTree
 from specdec.verification.base import AcceptRule
 
 StreamCallback = Callable[[int, list[int]], None]
@@ -41,8 +47,63 @@ class EngineOutput:
     steps: list[StepRecord] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class DecodeRequest:
+    """One prompt submitted to a `DecodeSession`; its output grows as steps commit tokens."""
+
+    index: int
+    """submission order within the session (`StepRecord.prompt_index` of its row)"""
+    prompt: Sequence[int]
+    """token ids, or a `MultimodalPrompt`"""
+    max_new_tokens: int
+    on_tokens: TokenCallback | None = None
+    """called in the stepping thread with (request, newly committed token ids)"""
+    seed: int | None = None
+    """reseeds the session's generator when the request starts a fresh batch (see `DecodeSession.submit`)"""
+    token_ids: list[int] = field(default_factory=list)
+    """generated tokens so far (prompt excluded), EOS included when it ended the sequence"""
+    finish_reason: str | None = None
+    """None while waiting or running; then 'eos', 'length' or the reason given to `DecodeSession.cancel`"""
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    submitted_at: float = 0.0
+    admitted_at: float | None = None
+    """when its prefill began (None while it waits for a row)"""
+    forward_s_at_admission: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def running(self) -> bool:
+        """Holds a batch row and has not finished."""
+        return self.admitted_at is not None and not self.done
+
+
+TokenCallback = Callable[[DecodeRequest, list[int]], None]
+"""on_tokens(request, new_token_ids): a request's newly committed tokens (after EOS/budget cuts)"""
+
+
+def path_target_logprobs(logits: torch.Tensor, accepted_nodes: list[list[int]], active: list[bool], params: SamplingParams) -> list[torch.Tensor | None]:
+    """Per row, the target's log-distributions [1 + len(path), V] (after `params`) at the
+    root and at each accepted node: the distributions that decided each committed token.
+    logits: [B, N, V] of the verify forward. Inactive rows get None."""
+    out: list[torch.Tensor | None] = []
+    for row, path in enumerate(accepted_nodes):
+        if not active[row]:
+            out.append(None)
+            continue
+        index = torch.tensor([0, *path], dtype=torch.long, device=logits.device)
+        out.append(logits_to_logprobs(logits[row, index], params))
+    return out
+
+
 class SpeculativeEngine:
-    """Target model + tree policy + draft source + accept rule."""
+    """Target model + tree policy + draft source + accept rule.
+
+    The engine owns the KV caches (of its target `ModelRunner` and its draft source), so it
+    runs one `DecodeSession` at a time; build one engine per concurrent session.
+    """
 
     def __init__(
         self,
@@ -75,26 +136,39 @@ class SpeculativeEngine:
             mask[row, width - len(prompt) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
+    def check_prompt(self, prompt: Sequence[int], max_new_tokens: int, name: str = "the prompt") -> None:
+        """A SpecDecError naming `name` when the prompt cannot be decoded (empty, images for a
+        text-only target, longer than the context with max_new_tokens)."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise SpecDecError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+        if isinstance(prompt, MultimodalPrompt) and prompt.model_inputs and not self.multimodal:
+            raise SpecDecError(
+                f"{name} has {len(prompt.images)} image(s) but the target is a text-only model; "
+                "use a vision-language (LLaVA-family) target or drop the images"
+            )
+        if len(prompt) == 0:
+            raise SpecDecError(f"{name} is empty (0 tokens); give at least one token of text")
+        if self.max_context is not None and len(prompt) + max_new_tokens > self.max_context:
+            if len(prompt) >= self.max_context:
+                raise SpecDecError(f"{name} has {len(prompt)} tokens but the model's context is {self.max_context}; shorten the prompt")
+            raise SpecDecError(
+                f"{name} ({len(prompt)} tokens) + max_new_tokens={max_new_tokens} exceeds the model's context of "
+                f"{self.max_context} tokens; lower max_new_tokens to at most {self.max_context - len(prompt)}"
+            )
+
     def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         if not prompts:
             raise SpecDecError("no prompts given; pass at least one prompt")
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpecDecError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
         for i, prompt in enumerate(prompts):
-            if isinstance(prompt, MultimodalPrompt) and prompt.model_inputs and not self.multimodal:
-                raise SpecDecError(
-                    f"prompt {i} has {len(prompt.images)} image(s) but the target is a text-only model; "
-                    "use a vision-language (LLaVA-family) target or drop the images"
-                )
-            if len(prompt) == 0:
-                raise SpecDecError(f"prompt {i} is empty (0 tokens); give at least one token of text")
-            if self.max_context is not None and len(prompt) + max_new_tokens > self.max_context:
-                if len(prompt) >= self.max_context:
-                    raise SpecDecError(f"prompt {i} has {len(prompt)} tokens but the model's context is {self.max_context}; shorten the prompt")
-                raise SpecDecError(
-                    f"prompt {i} ({len(prompt)} tokens) + max_new_tokens={max_new_tokens} exceeds the model's context of "
-                    f"{self.max_context} tokens; lower max_new_tokens to at most {self.max_context - len(prompt)}"
-                )
+            self.check_prompt(prompt, max_new_tokens, f"prompt {i}")
+
+    def session(
+        self, params: SamplingParams | None = None, seed: int | None = None, max_rows: int | None = None, keep_steps: bool = False
+    ) -> DecodeSession:
+        """A step-by-step decode loop over this engine (see `DecodeSession`)."""
+        return DecodeSession(self, params, seed=seed, max_rows=max_rows, keep_steps=keep_steps)
 
     def generate(
         self,
@@ -119,141 +193,28 @@ class SpeculativeEngine:
         batch_size = len(prompts) if batch_size is None else batch_size
         if not isinstance(batch_size, int) or batch_size < 1:
             raise SpecDecError(f"batch_size={batch_size!r} must be a positive integer")
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        elif not params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.seed()
-        run = _Run(prompts, max_new_tokens, stream, self.eos_token_ids)
+        session = self.session(params, seed=seed, max_rows=batch_size, keep_steps=keep_steps)
+        on_tokens: TokenCallback | None = None
+        if stream is not None:
+            def on_tokens(request: DecodeRequest, tokens: list[int]) -> None:
+                stream(request.index, tokens)
+
         forward_s0 = self._forward_s()
-        t_start = time.perf_counter()
-
-        queue = list(range(len(prompts)))
-        rows: list[int] = queue[:batch_size]  # prompt index held by each batch row
-        del queue[:batch_size]
-        ids, mask = self._left_pad([prompts[i] for i in rows])
-        roots = self._admit(rows, ids, mask, None, params, generator, run, t_start)
-        rows, roots = self._retire_and_admit(rows, roots, queue, params, generator, run, t_start)
-
-        records: list[StepRecord] = []
-        step = 0
-        while rows:
-            active = torch.tensor([not run.done[i] for i in rows], dtype=torch.bool)
-            remaining = max(max_new_tokens - len(run.outputs[i]) for i in rows if not run.done[i])
-            ctx = DraftContext(
-                params=params,
-                generator=generator,
-                max_depth=max(0, remaining - 1),
-                active=active.to(self.device),
-                context_len=self.target.committed_len(),
-            )
-            t0 = time.perf_counter()
-            tree, builder, origin = self.policy.draft(self.source, roots, ctx)
-            t1 = time.perf_counter()
-            positions = self.target.committed_len()[:, None] + tree.depths  # [B, N]
-            logits = self.target.forward(tree.tokens, positions, tree.ancestor_mask())  # [B, N, V]
-            verdict = self.rule.verify(tree, logits, params, generator)
-            t2 = time.perf_counter()
-            self._commit(tree, verdict.accepted_nodes)
-            if builder is not None and self.source is not None:
-                self.source.end_step(builder, [origin[r, path].tolist() if path else [] for r, path in enumerate(verdict.accepted_nodes)])
-            was_active = active.tolist()
-            committed = [0] * len(rows)
-            for r, prompt_index in enumerate(rows):
-                if was_active[r]:
-                    new = tree.tokens[r, verdict.accepted_nodes[r]].tolist() + [int(verdict.bonus_tokens[r])]
-                    committed[r] = run.append(prompt_index, new)
-            record = StepRecord(
-                step=step,
-                active=was_active,
-                drafted=[d if a else 0 for d, a in zip(tree.drafted_per_row().tolist(), was_active, strict=True)],
-                accepted_len=[len(p) if a else 0 for p, a in zip(verdict.accepted_nodes, was_active, strict=True)],
-                committed=committed,
-                relaxed=verdict.relaxed,
-                strict_fallbacks=verdict.strict_fallbacks,
-                tree_depth=tree.max_depth(),
-                draft_s=t1 - t0,
-                verify_s=t2 - t1,
-                drafted_by_depth=self._drafted_by_depth(tree),
-                accepted_depth=[len(p) for p in verdict.accepted_nodes],
-                prompt_index=list(rows),
-            )
-            for r, prompt_index in enumerate(rows):
-                if was_active[r]:
-                    stats = run.stats[prompt_index]
-                    stats.add_step(record, r)
-                    stats.draft_s += record.draft_s
-                    stats.verify_s += record.verify_s
-            if keep_steps:
-                records.append(record)
-            self.policy.feedback(record)
-            if self.source is not None:
-                self.source.feedback(record)
-            roots = verdict.bonus_tokens.to(self.device)
-            step += 1
-            rows, roots = self._retire_and_admit(rows, roots, queue, params, generator, run, t_start)
-
+        requests = [session.submit(prompt, max_new_tokens, on_tokens) for prompt in prompts]
+        while not session.idle:
+            session.step()
         forward_s = self._forward_s() - forward_s0
         results = []
-        for i in range(len(prompts)):
-            stats = run.stats[i]
-            stats.new_tokens = len(run.outputs[i])
-            stats.forward_s = forward_s
-            results.append(EngineOutput(token_ids=run.outputs[i], finish_reason=run.finish[i], stats=stats, steps=records))
+        for request in requests:
+            request.stats.forward_s = forward_s  # every row carries the call's total (`batch_stats`)
+            assert request.finish_reason is not None
+            results.append(EngineOutput(token_ids=request.token_ids, finish_reason=request.finish_reason, stats=request.stats, steps=session.records))
         return results
 
     def _forward_s(self) -> float:
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
 
-    def _admit(self, rows, ids, mask, batch_rows, params, generator, run, t_start) -> torch.Tensor:
-        """Prefill prompts `rows` (into batch rows `batch_rows`, or as a new batch when None);
-        choose and append their first tokens; return those tokens [len(rows)]."""
-        t0 = time.perf_counter()
-        # target_logits: [B', V], the distribution of each admitted prompt's first new token
-        prompts = [run.prompts[i] for i in rows]
-        model_inputs = batch_model_inputs(prompts, self.device)  # pixel values of multimodal prompts
-        if batch_rows is None:
-            target_logits = self.target.prefill(ids, mask, model_inputs)
-        else:
-            target_logits = self.target.replace_rows(batch_rows, ids, mask, model_inputs)
-        if self.source is not None:
-            self.source.prefill(ids, mask, batch_rows, prompts=prompts)
-        first = choose_tokens(target_logits, params, generator)  # [B']
-        t1 = time.perf_counter()
-        for r, prompt_index in enumerate(rows):
-            stats = run.stats[prompt_index]
-            stats.queue_s = t0 - t_start
-            stats.prefill_s = stats.ttft_s = t1 - t0
-            run.started[prompt_index] = t0
-            run.append(prompt_index, [int(first[r])])
-        return first
-
-    def _retire_and_admit(self, rows, roots, queue, params, generator, run, t_start):
-        """Between steps: finished rows take the next waiting prompts, or leave the batch.
-
-        A prompt can finish at its first token (EOS, or max_new_tokens=1), so admission
-        repeats until every row is live or nothing waits."""
-        while admit_into := [r for r, i in enumerate(rows) if run.done[i]][: len(queue)]:
-            incoming = queue[: len(admit_into)]
-            del queue[: len(admit_into)]
-            ids, mask = self._left_pad([run.prompts[i] for i in incoming])
-            first = self._admit(incoming, ids, mask, admit_into, params, generator, run, t_start)
-            roots = roots.clone()
-            for r, prompt_index, tok in zip(admit_into, incoming, first.tolist(), strict=True):
-                rows[r] = prompt_index
-                roots[r] = tok
-        keep = [r for r, i in enumerate(rows) if not run.done[i]]
-        if len(keep) < len(rows):
-            if keep:
-                self.target.keep_rows(torch.tensor(keep, dtype=torch.long))
-                if self.source is not None:
-                    self.source.keep_rows(keep)
-            rows = [rows[r] for r in keep]
-            roots = roots[torch.tensor(keep, dtype=torch.long, device=roots.device)] if keep else roots[:0]
-        return rows, roots
-
-    def _commit(self, tree, accepted_nodes: list[list[int]]) -> None:
+    def _commit(self, tree: TokenTree, accepted_nodes: list[list[int]]) -> None:
         """Keep the root and the accepted path in the target cache (their KV from the verify forward)."""
         width = 1 + max(len(p) for p in accepted_nodes)
         keep = torch.zeros(tree.batch_size, width, dtype=torch.long, device=self.device)
@@ -264,7 +225,7 @@ class SpeculativeEngine:
         self.target.commit(keep, keep_valid)
 
     @staticmethod
-    def _drafted_by_depth(tree) -> list[list[int]]:
+    def _drafted_by_depth(tree: TokenTree) -> list[list[int]]:
         depth = tree.max_depth()
         if depth == 0:
             return [[] for _ in range(tree.batch_size)]
@@ -273,34 +234,281 @@ class SpeculativeEngine:
         return counts.tolist()
 
 
-class _Run:
-    """Per-prompt outputs and stops of one `generate` call."""
+class DecodeSession:
+    """The decode loop of one engine, one step at a time, over a rolling batch of rows.
 
-    def __init__(self, prompts, max_new_tokens: int, stream: StreamCallback | None, eos_token_ids: set[int]) -> None:
-        self.prompts = prompts
-        self.max_new_tokens = max_new_tokens
-        self.stream = stream
-        self.eos_token_ids = eos_token_ids
-        self.outputs: list[list[int]] = [[] for _ in prompts]
-        self.finish = ["length"] * len(prompts)
-        self.done = [False] * len(prompts)
-        self.started = [0.0] * len(prompts)
-        self.stats = [GenerationStats(prompt_tokens=len(p)) for p in prompts]
+    `submit` queues a prompt; `step` runs one step boundary and one speculative step:
+    finished or cancelled rows retire, waiting prompts are prefilled into free rows (a new
+    batch when none runs, extra rows while fewer than `max_rows` run), then every running
+    row drafts, verifies and commits together, and rows that finished retire (their rows
+    go to waiting prompts at once). `cancel` ends a request; its row is freed at the next
+    boundary. `idle` is True when nothing runs or waits.
 
-    def append(self, index: int, new: list[int]) -> int:
-        """Append `new` to a prompt's output, cutting at EOS and at the budget; returns the
-        number kept. Marks the prompt done (and its wall time) when it stops."""
-        room = self.max_new_tokens - len(self.outputs[index])
+    One sampling setting and one accept rule (the engine's) apply to the whole session.
+    Not thread-safe: one thread submits, cancels and steps (callbacks run inside `step`,
+    and may call `cancel`).
+    """
+
+    def __init__(
+        self, engine: SpeculativeEngine, params: SamplingParams | None = None, seed: int | None = None, max_rows: int | None = None, keep_steps: bool = False
+    ) -> None:
+        if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
+            raise SpecDecError(f"max_rows={max_rows!r} must be a positive integer (or None for no limit)")
+        self.engine = engine
+        self.params = params or SamplingParams()
+        self.max_rows = max_rows
+        self.keep_steps = keep_steps
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator(device=engine.device).manual_seed(seed)
+        elif not self.params.greedy:
+            self.generator = torch.Generator(device=engine.device)
+            self.generator.seed()
+        self.waiting: deque[DecodeRequest] = deque()
+        self.rows: list[DecodeRequest] = []
+        """the request held by each batch row"""
+        self.roots = torch.zeros(0, dtype=torch.long, device=engine.device)
+        """[len(rows)] the last committed token of each row (the root of its next tree)"""
+        self.records: list[StepRecord] = []
+        """every step's record (kept only with keep_steps)"""
+        self.steps = 0
+        self._submitted = 0
+        self._holds_cache = False
+
+    # ----- requests ------------------------------------------------------------------
+    def submit(
+        self, prompt: Sequence[int], max_new_tokens: int, on_tokens: TokenCallback | None = None, seed: int | None = None
+    ) -> DecodeRequest:
+        """Queue a prompt (checked against the context first: SpecDecError); it joins the
+        batch at the next step boundary with a free row.
+
+        seed: when the request starts a fresh batch (nothing else runs in the session), the
+        session's generator is reseeded with it, so a sampled request that runs alone is
+        reproducible; rows that share a batch share the generator (best effort)."""
+        self.engine.check_prompt(prompt, max_new_tokens)
+        request = DecodeRequest(
+            index=self._submitted,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            on_tokens=on_tokens,
+            seed=seed,
+            stats=GenerationStats(prompt_tokens=len(prompt)),
+            submitted_at=time.perf_counter(),
+        )
+        self._submitted += 1
+        self.waiting.append(request)
+        return request
+
+    def cancel(self, request: DecodeRequest, reason: str = "cancelled") -> None:
+        """End a request now with `finish_reason` = reason: a waiting one never starts, a
+        running one keeps its tokens so far and frees its row at the next step boundary."""
+        if request.done:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, reason)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing runs (no rows, finished or not) and nothing waits."""
+        return not self.rows and not self.waiting
+
+    def release(self) -> None:
+        """Free the KV caches of an idle session (its next prompt starts a fresh batch anyway);
+        does nothing while rows run."""
+        if self.rows or not self._holds_cache:
+            return
+        self.engine.target.reset(0)
+        if self.engine.source is not None:
+            self.engine.source.keep_rows([])
+        self._holds_cache = False
+
+    @property
+    def running(self) -> int:
+        """Rows decoding a request that has not finished."""
+        return sum(1 for r in self.rows if not r.done)
+
+    @property
+    def unfinished(self) -> int:
+        """Requests waiting or running."""
+        return len(self.waiting) + self.running
+
+    # ----- the loop ------------------------------------------------------------------
+    def step(self) -> StepRecord | None:
+        """One step boundary (retire, admit) and, when rows run, one draft/verify/commit step.
+        Returns the step's record, or None when no row ran."""
+        self._retire_and_admit()
+        self._fill_rows()
+        if not self.rows:
+            return None
+        record = self._decode_step()
+        self._retire_and_admit()
+        return record
+
+    def _decode_step(self) -> StepRecord:
+        engine, params = self.engine, self.params
+        rows = self.rows
+        active = torch.tensor([not r.done for r in rows], dtype=torch.bool)
+        remaining = max(r.max_new_tokens - len(r.token_ids) for r in rows if not r.done)
+        ctx = DraftContext(
+            params=params,
+            generator=self.generator,
+            max_depth=max(0, remaining - 1),
+            active=active.to(engine.device),
+            context_len=engine.target.committed_len(),
+        )
+        t0 = time.perf_counter()
+        tree, builder, origin = engine.policy.draft(engine.source, self.roots, ctx)
+        t1 = time.perf_counter()
+        positions = engine.target.committed_len()[:, None] + tree.depths  # [B, N]
+        logits = engine.target.forward(tree.tokens, positions, tree.ancestor_mask())  # [B, N, V]
+        verdict = engine.rule.verify(tree, logits, params, self.generator)
+        t2 = time.perf_counter()
+        engine._commit(tree, verdict.accepted_nodes)
+        if builder is not None and engine.source is not None:
+            target_logprobs = None
+            if engine.source.needs_target_logprobs:  # adaptive sources learn from the target's distributions on the path
+                target_logprobs = path_target_logprobs(logits, verdict.accepted_nodes, active.tolist(), params)
+            engine.source.end_step(
+                builder, [origin[r, path].tolist() if path else [] for r, path in enumerate(verdict.accepted_nodes)], target_logprobs=target_logprobs
+            )
+        was_active = active.tolist()
+        committed = [0] * len(rows)
+        for r, request in enumerate(rows):
+            if was_active[r]:
+                new = tree.tokens[r, verdict.accepted_nodes[r]].tolist() + [int(verdict.bonus_tokens[r])]
+                committed[r] = self._append(request, new)
+        record = StepRecord(
+            step=self.steps,
+            active=was_active,
+            drafted=[d if a else 0 for d, a in zip(tree.drafted_per_row().tolist(), was_active, strict=True)],
+            accepted_len=[len(p) if a else 0 for p, a in zip(verdict.accepted_nodes, was_active, strict=True)],
+            committed=committed,
+            relaxed=verdict.relaxed,
+            strict_fallbacks=verdict.strict_fallbacks,
+            tree_depth=tree.max_depth(),
+            draft_s=t1 - t0,
+            verify_s=t2 - t1,
+            drafted_by_depth=engine._drafted_by_depth(tree),
+            accepted_depth=[len(p) for p in verdict.accepted_nodes],
+            prompt_index=[r.index for r in rows],
+        )
+        for r, request in enumerate(rows):
+            if was_active[r]:
+                stats = request.stats
+                stats.add_step(record, r)
+                stats.draft_s += record.draft_s
+                stats.verify_s += record.verify_s
+        if self.keep_steps:
+            self.records.append(record)
+        engine.policy.feedback(record)
+        if engine.source is not None:
+            engine.source.feedback(record)
+        self.roots = verdict.bonus_tokens.to(engine.device)
+        self.steps += 1
+        return record
+
+    def _admit(self, incoming: list[DecodeRequest], batch_rows: list[int] | None) -> torch.Tensor:
+        """Prefill requests `incoming` (into batch rows `batch_rows`, or as a new batch when None);
+        choose and append their first tokens; return those tokens [len(incoming)]."""
+        engine = self.engine
+        prompts = [r.prompt for r in incoming]
+        ids, mask = engine._left_pad(prompts)
+        if batch_rows is None:
+            seed = next((r.seed for r in incoming if r.seed is not None), None)
+            if seed is not None:
+                self.generator = torch.Generator(device=engine.device).manual_seed(seed)
+        t0 = time.perf_counter()
+        forward_s0 = engine._forward_s()
+        # target_logits: [B', V], the distribution of each admitted prompt's first new token
+        model_inputs = batch_model_inputs(prompts, engine.device)  # pixel values of multimodal prompts
+        if batch_rows is None:
+            self._holds_cache = True
+            target_logits = engine.target.prefill(ids, mask, model_inputs)
+        else:
+            target_logits = engine.target.replace_rows(batch_rows, ids, mask, model_inputs)
+        if engine.source is not None:
+            engine.source.prefill(ids, mask, batch_rows, prompts=prompts)
+        first = choose_tokens(target_logits, self.params, self.generator)  # [B']
+        t1 = time.perf_counter()
+        for r, request in enumerate(incoming):
+            stats = request.stats
+            stats.queue_s = t0 - request.submitted_at
+            stats.prefill_s = stats.ttft_s = t1 - t0
+            request.admitted_at = t0
+            request.forward_s_at_admission = forward_s0
+            self._append(request, [int(first[r])])
+        return first
+
+    def _fill_rows(self) -> None:
+        """Admit waiting prompts while rows are free: a new batch when none runs, otherwise
+        extra rows (the batch grows: new rows start as copies of row 0 and are overwritten
+        by their prefill). A prompt can finish at its first token, so this repeats."""
+        while self.waiting:
+            free = (self.max_rows - len(self.rows)) if self.max_rows is not None else len(self.waiting)
+            if free <= 0:
+                return
+            incoming = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+            if not self.rows:
+                self.rows = incoming
+                self.roots = self._admit(incoming, None)
+            else:
+                old = len(self.rows)
+                order = list(range(old)) + [0] * len(incoming)
+                self.engine.target.keep_rows(torch.tensor(order, dtype=torch.long))
+                if self.engine.source is not None:
+                    self.engine.source.keep_rows(order)
+                self.rows = self.rows + incoming
+                first = self._admit(incoming, list(range(old, old + len(incoming))))
+                self.roots = torch.cat([self.roots, first.to(self.roots.device)])
+            self._retire_and_admit()
+
+    def _retire_and_admit(self) -> None:
+        """Between steps: finished rows take the next waiting prompts, or leave the batch.
+
+        A prompt can finish at its first token (EOS, or max_new_tokens=1), so admission
+        repeats until every row is live or nothing waits."""
+        while admit_into := [r for r, request in enumerate(self.rows) if request.done][: len(self.waiting)]:
+            incoming = [self.waiting.popleft() for _ in admit_into]
+            first = self._admit(incoming, admit_into)
+            roots = self.roots.clone()
+            for r, request, tok in zip(admit_into, incoming, first.tolist(), strict=True):
+                self.rows[r] = request
+                roots[r] = tok
+            self.roots = roots
+        keep = [r for r, request in enumerate(self.rows) if not request.done]
+        if len(keep) < len(self.rows):
+            engine = self.engine
+            if keep:
+                engine.target.keep_rows(torch.tensor(keep, dtype=torch.long))
+                if engine.source is not None:
+                    engine.source.keep_rows(keep)
+            self.rows = [self.rows[r] for r in keep]
+            self.roots = self.roots[torch.tensor(keep, dtype=torch.long, device=self.roots.device)] if keep else self.roots[:0]
+
+    def _append(self, request: DecodeRequest, new: list[int]) -> int:
+        """Append `new` to a request's output, cutting at EOS and at its budget; returns the
+        number kept. Finishes the request (and its wall time) when it stops."""
+        room = request.max_new_tokens - len(request.token_ids)
         kept = new[:room]
+        finish = None
         for i, tok in enumerate(kept):
-            if tok in self.eos_token_ids:
+            if tok in self.engine.eos_token_ids:
                 kept = kept[: i + 1]
-                self.finish[index] = "eos"
+                finish = "eos"
                 break
-        self.outputs[index].extend(kept)
-        if self.finish[index] == "eos" or len(self.outputs[index]) >= self.max_new_tokens:
-            self.done[index] = True
-            self.stats[index].wall_s = time.perf_counter() - self.started[index]
-        if self.stream is not None and kept:
-            self.stream(index, kept)
+        request.token_ids.extend(kept)
+        if finish is None and len(request.token_ids) >= request.max_new_tokens:
+            finish = "length"
+        if finish is not None:
+            self._finish(request, finish)
+        if request.on_tokens is not None and kept:
+            request.on_tokens(request, kept)
         return len(kept)
+
+    def _finish(self, request: DecodeRequest, reason: str) -> None:
+        request.finish_reason = reason
+        request.stats.new_tokens = len(request.token_ids)
+        if request.admitted_at is not None:
+            request.stats.wall_s = time.perf_counter() - request.admitted_at
+            request.stats.forward_s = self.engine._forward_s() - request.forward_s_at_admission

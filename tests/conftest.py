@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+from PIL import Image
+from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, LlavaForConditionalGeneration, Qwen2Config
+
+from specdec.multimodal.inputs import encode_multimodal
+from specdec.training.lvlm import LvlmSize, lvlm_config, make_processor, train_lvlm_tokenizer
 
 torch.set_num_threads(1)
 
@@ -67,3 +72,53 @@ def cli_args(command: str, pair: Path, prompts: Path, out: Path, max_new_tokens:
         command, "--prompts", str(prompts), "--target", str(pair / "target"), "--draft", str(pair / "draft"), "--device", "cpu",
         "--max-new-tokens", str(max_new_tokens), "--repeats", str(repeats), "--no-progress", "--out", str(out), *extra,
     ]
+
+
+# ----- a tiny random LLaVA pair ----------------------------------------------------------
+LVLM_TEXTS = [
+    "USER: <image>\nWhat is in the picture? ASSISTANT:",
+    "USER: <image>\n<image>\nWhat changed between the two images? ASSISTANT:",
+    "USER: What is two plus three? ASSISTANT:",
+]
+SIZE_T = LvlmSize(vision_hidden=32, vision_layers=1, vision_heads=2, text_hidden=32, text_layers=2, text_heads=2, image_size=32, patch_size=8)
+SIZE_D = LvlmSize(vision_hidden=16, vision_layers=1, vision_heads=2, text_hidden=32, text_layers=1, text_heads=2, image_size=32, patch_size=8)
+
+
+def lvlm_image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8))
+
+
+def _sharpen(model, scale: float = 8.0):
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="session")
+def lvlm(tmp_path_factory):
+    """A tiny random LLaVA target and draft saved with tokenizer and processor."""
+    texts = [t + " There is a red circle at the top left.</s>" for t in LVLM_TEXTS] * 40
+    tok = train_lvlm_tokenizer(texts, vocab_size=300)
+    root = tmp_path_factory.mktemp("lvlm")
+    models = {}
+    for name, size, seed in (("target", SIZE_T, 0), ("draft", SIZE_D, 1)):
+        torch.manual_seed(seed)
+        cfg = lvlm_config(size, tok)
+        cfg.tie_word_embeddings = False
+        cfg.text_config.tie_word_embeddings = False
+        model = _sharpen(LlavaForConditionalGeneration(cfg).eval())
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        make_processor(tok, size).save_pretrained(root / name)
+        models[name] = model
+    processor = make_processor(tok, SIZE_T)
+    prompts = [
+        encode_multimodal(processor, LVLM_TEXTS[0], [lvlm_image(0)]),
+        encode_multimodal(processor, LVLM_TEXTS[1], [lvlm_image(1), lvlm_image(2)]),
+        tok(LVLM_TEXTS[2])["input_ids"],
+        encode_multimodal(processor, LVLM_TEXTS[0], [lvlm_image(3)]),
+    ]
+    return {"root": root, "tok": tok, "processor": processor, "prompts": prompts, **models}
+
+

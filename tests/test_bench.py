@@ -196,7 +196,7 @@ def test_bench_batch_sizes_sweep(tiny_pair_dir, tmp_path):
 
 
 def test_bench_batched_sampling_skips_peers(tiny_pair_dir, tmp_path):
-    prompts = _write_jsonl(tmp_path / "p.jsonl", LINES)
+    prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:2])
     out = tmp_path / "out"
     args = _bench_args(tiny_pair_dir, prompts, out, "--methods", "hf,chain", "--batch-size", "2", "--temperature", "0.8", "--seed", "3")
     assert main(args) == 0

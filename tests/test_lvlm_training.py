@@ -63,3 +63,13 @@ def test_tiny_run_saves_a_loadable_pair(tiny_run):
 def test_bad_arguments(tmp_path, capsys):
     assert main(["train", "lvlm", "--out", str(tmp_path), "--steps", "0"]) == 2
     assert "--steps=0" in capsys.readouterr().err
+
+
+def test_evaluate_lvlm_figures(tiny_run, capsys):
+    out = tiny_run / "card.json"
+    assert main(["train", "evaluate-lvlm", "--target", str(tiny_run / "target"), "--draft", str(tiny_run / "draft"), "--per-task", "2", "--device", "cpu", "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert set(figures["tasks"]) >= {"count", "colour", "change", "followup"}
+    for row in figures["tasks"].values():
+        assert all(0.0 <= v <= 1.0 for v in row.values())
+    assert figures["step_ms"]["target"] > 0 and figures["params"]["target"] > figures["params"]["draft"]

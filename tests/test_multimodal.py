@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from conftest import LVLM_TEXTS as TEXTS
+from conftest import SIZE_D, SIZE_T
+from conftest import lvlm_image as _image
 from PIL import Image
-from transformers import LlavaForConditionalGeneration
 
 from specdec.api import SpeculativeDecoder
 from specdec.engine import SpeculativeEngine
@@ -18,11 +19,9 @@ from specdec.methods import make_policy
 from specdec.multimodal.inputs import MultimodalPrompt, encode_multimodal
 from specdec.multimodal.views import PassThroughView, PooledImageView, TextOnlyView
 from specdec.sources import ModelDraftSource
-from specdec.training.lvlm import LvlmSize, lvlm_config, make_processor, train_lvlm_tokenizer
+from specdec.training.lvlm import make_processor
 from specdec.verification import GreedyRule
 
-SIZE_T = LvlmSize(vision_hidden=32, vision_layers=1, vision_heads=2, text_hidden=32, text_layers=2, text_heads=2, image_size=32, patch_size=8)
-SIZE_D = LvlmSize(vision_hidden=16, vision_layers=1, vision_heads=2, text_hidden=32, text_layers=1, text_heads=2, image_size=32, patch_size=8)
 METHODS = {
     "ar": {},
     "chain": {"k": 4},
@@ -30,49 +29,6 @@ METHODS = {
     "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10},
     "dynatree": {"d0": 3, "d_max": 5, "max_nodes": 12},
 }
-TEXTS = [
-    "USER: <image>\nWhat is in the picture? ASSISTANT:",
-    "USER: <image>\n<image>\nWhat changed between the two images? ASSISTANT:",
-    "USER: What is two plus three? ASSISTANT:",
-]
-
-
-def _image(seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8))
-
-
-def _sharpen(model, scale: float = 8.0):
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    return model
-
-
-@pytest.fixture(scope="module")
-def lvlm(tmp_path_factory):
-    """A tiny random LLaVA target and draft saved with tokenizer and processor."""
-    texts = [t + " There is a red circle at the top left.</s>" for t in TEXTS] * 40
-    tok = train_lvlm_tokenizer(texts, vocab_size=300)
-    root = tmp_path_factory.mktemp("lvlm")
-    models = {}
-    for name, size, seed in (("target", SIZE_T, 0), ("draft", SIZE_D, 1)):
-        torch.manual_seed(seed)
-        cfg = lvlm_config(size, tok)
-        cfg.tie_word_embeddings = False
-        cfg.text_config.tie_word_embeddings = False
-        model = _sharpen(LlavaForConditionalGeneration(cfg).eval())
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        make_processor(tok, size).save_pretrained(root / name)
-        models[name] = model
-    processor = make_processor(tok, SIZE_T)
-    prompts = [
-        encode_multimodal(processor, TEXTS[0], [_image(0)]),
-        encode_multimodal(processor, TEXTS[1], [_image(1), _image(2)]),
-        tok(TEXTS[2])["input_ids"],
-        encode_multimodal(processor, TEXTS[0], [_image(3)]),
-    ]
-    return {"root": root, "tok": tok, "processor": processor, "prompts": prompts, **models}
 
 
 def reference(target, prompt, max_new: int, eos: int) -> list[int]:
@@ -182,3 +138,20 @@ def test_images_for_a_text_target(tiny_pair_dir, tmp_path):
     dec = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), method="chain", device="cpu")
     with pytest.raises(SpecDecError, match="text-only model"):
         dec.generate("USER: <image>\nhi", max_new_tokens=4, images=[str(path)])
+
+
+def test_bench_runs_scenario_prompts_with_images(lvlm, tmp_path):
+    """`specdec bench` on a scenario set: images reach the engine and the HF peers, and
+    every greedy output equals AR's."""
+    import json
+
+    from specdec.cli import main
+
+    root = lvlm["root"]
+    args = ["bench", "--prompts", "scenes-second-turn", "--target", str(root / "target"), "--draft", str(root / "draft"), "--device", "cpu",
+            "--methods", "ar,hf,chain,eagle2", "--num-prompts", "2", "--max-new-tokens", "5", "--repeats", "1", "--no-progress", "--out", str(tmp_path)]
+    assert main(args) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    text = json.dumps(results)
+    assert "hf" in text and "eagle2" in text
+    assert (tmp_path / "report.md").read_text().count("yes") >= 3

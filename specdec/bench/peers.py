@@ -10,6 +10,7 @@ prompt length. They report no TTFT, τ or acceptance.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,7 @@ def run_peer(
     name: str,
     target: PreTrainedModel,
     draft: PreTrainedModel | None,
-    prompt_ids: list[int],
+    prompt_ids: Sequence[int],
     max_new_tokens: int,
     params: SamplingParams,
     eos_token_ids: list[int],
@@ -88,6 +89,7 @@ def run_peer(
     device = next(target.parameters()).device
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, L]
     attention_mask = torch.ones_like(input_ids)  # [1, L]
+    extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in getattr(prompt_ids, "model_inputs", {}).items()}  # pixel values
     sampling: dict[str, Any]
     if params.greedy:
         sampling = {"do_sample": False}
@@ -112,6 +114,7 @@ def run_peer(
             pad_token_id=pad_token_id,
             **sampling,
             **kwargs,
+            **extra,
         )  # [1, L + new]
     sync_device(device)
     wall = time.perf_counter() - t0

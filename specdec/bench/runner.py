@@ -42,9 +42,11 @@ from specdec.models.loading import (
     bundled_target,
     check_same_tokenizer,
     load_model,
+    load_processor,
     load_tokenizer,
     resolve_device,
 )
+from specdec.multimodal.inputs import MultimodalPrompt, is_multimodal
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats, batch_stats, mean_nll
 from specdec.verification import make_rule
@@ -281,6 +283,18 @@ def turn_context(
     return previous + answer + list(tokenizer(TURN_SEPARATOR + prompt.turns[turn], add_special_tokens=False)["input_ids"])
 
 
+def image_prompt(decoder: SpeculativeDecoder, prompt: BenchPrompt, max_context: int | None, max_new_tokens: int) -> MultimodalPrompt:
+    """A single-turn prompt with images, encoded for the (vision-language) target."""
+    if len(prompt.turns) != 1:
+        raise SpecDecError(f"prompt {prompt.id}: multi-turn conversations with images are not supported; give the conversation so far as one 'prompt'")
+    encoded = decoder.encode(prompt.turns[0], prompt.images)
+    if max_context is not None and len(encoded) + max_new_tokens > max_context:
+        raise SpecDecError(
+            f"prompt {prompt.id} has {len(encoded)} tokens with its images; with --max-new-tokens={max_new_tokens} it exceeds the context of {max_context}"
+        )
+    return encoded  # type: ignore[return-value]
+
+
 def fit_context(ids: list[int], max_context: int | None, max_new_tokens: int) -> tuple[list[int], bool]:
     """Keep the last tokens of `ids` so that prompt + max_new_tokens fits the context window."""
     if max_context is None:
@@ -303,6 +317,8 @@ class _Models:
     tokenizer: PreTrainedTokenizerBase
     target_path: str
     draft_path: str | None
+    processor: Any = None
+    """the target's image+text processor (vision-language targets only)"""
 
 
 def _load_models(config: BenchConfig, variants: Sequence[Variant]) -> _Models:
@@ -324,8 +340,10 @@ def _load_models(config: BenchConfig, variants: Sequence[Variant]) -> _Models:
         check_same_tokenizer(tokenizer, load_tokenizer(draft_path, "draft"))
         draft = load_model(draft_path, "draft", device, config.dtype)
     target = load_model(target_path, "target", device, config.dtype)
+    processor = load_processor(target_path, "target") if is_multimodal(target) else None
     return _Models(
-        target=target, draft=draft, tokenizer=tokenizer, target_path=target_path, draft_path=draft_path if draft is not None else None
+        target=target, draft=draft, tokenizer=tokenizer, target_path=target_path, draft_path=draft_path if draft is not None else None,
+        processor=processor,
     )
 
 
@@ -342,9 +360,10 @@ class _Runner:
                 draft = models.draft if make_policy(v.method).uses_draft else None
                 self.decoders[v.label] = SpeculativeDecoder(
                     models.target, models.tokenizer, draft, method=v.method, verify=v.verify, verify_options=v.rule_options,
-                    draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, **v.options,
+                    draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, processor=models.processor, **v.options,
                 )
-        probe = SpeculativeDecoder(models.target, models.tokenizer, models.draft, method=BASELINE)
+        probe = SpeculativeDecoder(models.target, models.tokenizer, models.draft, method=BASELINE, processor=models.processor)
+        self.probe = probe
         self.max_context = probe.max_context
         self.eos_token_ids = probe.eos_token_ids
         self.pad_token_id = probe.pad_token_id
@@ -377,8 +396,12 @@ class _Runner:
                 break
             contexts: list[list[int]] = []
             for i in rows:
-                ids = turn_context(self.models.tokenizer, prompts[i], turn, previous[i], answers[i], self.eos_token_ids)
-                ids, cut = fit_context(ids, self.max_context, max_new)
+                if prompts[i].images:  # a prompt with images: encoded by the target's processor, never cut
+                    ids = image_prompt(self.probe, prompts[i], self.max_context, max_new)
+                    cut = False
+                else:
+                    ids = turn_context(self.models.tokenizer, prompts[i], turn, previous[i], answers[i], self.eos_token_ids)
+                    ids, cut = fit_context(ids, self.max_context, max_new)
                 if cut:
                     self.truncated.add((prompts[i].id, turn))
                 previous[i] = ids

@@ -36,6 +36,16 @@ def bundled_draft() -> str:
     return str(BUNDLED_PAIR / "draft")
 
 
+def bundled_lvlm_target() -> str:
+    """Folder of the bundled LLaVA-style target (trained by `specdec train lvlm`)."""
+    return str(BUNDLED_LVLM / "target")
+
+
+def bundled_lvlm_draft() -> str:
+    """Folder of the bundled LLaVA-style draft."""
+    return str(BUNDLED_LVLM / "draft")
+
+
 def resolve_device(device: str | None) -> torch.device:
     """'auto'/None -> CUDA when present, else CPU."""
     if device in (None, "auto"):

@@ -38,10 +38,12 @@ class PromptView(Protocol):
         ...
 
 
-def encode_batch(view: PromptView, prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def encode_batch(
+    view: PromptView, prompts: Sequence[Sequence[int]], device: torch.device, model: PreTrainedModel | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Left-padded ids [B, L], mask [B, L] and the batched prefill inputs of `prompts` seen through `view`."""
     encoded = [view.encode(p) for p in prompts]
-    return left_pad([ids for ids, _ in encoded], device) + (merge_inputs([extra for _, extra in encoded], device),)
+    return left_pad([ids for ids, _ in encoded], device) + (merge_inputs([extra for _, extra in encoded], device, model),)
 
 
 def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,17 +58,33 @@ def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 
     return ids.to(device), mask.to(device)
 
 
-def merge_inputs(per_prompt: Sequence[dict[str, Any]], device: torch.device) -> dict[str, Any]:
-    """Batch per-prompt prefill inputs (row order); precomputed image features become the
-    model's `mm_encoder_outputs`."""
-    features = [f for extra in per_prompt for f in extra.get("image_features", [])]
-    plain = [MultimodalPrompt(token_ids=[0], model_inputs={k: v for k, v in extra.items() if k != "image_features"}) for extra in per_prompt]
-    merged = batch_model_inputs(plain, device)
-    if features:
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
+def merge_inputs(per_prompt: Sequence[dict[str, Any]], device: torch.device, model: PreTrainedModel | None = None) -> dict[str, Any]:
+    """Batch per-prompt prefill inputs (row order).
 
-        merged["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=[f.to(device) for f in features])}
-    return merged
+    Views that precompute image features (P) give `image_features`; they become the model's
+    `mm_encoder_outputs`. A model takes either pixel values or precomputed features per
+    forward, so when a batch mixes both, the pixel values are turned into features with
+    `model.get_image_features` (the same computation the model would do), in row order.
+    """
+    has_features = any("image_features" in extra for extra in per_prompt)
+    has_pixels = any("pixel_values" in extra for extra in per_prompt)
+    if not has_features:
+        plain = [MultimodalPrompt(token_ids=[0], model_inputs=dict(extra)) for extra in per_prompt]
+        return batch_model_inputs(plain, device)
+    if has_pixels and model is None:
+        raise SpecDecError("a batch mixing pooled-image rows and full-image rows needs the draft model to compute image features")
+    features: list[torch.Tensor] = []
+    for extra in per_prompt:
+        if "image_features" in extra:
+            features.extend(f.to(device) for f in extra["image_features"])
+        elif "pixel_values" in extra:
+            assert model is not None
+            with torch.inference_mode():
+                out = model.get_image_features(pixel_values=extra["pixel_values"].to(device, next(model.parameters()).dtype))
+            features.extend(out.pooler_output)
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=features)}}
 
 
 class PassThroughView:
@@ -123,10 +141,12 @@ class CaptionView:
         self.tokenizer = tokenizer
         self.captioner = captioner
         self.prefix = prefix
-        self._captions: dict[int, str] = {}
+        self._captions: dict[str, str] = {}
 
     def caption(self, image: Image.Image) -> str:
-        key = id(image)
+        import hashlib
+
+        key = hashlib.sha1(image.tobytes() + repr(image.size).encode()).hexdigest()
         if key not in self._captions:
             self._captions[key] = self.captioner(image).strip()
         return self._captions[key]
@@ -199,3 +219,70 @@ class PooledImageView:
                 run = 0
                 ids.append(tok)
         return ids, {"image_features": list(feats)}
+
+
+class TruncatedView:
+    """The last `tokens` tokens of the prompt (of its text-only view for prompts with images):
+    a second view for text drafts (e.g. recent context only)."""
+
+    def __init__(self, tokens: int, tokenizer: Any = None) -> None:
+        if not isinstance(tokens, int) or tokens < 1:
+            raise SpecDecError(f"a truncated view needs a positive token count, got {tokens!r}")
+        self.tokens = tokens
+        self.text_view = TextOnlyView(tokenizer) if tokenizer is not None else None
+        self.name = f"tail{tokens}"
+
+    def encode(self, prompt: Sequence[int]) -> Encoded:
+        if isinstance(prompt, MultimodalPrompt):
+            if self.text_view is None:
+                raise SpecDecError("a truncated view of a prompt with images needs the tokenizer")
+            ids, _ = self.text_view.encode(prompt)
+        else:
+            ids = list(prompt)
+        return ids[-self.tokens :], {}
+
+
+class ModelCaptioner:
+    """Captions an image with a LLaVA-family model (greedy, short): the C view's captioner."""
+
+    def __init__(self, model: PreTrainedModel, processor: Any, instruction: str = "USER: <image>\nDescribe the image. ASSISTANT:", max_new_tokens: int = 40) -> None:
+        self.model = model
+        self.processor = processor
+        self.instruction = instruction
+        self.max_new_tokens = max_new_tokens
+        self.seconds = 0.0
+        """wall time spent captioning"""
+
+    @torch.inference_mode()
+    def __call__(self, image: Image.Image) -> str:
+        import time
+
+        t0 = time.perf_counter()
+        enc = encode_multimodal(self.processor, self.instruction, [image])
+        dev = next(self.model.parameters()).device
+        ids = torch.tensor([enc.token_ids], device=dev)
+        extra = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in enc.model_inputs.items()}
+        tok = self.processor.tokenizer
+        out = self.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), **extra, max_new_tokens=self.max_new_tokens, do_sample=False,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        )
+        self.seconds += time.perf_counter() - t0
+        return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+VIEW_NAMES = ("M", "T", "C", "P")
+"""the TABED views; `tailN` (e.g. tail64) adds a truncated-context view"""
+
+
+def parse_views(spec: str | Sequence[str]) -> list[str]:
+    """'M,T,C,P' -> ['M', 'T', 'C', 'P'] (checked; tailN allowed)."""
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
+    if not names:
+        raise SpecDecError("--views is empty; name at least one of M, T, C, P (or tailN)")
+    for name in names:
+        if name not in VIEW_NAMES and not (name.startswith("tail") and name[4:].isdigit() and int(name[4:]) > 0):
+            raise SpecDecError(f"view {name!r} is not known; use M (image+text), T (text only), C (caption), P (pooled image) or tailN (last N tokens)")
+    if len(set(names)) != len(names):
+        raise SpecDecError(f"--views {','.join(names)} names a view twice")
+    return names

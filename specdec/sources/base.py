@@ -44,8 +44,13 @@ class DraftSource(Protocol):
         log-distribution over each node's children: [B, k, V] float32."""
         ...
 
-    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]]) -> None:
-        """accepted_nodes: per row, builder indices of the accepted path (root excluded)."""
+    needs_target_logprobs: bool
+    """whether `end_step` wants the target's distributions on the accepted path"""
+
+    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]], target_logprobs: list[torch.Tensor | None] | None = None) -> None:
+        """accepted_nodes: per row, builder indices of the accepted path (root excluded).
+        target_logprobs (only when `needs_target_logprobs`): per row, [1 + len(path), V], the
+        target's log-distributions at the root and each accepted node (None for finished rows)."""
         ...
 
     def feedback(self, record: StepRecord) -> None:

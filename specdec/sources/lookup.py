@@ -45,6 +45,7 @@ class LookupDraftSource:
     """longest n-gram matched"""
     min_ngram: int = 1
     """shortest n-gram matched"""
+    needs_target_logprobs = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -85,7 +86,7 @@ class LookupDraftSource:
                 contexts.append(self.history[row] + path)
         return self._propose(contexts, nodes.device).view(b, k, self.vocab_size)
 
-    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]]) -> None:
+    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]], target_logprobs=None) -> None:
         for row, path in enumerate(accepted_nodes):
             self.history[row] = self.history[row] + [self._roots[row]] + [int(builder.tokens[row, n]) for n in path]
 

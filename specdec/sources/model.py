@@ -29,6 +29,8 @@ class ModelDraftSource:
     step's pending+root slots, and its ancestors' slots, never its siblings'.
     """
 
+    needs_target_logprobs = False
+
     def __init__(self, model: PreTrainedModel, view: PromptView | None = None) -> None:
         """view: how the draft sees a prompt (e.g. text only, for a text-only draft of a
         vision-language target); None = the target's own token ids and image inputs."""
@@ -46,7 +48,7 @@ class ModelDraftSource:
     ) -> None:
         model_inputs: dict[str, Any] = {}
         if prompts is not None and self.view is not None:
-            input_ids, attention_mask, model_inputs = encode_batch(self.view, prompts, self.runner.device)
+            input_ids, attention_mask, model_inputs = encode_batch(self.view, prompts, self.runner.device, self.runner.model)
         elif prompts is not None and any(isinstance(p, MultimodalPrompt) and p.model_inputs for p in prompts):
             if not self.multimodal:
                 raise SpecDecError("the draft is a text-only model but the prompts have images; give the draft source a view (e.g. TextOnlyView)")
@@ -112,7 +114,7 @@ class ModelDraftSource:
         self._node_vis[rows[valid], nodes[valid]] = visibility[valid]
         return logits_to_logprobs(logits, params)
 
-    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]]) -> None:
+    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]], target_logprobs=None) -> None:
         dev = self.runner.device
         b = len(accepted_nodes)
         keep_rows: list[list[int]] = []

@@ -1,0 +1,406 @@
+"""The FastAPI app: OpenAI-compatible completions and chat completions over a `SpeculativeDecoder`.
+
+`create_app(decoder)` builds it; its lifespan starts and stops the decode worker
+(`specdec.serve.scheduler.Scheduler`). Handlers validate and tokenize the request, submit a
+`Job`, and await its events: a JSON response, or server-sent events (`data: {...}` chunks,
+then `data: [DONE]`). Every error answers in OpenAI's format (`specdec.serve.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specdec.api import SpeculativeDecoder
+from specdec.errors import SpecDecError
+from specdec.serve.errors import CLIENT_CLOSED_REQUEST, APIError
+from specdec.serve.metrics import ServerMetrics
+from specdec.serve.scheduler import (
+    Failed,
+    Finished,
+    Job,
+    LaneKey,
+    QueueFullError,
+    Scheduler,
+    SchedulerStoppedError,
+    TextDelta,
+    resolve_lane,
+)
+from specdec.serve.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    DecodingReport,
+    ModelCard,
+    ModelList,
+    Usage,
+    dump,
+    new_id,
+    now,
+)
+from specdec.serve.text import chat_prompt
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""max_tokens of a /v1/completions request that gives none (OpenAI's default)"""
+CHAT_DEFAULT_MAX_TOKENS = 512
+"""max_tokens of a chat request that gives none, when the model's context length is unknown
+(otherwise: the rest of the context, as OpenAI)"""
+DISCONNECT_POLL_S = 0.5
+"""how often a non-streaming handler checks that its client is still there"""
+MAX_BODY_BYTES = 4 * 2**20
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def default_model_name(decoder: SpeculativeDecoder) -> str:
+    """The target's name: its hub id, or its folder name ("specdec-bundled" for the bundled pair)."""
+    from specdec.models.loading import bundled_target
+
+    name = str(getattr(decoder.target, "name_or_path", "") or getattr(decoder.target.config, "_name_or_path", "") or "")
+    if not name:
+        return "specdec"
+    path = Path(name)
+    if path.exists():
+        if path.resolve() == Path(bundled_target()).resolve():
+            return "specdec-bundled"
+        return path.name
+    return name
+
+
+class _StatusCounter:
+    """ASGI middleware: counts responses by endpoint and status code (streams included), and
+    answers 413 to a body announced (Content-Length) larger than MAX_BODY_BYTES."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_http(endpoint, int(message["status"]))
+            await send(message)
+
+        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            too_large = APIError(413, f"the request body has {int(length)} bytes, more than the {MAX_BODY_BYTES} this server takes; send a shorter prompt")
+            await too_large.response()(scope, receive, counting_send)
+            return
+        await self.app(scope, receive, counting_send)
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def _param(loc: Sequence[str | int]) -> str:
+    """A pydantic error location as the request field it names, e.g. messages[0].role.
+
+    Union members add their type to the location (stop -> str / list[str]); those are dropped."""
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none") or part.startswith("function-"):
+            break
+        else:
+            parts.append(("." if parts else "") + part)
+    return "".join(parts)
+
+
+def _validation_error(exc: RequestValidationError, body_model: type[BaseModel] | None) -> APIError:
+    """The first pydantic error as one message naming the field, the value and the fix."""
+    errors = list(exc.errors())
+    if not errors:
+        return APIError(400, "the request is invalid")
+    first = errors[0]
+    kind = str(first.get("type", ""))
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON ({detail}); send one JSON object", code="invalid_json")
+    if not loc:
+        given = first.get("input")
+        if kind == "missing" or isinstance(given, bytes | str):
+            return APIError(400, "the request body was not read as JSON; send a JSON object with the header Content-Type: application/json")
+        if kind.endswith("_type"):
+            return APIError(400, f"the request body must be a JSON object (got {type(given).__name__}); send {{\"prompt\": ...}} or {{\"messages\": [...]}}")
+        return APIError(400, str(first.get("msg", "")).removeprefix("Value error, "), code="invalid_value")
+    param = _param(loc)
+    if kind == "extra_forbidden":
+        fields = ""
+        if body_model is not None and len(loc) == 1:
+            fields = f" (this endpoint takes: {', '.join(body_model.model_fields)})"
+        return APIError(400, f"unknown field {param!r}; remove it{fields}", param=param, code="unknown_field")
+    if kind == "missing":
+        return APIError(400, f"{param} is required", param=param, code="missing_field")
+    same = [e for e in errors if _param([p for p in e.get("loc", ()) if p != "body"]) == param]
+    messages = list(dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ") for e in same))
+    got = first.get("input")
+    shown = json.dumps(got) if isinstance(got, str | int | float | bool | type(None)) else type(got).__name__
+    return APIError(400, f"{param}: {' or '.join(messages)} (got {shown})", param=param, code="invalid_value")
+
+
+def create_app(
+    decoder: SpeculativeDecoder,
+    model_name: str | None = None,
+    max_batch_size: int = 8,
+    max_queue: int = 64,
+) -> FastAPI:
+    """The OpenAI-compatible app over `decoder` (its models, method and accept rule are the
+    defaults; requests may pick others in their `specdec` field).
+
+    max_batch_size: rows decoded at once over all lanes; max_queue: requests that may wait
+    for a row beyond those (more get 429)."""
+    metrics = ServerMetrics()
+    scheduler = Scheduler(decoder, max_batch_size=max_batch_size, max_queue=max_queue, metrics=metrics)
+    served = model_name or default_model_name(decoder)
+    created = now()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+
+    app = FastAPI(title="specdec", summary="OpenAI-compatible speculative decoding", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.state.decoder = decoder
+    app.state.model_name = served
+    app.add_middleware(_StatusCounter, metrics=metrics)
+    body_models: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+    # ----- errors ----------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        return _validation_error(exc, body_models.get(request.url.path)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}; this server serves {', '.join(ENDPOINTS)}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        return APIError(500, f"internal error: {exc!r}").response()
+
+    # ----- helpers ---------------------------------------------------------------------------
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served:
+            raise APIError(404, f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    def check_context(prompt_ids: Sequence[int], max_tokens: int | None, prompt_param: str, default: int | None) -> int:
+        """max_tokens (or the default) after checking prompt + max_tokens against the context."""
+        limit = decoder.max_context
+        n = len(prompt_ids)
+        if limit is not None and n >= limit:
+            raise APIError(
+                400, f"the prompt has {n} tokens but the model's context is {limit} tokens; shorten the prompt",
+                param=prompt_param, code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = default if default is not None else (limit - n if limit is not None else CHAT_DEFAULT_MAX_TOKENS)
+            if limit is not None:
+                max_tokens = min(max_tokens, limit - n)
+        if limit is not None and n + max_tokens > limit:
+            raise APIError(
+                400,
+                f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} tokens, more than the model's context of "
+                f"{limit} tokens; lower max_tokens to at most {limit - n} or shorten the prompt",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def encode(text: str, param: str, special_tokens_in_text: bool = False) -> list[int]:
+        try:
+            if special_tokens_in_text:
+                return list(decoder.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return list(decoder.encode(text))
+        except SpecDecError as err:
+            raise APIError(400, f"{param}: {err}", param=param) from None
+
+    def submit(job: Job) -> None:
+        try:
+            scheduler.submit(job)
+        except QueueFullError as err:
+            raise APIError(
+                429, f"the server is busy: {err.waiting} requests are already waiting for a batch row (--max-queue {err.limit}); retry later",
+                code="queue_full",
+            ) from None
+        except SchedulerStoppedError:
+            raise APIError(503, "the decode worker is not running; retry against a running server", code="unavailable") from None
+
+    async def result(job: Job, request: Request) -> Finished:
+        """Wait for a job's end (cancelling it if the client goes away)."""
+        ended = False
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection") from None
+                    continue
+                if isinstance(event, Finished):
+                    ended = True
+                    return event
+                if isinstance(event, Failed):
+                    ended = True
+                    raise event.error
+        finally:
+            if not ended:
+                scheduler.cancel(job)
+
+    async def stream(job: Job, make_chunk: Callable[[str | None, str | None], dict[str, Any]], usage_chunk: Callable[[Usage], dict[str, Any]] | None,
+                     opening: dict[str, Any] | None = None) -> AsyncIterator[str]:
+        """Server-sent events of a job: `make_chunk(text, finish_reason)` per delta and at the end."""
+        ended = False
+        try:
+            if opening is not None:
+                yield _sse(opening)
+            while True:
+                event = await job.events.get()
+                if isinstance(event, TextDelta):
+                    yield _sse(make_chunk(event.text, None))
+                elif isinstance(event, Finished):
+                    ended = True
+                    yield _sse(make_chunk(None, event.finish_reason))
+                    if usage_chunk is not None:
+                        yield _sse(usage_chunk(Usage.of(event.prompt_tokens, event.completion_tokens)))
+                    yield SSE_DONE
+                    return
+                else:
+                    ended = True
+                    yield _sse(event.error.body())
+                    return
+        finally:
+            if not ended:  # the client went away mid-stream: free its row
+                scheduler.cancel(job)
+
+    def report(event: Finished) -> DecodingReport:
+        s = event.stats
+        return DecodingReport(
+            method=event.lane.method, verify=event.lane.verify, tau=s.tau, acceptance_rate=s.acceptance_rate, steps=s.steps,
+            queue_ms=s.queue_s * 1e3, ttft_ms=s.ttft_s * 1e3, tpot_ms=s.tpot_s * 1e3,
+        )
+
+    def make_job(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], max_tokens: int, lane: LaneKey) -> Job:
+        return Job(prompt_ids, max_tokens, lane, decoder.tokenizer, stop=body.stop_strings, seed=body.seed)
+
+    # ----- endpoints -------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        lane = resolve_lane(decoder, body.temperature, body.top_p, body.specdec)
+        prompt_ids = encode(body.prompt_text, "prompt")
+        max_tokens = check_context(prompt_ids, body.max_tokens, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        job = make_job(body, prompt_ids, max_tokens, lane)
+        submit(job)
+        cid, stamp = new_id("cmpl"), now()
+        if body.stream:
+            def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
+                return dump(Completion(id=cid, created=stamp, model=served, choices=[CompletionChoice(text=text or "", finish_reason=finish_reason)]))
+
+            def usage(u: Usage) -> dict[str, Any]:
+                return dump(Completion(id=cid, created=stamp, model=served, choices=[], usage=u))
+
+            return StreamingResponse(stream(job, chunk, usage if body.include_usage else None), media_type="text/event-stream")
+        event = await result(job, request)
+        completion = Completion(
+            id=cid, created=stamp, model=served, choices=[CompletionChoice(text=event.text, finish_reason=event.finish_reason)],
+            usage=Usage.of(event.prompt_tokens, event.completion_tokens), specdec=report(event),
+        )
+        return JSONResponse(dump(completion))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        lane = resolve_lane(decoder, body.temperature, body.top_p, body.specdec)
+        try:
+            text, templated = chat_prompt(decoder.tokenizer, [(m.role, m.text) for m in body.messages])
+        except SpecDecError as err:
+            raise APIError(400, f"messages: {err}", param="messages") from None
+        prompt_ids = encode(text, "messages", special_tokens_in_text=templated)
+        max_tokens = check_context(prompt_ids, body.token_limit, "messages", None)
+        job = make_job(body, prompt_ids, max_tokens, lane)
+        submit(job)
+        cid, stamp = new_id("chatcmpl"), now()
+        if body.stream:
+            def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+                delta = ChatDelta(role="assistant" if role else None, content=text)
+                payload = dump(ChatCompletionChunk(id=cid, created=stamp, model=served, choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)]))
+                payload["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+                return payload
+
+            def usage(u: Usage) -> dict[str, Any]:
+                return dump(ChatCompletionChunk(id=cid, created=stamp, model=served, choices=[], usage=u))
+
+            opening = chunk("", None, role=True)
+            return StreamingResponse(stream(job, chunk, usage if body.include_usage else None, opening), media_type="text/event-stream")
+        event = await result(job, request)
+        completion = ChatCompletion(
+            id=cid, created=stamp, model=served,
+            choices=[ChatChoice(message=AssistantMessage(content=event.text), finish_reason=event.finish_reason)],
+            usage=Usage.of(event.prompt_tokens, event.completion_tokens), specdec=report(event),
+        )
+        return JSONResponse(dump(completion))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(dump(ModelList(data=[ModelCard(id=served, created=created)])))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        check_model(model_id)
+        return JSONResponse(dump(ModelCard(id=served, created=created)))
+
+    @app.get("/health")
+    async def health() -> Response:
+        body = {"status": "ok" if scheduler.alive else "unavailable", "model": served,
+                "running_rows": scheduler.running_rows, "queue_depth": scheduler.queue_depth, "uptime_s": round(time.time() - metrics.started, 1)}
+        return JSONResponse(body, status_code=200 if scheduler.alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

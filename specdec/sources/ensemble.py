@@ -1,0 +1,298 @@
+"""TABED: test-time adaptive batched ensemble drafting (Lee et al., 2025).
+
+One draft model sees each prompt through m views (e.g. M: image + text, T: text only,
+C: caption, P: pooled image). The views are m rows of the same draft forward (weights
+shared, each row with its own prefix and KV cache), so an ensemble of m drafts costs one
+batched draft step. At every tree node the ensemble distribution is the mixture
+
+    q = sum_j w_j q^(j)        (after temperature/top-k/top-p, per view)
+
+and q is what the tree policy drafts from and what the accept rule sees, so lossless
+verification stays lossless whatever the weights.
+
+Weights adapt at test time, per row, at the start of every draft block: candidates W_t
+come from the weight policy; each is scored by the distance between the target's
+distributions p (from past verifications) and the candidate's mixture over the last `h`
+observed positions; the best one drafts the whole block. Observed positions are the
+committed tokens whose parent the draft expanded (the root of every step and each
+accepted node the draft expanded). Instead of keeping past distributions, each new
+observation's distance to every candidate (and to every single view) is computed once,
+on the support of the K most likely tokens of p + mean_j q^(j), and cached; a window is
+then a sum over cached rows. Memory per row: `max_history` x (candidates + m) floats.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedModel
+
+from specdec.errors import SpecDecError
+from specdec.multimodal.views import PromptView, left_pad, merge_inputs
+from specdec.sampling import SamplingParams
+from specdec.sources.model import ModelDraftSource
+
+if TYPE_CHECKING:
+    from specdec.drafting.builder import TreeBuilder
+    from specdec.stats import StepRecord
+
+WEIGHT_POLICIES = ("grid", "softmax", "static", "random", "fixed")
+DISTANCES = ("kl", "tv", "hard")
+_EPS = 1e-10
+
+
+@dataclass
+class EnsembleConfig:
+    """How TABED picks the ensemble weights."""
+
+    policy: str = "grid"
+    """grid: best of all weights with w_j = a_j/n (sum a_j = n; for 2 views [1 - j/n, j/n]);
+    softmax: w = softmax((1/e_1, ..., 1/e_m) / temperature) from each view's own error e_j;
+    static: equal weights; random: Dirichlet(1) weights each block; fixed: one view only"""
+    distance: str = "kl"
+    """kl: KL(p || q); tv: total variation; hard: mismatches of argmax q against argmax p"""
+    window: int | None = None
+    """h: observed positions scored (None: all kept, up to max_history)"""
+    grid_n: int = 10
+    temperature: float = 1.0
+    fixed_view: int = 0
+    """the view `fixed` uses (index into the views)"""
+    support: int = 64
+    """K: tokens on which each observation's distances are computed"""
+    max_history: int = 2048
+    """observations kept per row (the oldest are dropped)"""
+    seed: int = 0
+    """seed of the `random` policy"""
+
+    def validate(self, m: int) -> None:
+        if self.policy not in WEIGHT_POLICIES:
+            raise SpecDecError(f"ensemble weight policy {self.policy!r} is not known; use one of {', '.join(WEIGHT_POLICIES)}")
+        if self.distance not in DISTANCES:
+            raise SpecDecError(f"ensemble distance {self.distance!r} is not known; use one of {', '.join(DISTANCES)}")
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise SpecDecError(f"ensemble window h={self.window!r} must be a positive integer (or all)")
+        if not isinstance(self.grid_n, int) or self.grid_n < 1:
+            raise SpecDecError(f"grid_n={self.grid_n!r} must be a positive integer")
+        if not self.temperature > 0:
+            raise SpecDecError(f"ensemble temperature={self.temperature!r} must be > 0")
+        if not 0 <= self.fixed_view < m:
+            raise SpecDecError(f"fixed_view={self.fixed_view} must index one of the {m} views")
+        if self.support < 2 or self.max_history < 1:
+            raise SpecDecError(f"support={self.support} must be >= 2 and max_history={self.max_history} >= 1")
+
+
+def grid_weights(m: int, n: int) -> torch.Tensor:
+    """All weights w = a / n with non-negative integers a summing to n: [C, m], the most
+    even first (ties in the selection then go to the most even candidate)."""
+    combos = [a for a in itertools.product(range(n + 1), repeat=m) if sum(a) == n]
+    weights = torch.tensor(combos, dtype=torch.float32) / n
+    spread = (weights - 1.0 / m).abs().sum(dim=1)
+    return weights[torch.argsort(spread, stable=True)]
+
+
+def mixture_logprobs(view_logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """log sum_j w_j q_j. view_logprobs: [B, m, ..., V]; weights: [B, m]. Returns [B, ..., V]."""
+    shape = weights.shape + (1,) * (view_logprobs.dim() - 2)
+    log_w = weights.clamp_min(0).log().reshape(shape)  # w_j = 0 -> -inf: that view drops out
+    return torch.logsumexp(view_logprobs + log_w, dim=1)
+
+
+def distances(p: torch.Tensor, q: torch.Tensor, label: torch.Tensor, kind: str) -> torch.Tensor:
+    """Distance of each candidate mixture to p at each observation.
+
+    p: [P, K] target probabilities on the support; q: [C, P, K] candidate mixtures on the
+    same support; label: [P] index of argmax p in the support. Returns [C, P].
+    """
+    if kind == "kl":  # sum_k p log(p / q); tokens outside the support are left out
+        terms = p * (p.clamp_min(_EPS).log() - q.clamp_min(_EPS).log())
+        return terms.masked_fill(p <= 0, 0.0).sum(-1)
+    if kind == "tv":  # the mass outside the support counts as one lump
+        tail = ((1 - p.sum(-1)) - (1 - q.sum(-1))).abs()
+        return 0.5 * ((p - q).abs().sum(-1) + tail)
+    return (q.argmax(-1) != label).float()
+
+
+class _RepeatedBuilder:
+    """A TreeBuilder seen with each row repeated m times (one copy per view)."""
+
+    def __init__(self, builder: TreeBuilder, m: int) -> None:
+        self.tokens = builder.tokens.repeat_interleave(m, dim=0)
+        self.parents = builder.parents.repeat_interleave(m, dim=0)
+        self.depths = builder.depths.repeat_interleave(m, dim=0)
+        self.num_nodes = builder.num_nodes
+
+
+class EnsembleDraftSource:
+    """m drafting views of one draft model, batched, mixed with test-time adaptive weights."""
+
+    needs_target_logprobs = True
+
+    def __init__(self, model: PreTrainedModel, views: Sequence[PromptView], config: EnsembleConfig | None = None) -> None:
+        if len(views) < 1:
+            raise SpecDecError("the ensemble needs at least one view")
+        self.views = list(views)
+        self.m = len(self.views)
+        self.config = config or EnsembleConfig()
+        self.config.validate(self.m)
+        self.inner = ModelDraftSource(model)
+        self.device = self.inner.runner.device
+        self.candidates = grid_weights(self.m, self.config.grid_n).to(self.device)  # [C, m]
+        self.generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
+        self.weights = torch.zeros(0, self.m, device=self.device)  # [B, m] of the current block
+        self._cand_err: list[list[torch.Tensor]] = []  # per row: observations' [C] distances
+        self._view_err: list[list[torch.Tensor]] = []  # per row: observations' [m] distances
+        self.traces: list[list[list[float]]] = []
+        """per row: the weights chosen at each step (for plots of the adaptation)"""
+        self._root_q = torch.zeros(0)
+        self._expanded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def view_names(self) -> list[str]:
+        return [v.name for v in self.views]
+
+    # ----- batch management --------------------------------------------------------
+    def _rows(self, rows: Sequence[int]) -> list[int]:
+        return [r * self.m + j for r in rows for j in range(self.m)]
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None, prompts: Sequence[Sequence[int]] | None = None) -> None:
+        if prompts is None:  # token ids only: every view sees them as they are
+            prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
+        view_prompts = [(view, prompt) for prompt in prompts for view in self.views]  # row i*m + j: prompt i, view j
+        encoded = [view.encode(prompt) for view, prompt in view_prompts]
+        ids, mask = left_pad([enc_ids for enc_ids, _ in encoded], self.device)
+        extra = merge_inputs([enc_extra for _, enc_extra in encoded], self.device, self.inner.runner.model)
+        if rows is None:
+            self.inner.runner.prefill(ids, mask, extra)
+            self.inner.pending = [[] for _ in range(ids.shape[0])]
+            b = len(prompts)
+            self._cand_err = [[] for _ in range(b)]
+            self._view_err = [[] for _ in range(b)]
+            self.traces = [[] for _ in range(b)]
+            self.weights = torch.full((b, self.m), 1.0 / self.m, device=self.device)
+            return
+        self.inner.runner.replace_rows(self._rows(rows), ids, mask, extra)
+        for r in self._rows(rows):
+            self.inner.pending[r] = []
+        for r in rows:
+            self._cand_err[r], self._view_err[r], self.traces[r] = [], [], []
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.inner.keep_rows(self._rows(rows))
+        self._cand_err = [self._cand_err[r] for r in rows]
+        self._view_err = [self._view_err[r] for r in rows]
+        self.traces = [self.traces[r] for r in rows]
+        self.weights = self.weights[torch.tensor(rows, dtype=torch.long, device=self.device)]
+
+    # ----- drafting ----------------------------------------------------------------
+    def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        self.weights = torch.stack([self._choose(r) for r in range(roots.shape[0])])  # [B, m]
+        for r in range(roots.shape[0]):
+            self.traces[r].append(self.weights[r].tolist())
+        view_logprobs = self.inner.begin_step(roots.repeat_interleave(self.m), params)  # [B*m, V]
+        self._root_q = view_logprobs.reshape(roots.shape[0], self.m, -1)  # [B, m, V]
+        self._expanded = []
+        return mixture_logprobs(self._root_q, self.weights)
+
+    def expand(self, builder: TreeBuilder, nodes: torch.Tensor, valid: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        b, k = nodes.shape
+        view_logprobs = self.inner.expand(_RepeatedBuilder(builder, self.m), nodes.repeat_interleave(self.m, 0), valid.repeat_interleave(self.m, 0), params)
+        view_logprobs = view_logprobs.reshape(b, self.m, k, -1)  # [B, m, k, V]
+        self._expanded.append((nodes, valid, view_logprobs))
+        return mixture_logprobs(view_logprobs, self.weights)
+
+    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]], target_logprobs: list[torch.Tensor | None] | None = None) -> None:
+        self.inner.end_step(_RepeatedBuilder(builder, self.m), [path for path in accepted_nodes for _ in range(self.m)])
+        if target_logprobs is None:
+            return
+        for row, (path, p_log) in enumerate(zip(accepted_nodes, target_logprobs, strict=True)):
+            if p_log is None:
+                continue
+            for i, node in enumerate([0, *path]):  # the distributions that decided each committed token
+                q_log = self._root_q[row] if node == 0 else self._node_q(row, node)
+                if q_log is not None:
+                    self._observe(row, p_log[i], q_log)
+
+    def _node_q(self, row: int, node: int) -> torch.Tensor | None:
+        """The views' [m, V] children distributions of builder node `node`, if it was expanded."""
+        for nodes, valid, view_logprobs in self._expanded:
+            hit = ((nodes[row] == node) & valid[row]).nonzero()
+            if hit.numel():
+                return view_logprobs[row, :, int(hit[0, 0])]
+        return None
+
+    # ----- adaptation --------------------------------------------------------------
+    @torch.inference_mode()
+    def _observe(self, row: int, p_log: torch.Tensor, q_log: torch.Tensor) -> None:
+        """Cache one position's distance to every candidate mixture and every single view.
+        p_log: [V] target log-probs; q_log: [m, V] per-view draft log-probs."""
+        cfg = self.config
+        p = p_log.exp()
+        q = q_log.exp()  # [m, V]
+        k = min(cfg.support, p.shape[0])
+        support = torch.topk(p + q.mean(0), k).indices  # [K]
+        top = p.argmax()
+        if not bool((support == top).any()):
+            support[-1] = top
+        p_s, q_s = p[support], q[:, support]  # [K], [m, K]
+        label = (support == top).nonzero()[0]  # [1]
+        if cfg.policy == "grid":
+            mixed = self.candidates @ q_s  # [C, K]
+            self._cand_err[row].append(distances(p_s[None], mixed[:, None], label, cfg.distance)[:, 0])
+        if cfg.policy == "softmax":
+            self._view_err[row].append(distances(p_s[None], q_s[:, None], label, cfg.distance)[:, 0])
+        for errs in (self._cand_err[row], self._view_err[row]):
+            if len(errs) > cfg.max_history:
+                del errs[0]
+
+    def _choose(self, row: int) -> torch.Tensor:
+        cfg, m = self.config, self.m
+        uniform = torch.full((m,), 1.0 / m, device=self.device)
+        if cfg.policy == "static":
+            return uniform
+        if cfg.policy == "fixed":
+            return torch.nn.functional.one_hot(torch.tensor(cfg.fixed_view), m).float().to(self.device)
+        if cfg.policy == "random":
+            draws = -torch.rand(m, generator=self.generator).clamp_min(_EPS).log()  # Dirichlet(1)
+            return (draws / draws.sum()).to(self.device)
+        h = cfg.window or cfg.max_history
+        if cfg.policy == "grid":
+            history = self._cand_err[row][-h:]
+            if not history:
+                return self.candidates[0]  # the most even candidate
+            err = torch.stack(history).sum(0)  # [C]
+            best = err.min()
+            near = (err <= best + 1e-5 * (1 + best.abs())).nonzero()  # ties up to float noise: the most even wins
+            return self.candidates[int(near[0, 0])]
+        history = self._view_err[row][-h:]  # softmax of inverse errors
+        if not history:
+            return uniform
+        err = torch.stack(history).mean(0).clamp_min(1e-6)
+        return torch.softmax((1.0 / err) / cfg.temperature, dim=0)
+
+    def feedback(self, record: StepRecord) -> None:
+        return None
+
+    @property
+    def forward_s(self) -> float:
+        return self.inner.forward_s
+
+    @property
+    def runner(self):
+        return self.inner.runner
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.config
+        return {"views": self.view_names, "policy": cfg.policy, "distance": cfg.distance, "window": cfg.window or "all", "grid_n": cfg.grid_n}
+
+
+def estimated_speedup(tau: float, gamma: float, cost_ratio: float) -> float:
+    """TABED's Eq. (1): tau / (gamma * T_q / T_p + 1), the walltime speedup over AR of
+    drafting gamma tokens at relative cost T_q/T_p and accepting tau tokens per step."""
+    if gamma < 0 or cost_ratio < 0 or not math.isfinite(tau):
+        raise SpecDecError(f"estimated_speedup needs gamma >= 0 and T_q/T_p >= 0 (got {gamma}, {cost_ratio})")
+    return tau / (gamma * cost_ratio + 1.0)

@@ -1,0 +1,150 @@
+"""`DecodeSession`: the engine's decode loop step by step, with prompts joining and leaving a running batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EOS, sharpen, tiny_model
+
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.sampling import SamplingParams
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule, SamplingRule
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47], [20, 21], [60, 61, 62, 63]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=0))
+    with torch.no_grad():  # close to the target: some drafts accepted, rows advance unevenly
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return target, draft
+
+
+def engine(pair, method: str = "chain", rule=None) -> SpeculativeEngine:
+    target, draft = pair
+    options = {"chain": {"k": 3}, "static": {"depth": 2, "branching": 2, "max_nodes": 8}, "ar": {}}[method]
+    return SpeculativeEngine(target, make_policy(method, **options), rule or GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS], max_context=256)
+
+
+@pytest.mark.parametrize("method", ["chain", "static", "ar"])
+def test_prompts_joining_a_running_batch_decode_as_alone(pair, method):
+    """Prompts submitted between steps join free rows (the batch grows, then shrinks); each
+    output equals the prompt decoded on its own."""
+    alone = [engine(pair, method).generate([p], 20)[0].token_ids for p in PROMPTS]
+    session = engine(pair, method).session(max_rows=3)
+    requests = [session.submit(PROMPTS[0], 20)]
+    schedule = {2: [1], 4: [2, 3], 7: [4]}  # step -> prompts submitted before it
+    sizes = []
+    step = 0
+    while not session.idle or step <= max(schedule):
+        for i in schedule.get(step, []):
+            requests.append(session.submit(PROMPTS[i], 20))
+        session.step()
+        sizes.append(len(session.rows))
+        step += 1
+    assert [r.token_ids for r in requests] == alone
+    assert max(sizes) == 3, "never more rows than max_rows"
+    assert all(r.finish_reason in ("eos", "length") for r in requests)
+    assert [r.index for r in requests] == [0, 1, 2, 3, 4]
+
+
+def test_cancel_frees_the_row_and_keeps_the_others(pair):
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # none ends at EOS within 16 tokens
+    alone = [engine(pair).generate([p], 16)[0].token_ids for p in prompts]
+    session = engine(pair).session(max_rows=2)
+    first, second, third = (session.submit(p, 16) for p in prompts)
+    session.step()
+    session.step()
+    assert session.running == 2 and len(session.waiting) == 1
+    session.cancel(first, "stop")
+    assert first.finish_reason == "stop" and first.done and session.running == 1
+    kept = list(first.token_ids)
+    session.step()  # the freed row goes to the waiting prompt at this boundary
+    assert third.running and session.running == 2
+    while not session.idle:
+        session.step()
+    assert first.token_ids == kept and kept == alone[0][: len(kept)]
+    assert second.token_ids == alone[1] and third.token_ids == alone[2]
+
+
+def test_cancel_a_waiting_request_never_starts_it(pair):
+    session = engine(pair).session(max_rows=1)
+    running = session.submit(PROMPTS[0], 8)
+    session.step()
+    waiting = session.submit(PROMPTS[1], 8)
+    session.cancel(waiting)
+    assert waiting.finish_reason == "cancelled" and not session.waiting and running.running
+    while not session.idle:
+        session.step()
+    assert waiting.token_ids == [] and waiting.admitted_at is None and running.finish_reason in ("eos", "length")
+
+
+def test_callback_may_cancel_its_own_request(pair):
+    """on_tokens runs inside step; cancelling there ends the request at once."""
+    session = engine(pair).session()
+    seen: list[int] = []
+
+    def stop_after_five(request, tokens):
+        seen.extend(tokens)
+        if len(seen) >= 5:
+            session.cancel(request, "stop")
+
+    request = session.submit(PROMPTS[0], 30, on_tokens=stop_after_five)
+    steps = 0
+    while not session.idle:
+        session.step()
+        steps += 1
+    assert request.finish_reason == "stop" and request.token_ids == seen and 5 <= len(seen) < 30
+    assert request.stats.new_tokens == len(seen) and request.stats.wall_s > 0
+
+
+def test_seeded_request_alone_reproduces_generate(pair):
+    """A request's seed reseeds the session when it starts a fresh batch: alone, it samples
+    exactly what `generate(seed=...)` samples."""
+    params = SamplingParams(temperature=1.0)
+    reference = engine(pair, rule=SamplingRule()).generate([PROMPTS[0]], 16, params, seed=11)[0].token_ids
+    session = engine(pair, rule=SamplingRule()).session(params)
+    for _ in range(2):
+        request = session.submit(PROMPTS[0], 16, seed=11)
+        while not session.idle:
+            session.step()
+        assert request.token_ids == reference
+
+
+def test_submit_checks_the_prompt(pair):
+    session = engine(pair).session()
+    with pytest.raises(SpecDecError, match="empty"):
+        session.submit([], 4)
+    with pytest.raises(SpecDecError, match="exceeds the model's context of 256 tokens; lower max_new_tokens to at most 251"):
+        session.submit(PROMPTS[0], 300)
+    with pytest.raises(SpecDecError, match="max_rows=0"):
+        engine(pair).session(max_rows=0)
+    assert session.idle and session.step() is None
+
+
+def test_release_frees_the_caches_of_an_idle_session(pair):
+    from specdec.sources.lookup import LookupDraftSource
+
+    target, _ = pair
+    lookup = SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), LookupDraftSource(vocab_size=96), eos_token_ids=[EOS], max_context=256)
+    for eng in (engine(pair), lookup):
+        session = eng.session(max_rows=2)
+        session.release()  # never ran: nothing to free
+        first = session.submit(PROMPTS[0], 12)
+        session.step()
+        session.release()  # rows run: kept
+        assert eng.target.batch_size == 1
+        while not session.idle:
+            session.step()
+        session.release()
+        assert eng.target.batch_size == 0 and eng.target.past_len == 0
+        again = session.submit(PROMPTS[0], 12)
+        while not session.idle:
+            session.step()
+        assert again.token_ids == first.token_ids

@@ -1,0 +1,174 @@
+"""TABED ensemble drafting: greedy output equals the target's, sampling stays lossless,
+and the weights adapt toward the view that matches the target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import LVLM_TEXTS, SIZE_D, lvlm_image, tiny_model
+from distribution import chi2_pvalue, exact_joint
+from test_multimodal import reference
+
+from specdec.api import SpeculativeDecoder, make_ensemble_config
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.multimodal.views import CaptionView, ModelCaptioner, PassThroughView, PooledImageView, TextOnlyView, TruncatedView, parse_views
+from specdec.sampling import SamplingParams
+from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, distances, estimated_speedup, grid_weights, mixture_logprobs
+from specdec.training.lvlm import make_processor
+from specdec.verification import GreedyRule, SamplingRule
+
+POLICIES = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}}
+
+
+def test_grid_weights():
+    two = grid_weights(2, 10)
+    assert two.shape == (11, 2) and torch.allclose(two.sum(1), torch.ones(11))
+    assert two[0].tolist() == [0.5, 0.5]  # most even first
+    assert {tuple(round(x, 1) for x in w) for w in two.tolist()} == {(round(1 - j / 10, 1), round(j / 10, 1)) for j in range(11)}
+    assert grid_weights(4, 10).shape == (286, 4)  # compositions of 10 into 4 parts
+
+
+def test_mixture_and_distances():
+    q = torch.softmax(torch.randn(1, 2, 5), -1)  # [B=1, m=2, V]
+    w = torch.tensor([[0.3, 0.7]])
+    assert torch.allclose(mixture_logprobs(q.log(), w).exp(), 0.3 * q[:, 0] + 0.7 * q[:, 1], atol=1e-6)
+    assert torch.allclose(mixture_logprobs(q.log(), torch.tensor([[1.0, 0.0]])).exp(), q[:, 0], atol=1e-6)
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    cand = torch.stack([p, torch.tensor([[0.2, 0.3, 0.5]])])  # [C=2, P=1, K]
+    label = torch.tensor([0])
+    kl = distances(p, cand, label, "kl")
+    assert kl[0, 0].abs() < 1e-6 and kl[1, 0] > 0.1
+    assert distances(p, cand, label, "tv")[:, 0].tolist() == pytest.approx([0.0, 0.3])
+    assert distances(p, cand, label, "hard")[:, 0].tolist() == [0.0, 1.0]
+
+
+def test_estimated_speedup():
+    assert estimated_speedup(3.0, 5, 0.1) == pytest.approx(2.0)
+    with pytest.raises(SpecDecError):
+        estimated_speedup(3.0, -1, 0.1)
+
+
+def _engine(lvlm, views, config=None, method="chain", draft=None):
+    source = EnsembleDraftSource(lvlm["draft"] if draft is None else draft, views, config or EnsembleConfig())
+    engine = SpeculativeEngine(lvlm["target"], make_policy(method, **POLICIES[method]), GreedyRule(), source, eos_token_ids=[lvlm["tok"].eos_token_id], pad_token_id=1)
+    return engine, source
+
+
+def _all_views(lvlm):
+    draft, processor, tok = lvlm["draft"], make_processor(lvlm["tok"], SIZE_D), lvlm["tok"]
+    return [PassThroughView(), TextOnlyView(tok), CaptionView(tok, ModelCaptioner(draft, processor, max_new_tokens=6)), PooledImageView(draft, processor)]
+
+
+@pytest.mark.parametrize("method", list(POLICIES))
+@pytest.mark.parametrize("policy", ["grid", "softmax", "random"])
+def test_greedy_equals_target_with_every_view(lvlm, method, policy):
+    """M, T, C, P views over a batch with one/two images and text only, all rows at once and rolling."""
+    eos = lvlm["tok"].eos_token_id
+    refs = [reference(lvlm["target"], p, 12, eos) for p in lvlm["prompts"]]
+    views = _all_views(lvlm)
+    for batch_size in (None, 2):
+        engine, _ = _engine(lvlm, views, EnsembleConfig(policy=policy), method)
+        outs = engine.generate(lvlm["prompts"], 12, batch_size=batch_size)
+        assert [o.token_ids for o in outs] == refs, f"{method}/{policy}/batch={batch_size}"
+
+
+def test_weights_move_to_the_view_that_matches_the_target(lvlm):
+    """Draft = target: view M reproduces the target exactly, T does not. After the first
+    verification, grid/KL picks w = [1, 0] on rows with images; on the text-only row both
+    views are the same prompt, so every candidate ties and the most even one is kept.
+    With M's weight 1 every drafted token is accepted."""
+    views = [PassThroughView(), TextOnlyView(lvlm["tok"])]
+    engine, source = _engine(lvlm, views, EnsembleConfig(policy="grid", distance="kl"), draft=lvlm["target"])
+    outs = engine.generate(lvlm["prompts"][:3], 12)
+    assert source.traces[0][0] == [0.5, 0.5]
+    assert source.traces[0][-1] == [1.0, 0.0] and source.traces[1][-1] == [1.0, 0.0]
+    assert source.traces[2][-1] == [0.5, 0.5]
+    assert outs[0].stats.accepted_tokens > 0
+    # fixed on M: the draft is the target, so nothing is ever rejected
+    engine, _ = _engine(lvlm, views, EnsembleConfig(policy="fixed", fixed_view=0), draft=lvlm["target"])
+    out = engine.generate(lvlm["prompts"][:1], 10)[0]
+    assert out.stats.accepted_tokens == out.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize(("distance", "least"), [("tv", 0.9), ("hard", 0.5)])
+def test_other_distances_also_find_the_matching_view(lvlm, distance, least):
+    """TV moves the weight to the exact view; hard labels only count argmax mismatches, so
+    every weight whose mixture keeps the target's argmax ties and the most even such one
+    wins: the exact view then gets at least half."""
+    views = [TextOnlyView(lvlm["tok"]), PassThroughView()]
+    engine, source = _engine(lvlm, views, EnsembleConfig(policy="grid", distance=distance, window=4), draft=lvlm["target"])
+    engine.generate(lvlm["prompts"][:1], 12)
+    assert source.traces[0][-1][1] >= least
+
+
+def test_text_pair_views_greedy():
+    """The ensemble is not tied to images: a full-context and a last-3-token view of a text draft."""
+    target = tiny_model("llama", seed=0)
+    draft = tiny_model("llama", seed=5, layers=1)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    expected = SpeculativeEngine(target, make_policy("ar"), GreedyRule(), None, eos_token_ids=[2]).generate(prompts, 16)
+    source = EnsembleDraftSource(draft, [PassThroughView(), TruncatedView(3)], EnsembleConfig(policy="softmax"))
+    outs = SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), source, eos_token_ids=[2]).generate(prompts, 16)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert TruncatedView(3).encode([1, 2, 3, 4, 5]) == ([3, 4, 5], {})
+
+
+def test_sampling_with_the_ensemble_is_lossless():
+    """Chi-square on the first three tokens (6-token vocabulary) against the exact target
+    distribution, with the ensemble of a full and a truncated view as the proposal."""
+    v, prompt, n = 6, [1, 4, 2, 5], 3000
+    target = tiny_model("llama", seed=3, vocab=v, eos=-1 % v)
+    draft = tiny_model("llama", seed=11, vocab=v, layers=1, eos=-1 % v)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(3.0)
+        draft.get_output_embeddings().weight.mul_(3.0)
+    params = SamplingParams(temperature=1.0)
+    counts = np.zeros((v,) * 3)
+    for i in range(n // 500):
+        source = EnsembleDraftSource(draft, [PassThroughView(), TruncatedView(2)], EnsembleConfig(policy="grid", grid_n=4))
+        engine = SpeculativeEngine(target, make_policy("chain", k=2), SamplingRule(), source, eos_token_ids=[])
+        for o in engine.generate([prompt] * 500, 3, params, seed=100 + i):
+            counts[tuple(o.token_ids)] += 1
+    pvalue = chi2_pvalue(counts, exact_joint(target, prompt, v, 3, params))
+    assert pvalue > 1e-3, pvalue
+
+
+def test_api_and_errors(lvlm, tiny_pair_dir):
+    root = lvlm["root"]
+    dec = SpeculativeDecoder.from_pretrained(str(root / "target"), str(root / "draft"), method="chain", device="cpu", k=3, draft_source="tabed", views="M,T,P")
+    eos = lvlm["tok"].eos_token_id
+    result = dec.generate(LVLM_TEXTS[0], max_new_tokens=8, images=[lvlm_image(0)])
+    assert result.token_ids == reference(lvlm["target"], lvlm["prompts"][0], 8, eos)
+    assert [v.name for v in dec.ensemble_views()] == ["M", "T", "P"]
+    with pytest.raises(SpecDecError, match="view X is not known|'X' is not known"):
+        parse_views("M,X")
+    with pytest.raises(SpecDecError, match="twice"):
+        parse_views("M,M")
+    with pytest.raises(SpecDecError, match="not known"):
+        make_ensemble_config({"polcy": "grid"}, 2)
+    with pytest.raises(SpecDecError, match="weight policy"):
+        make_ensemble_config({"policy": "best"}, 2)
+    with pytest.raises(SpecDecError, match="needs a vision-language pair"):
+        SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), device="cpu", draft_source="tabed", views="M,C").make_source()
+
+
+def test_bench_tabed_small(lvlm, tmp_path):
+    """The benchmark matrix on the tiny pair: every greedy output equals AR's, Eq. (1) is
+    applied with the measured cost ratio, and the report and plots are written."""
+    from specdec.bench.tabed import run_tabed_bench
+
+    root = lvlm["root"]
+    dec = SpeculativeDecoder.from_pretrained(str(root / "target"), str(root / "draft"), method="chain", device="cpu")
+    results = run_tabed_bench(dec, tmp_path, ["scenes-first-turn", "scenes-ood"], gammas=(2,), widths=(2,), num_prompts=2, max_new_tokens=5, ablation_gamma=2, log=lambda _: None)
+    cells = results["cells"]
+    assert {c["config"] for c in cells} >= {"M", "T", "C", "P", "TABED-MT", "TABED-MTCP", "Static-MT", "Random-MT", "TABED-MT h=1"}
+    assert all(c["matches_ar"] for c in cells)
+    for c in cells:
+        assert c["tau"] >= 1.0
+        assert c["estimated_speedup"] == pytest.approx(estimated_speedup(c["tau"], 2, c["cost_ratio"]))
+    assert (tmp_path / "report.md").read_text().count("| TABED-MT |") >= 2
+    assert (tmp_path / "tau_by_scenario.png").stat().st_size > 0
+    assert (tmp_path / "weights_over_steps.png").stat().st_size > 0
