@@ -98,6 +98,7 @@ def add_method_args(
     g.add_argument("--cast-c1", type=float, default=None, help="cast: breadth-pruning threshold C1 (3.0 at batch 1 ... 2.5 at batch >= 8)")
     g.add_argument("--cast-c2", type=float, default=None, help="cast: depth-pruning threshold C2 (3.0 at batch 1 ... 2.5 at batch >= 8)")
     g.add_argument("--cast-c3", type=float, default=None, help="cast: dynamic-reranking threshold C3 (3.0 at batch 1 ... 2.5 at batch >= 8)")
+    g.add_argument("--rerank-rule", default=None, help="cast: threshold (the paper's Algorithm 1 with C3) or break-even (most expected tokens per unit time)")
     g.add_argument("--cast-buffer", type=int, default=None, help="cast: length R of each depth-pruning FIFO buffer (8)")
     g.add_argument("--breadth-pruning", type=_on_off, default=None, metavar="on|off", help="cast: breadth pruning (on)")
     g.add_argument("--depth-pruning", type=_on_off, default=None, metavar="on|off", help="cast: depth pruning (on)")
@@ -134,6 +135,7 @@ OPTION_FIELDS = {
     "breadth_pruning": "breadth_pruning",
     "depth_pruning": "depth_pruning",
     "dynamic_rerank": "dynamic_rerank",
+    "rerank_rule": "rerank_rule",
     "cost_profile": "cost_profile",
 }
 """CLI dest -> policy field"""

@@ -19,6 +19,7 @@ from specdec.drafting.cast import (
     DepthBuffers,
     batch_utility,
     breadth_count,
+    break_even_count,
     grow_decision,
     max_valid_index,
     rerank_count,
@@ -209,6 +210,21 @@ def test_rerank_count_can_go_root_only():
     assert breadth_count([0.5, 0.9, 1.0], [0.1, 0.2, 0.3], 2.0) == 2
 
 
+def test_break_even_count_maximises_the_rate():
+    # rates (1 + u_k) / (d + c_k) with d = 0.2: k=0 1/1.2, k=1 1.9/1.3, k=2 2.7/1.4, k=3 2.8/1.5 -> k = 2
+    assert break_even_count([0.9, 1.7, 1.8], [1.0, 1.1, 1.2, 1.3], 0.2) == 2
+    # verifying costs as much as a step per token: nothing pays
+    assert break_even_count([0.5, 0.8], [1.0, 2.0, 3.0], 0.1) == 0
+    # free verification: take everything that adds anything
+    assert break_even_count([0.5, 0.8, 0.9], [1.0, 1.0, 1.0, 1.0], 0.3) == 3
+    # the rule is Algorithm 1 with the current rate as threshold: C3 = the chosen rate reproduces it
+    u, c, d = [0.9, 1.7, 1.8], [1.0, 1.1, 1.2, 1.3], 0.2
+    k = break_even_count(u, c, d)
+    assert k == 2 and (1 + u[2]) / (d + c[3]) < (1 + u[1]) / (d + c[2])
+    with pytest.raises(ValueError):
+        break_even_count([0.5], [1.0], 0.0)
+
+
 def test_batch_utility_averages_by_rank():
     score = torch.log(torch.tensor([[0.5, 0.1, 0.3], [0.2, 0.6, 0.0], [0.9, 0.9, 0.9]]))
     u = batch_utility(score, torch.tensor([True, True, False]))
@@ -287,6 +303,7 @@ def test_greedy_cast_matches_generate_batch_1_and_3(arch):
         {},  # the paper's presets
         {"c1": 0.5, "c2": 0.5, "c3": 0.5, "depth": 5, "top_k": 4, "total_tokens": 16},
         {"c1": 0.1, "c2": 0.0, "dynamic_rerank": False, "depth": 4, "top_k": 3, "total_tokens": 12},  # deep trees
+        {"rerank_rule": "break-even", "depth": 5, "top_k": 4, "total_tokens": 16},
     )
     for options in variants:
         policy = make_policy("cast", cost_table=linear_table(), **options)
@@ -405,3 +422,8 @@ def test_sampling_runs_with_cast_trees():
     engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[-1])
     outs = engine.generate(PROMPTS, 12, SamplingParams(temperature=1.0), seed=0)
     assert [len(o.token_ids) for o in outs] == [12, 12, 12]
+
+
+def test_rerank_rule_is_checked():
+    with pytest.raises(SpecDecError, match="rerank_rule='best'"):
+        make_policy("cast", cost_table=linear_table(), rerank_rule="best")

@@ -127,6 +127,20 @@ def rerank_count(utility: Sequence[float], target_cost: Sequence[float], thresho
     return max_valid_index([0.0, *utility], target_cost, threshold) - 1
 
 
+def break_even_count(utility: Sequence[float], target_cost: Sequence[float], draft_cost: float) -> int:
+    """How many draft tokens each row verifies (0..N) so that the step's expected rate
+    (1 + u_k) / (d + c_k) is highest: tokens committed (the bonus token plus the expected
+    accepted ones) per unit of step time (the draft time d already spent plus verifying
+    k + 1 tokens), both in units of one plain decoding step f_T(1). Equivalently,
+    Algorithm 1 with a threshold that is not fixed but equals the break-even rate of the
+    step so far: a token is added while its marginal utility beats the current rate."""
+    if len(target_cost) != len(utility) + 1:
+        raise ValueError(f"break_even_count: {len(utility)} utilities need {len(utility) + 1} costs (c_0..c_N), got {len(target_cost)}")
+    u = [0.0, *utility]
+    rates = [(1.0 + u[k]) / max(draft_cost + target_cost[k], 1e-12) for k in range(len(u))]
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+
 class DepthBuffers:
     """The FIFO buffers A_i of depth pruning: each holds the last R confidence gain ratios
     phi_i = u^{(i+1)}_{n_{i+1}} / u^{(i)}_{n_i} of layer i and starts as {1}."""
@@ -199,6 +213,9 @@ class CastPolicy:
     breadth_pruning: bool = True
     depth_pruning: bool = True
     dynamic_rerank: bool = True
+    rerank_rule: str = "threshold"
+    """threshold: the paper's Algorithm 1 with C3; break-even: verify the k that maximises the
+    step's expected tokens per unit time (1 + u_k) / (d + c_k) (no threshold to tune)"""
     cost_profile: str | None = None
     """path of a cost profile JSON (see `specdec profile`)"""
     cost_table: CostTable | None = field(default=None, repr=False)
@@ -226,6 +243,8 @@ class CastPolicy:
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
             ):
                 raise SpecDecError(f"{name}={value!r} must be a finite number >= 0 (or None for the batch preset)")
+        if self.rerank_rule not in ("threshold", "break-even"):
+            raise SpecDecError(f"rerank_rule={self.rerank_rule!r} must be 'threshold' (the paper's C3) or 'break-even'")
         for name in ("breadth_pruning", "depth_pruning", "dynamic_rerank"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -308,6 +327,8 @@ class CastPolicy:
         candidates = builder.add(parents, tokens, logq, valid)  # [B, k], sorted by confidence (topk order)
         kept_before = 0  # sum_{j<i} n_j
         prev_utility: float | None = None
+        t_root = max(table.target_cost(b, n0 + 1, 1), 1e-9)
+        drafted = table.draft_costs(b, n0 + 1, 1)[1] / t_root  # the draft time spent, in plain-step units: the root's forward
         for level in range(1, depth + 1):
             # candidates come from topk, so each row is already sorted by confidence (invalid ones last)
             cand_valid = builder.valid.gather(1, candidates)  # [B, m]
@@ -329,6 +350,7 @@ class CastPolicy:
             if self.depth_pruning and not grow_decision(self._buffers.alpha(level), utility[width - 1], cost[width - 1], c2):
                 break
             frontier = candidates[:, :width]  # [B, n_i]
+            drafted += cost[width - 1]
             frontier_valid = builder.valid.gather(1, frontier)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, n_i, V]
             parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)
@@ -339,11 +361,11 @@ class CastPolicy:
             kept_before += width
             prev_utility = utility[width - 1]
 
-        keep = builder.top_by_score(builder.cum_logq, self._verify_count(builder, rows, table, b, n0, c3))
+        keep = builder.top_by_score(builder.cum_logq, self._verify_count(builder, rows, table, b, n0, c3, drafted))
         tree, origin = builder.finish(keep)
         return tree, builder, origin
 
-    def _verify_count(self, builder: TreeBuilder, rows: torch.Tensor, table: CostTable, batch: int, n0: int, c3: float) -> int:
+    def _verify_count(self, builder: TreeBuilder, rows: torch.Tensor, table: CostTable, batch: int, n0: int, c3: float, drafted: float = 0.0) -> int:
         """Draft tokens per row to verify: dynamic reranking, or `total_tokens` when it is off."""
         if not self.dynamic_rerank:
             self.last_verified = self.total_tokens
@@ -358,7 +380,10 @@ class CastPolicy:
         utility = batch_utility(builder.cum_logq.masked_fill(~pool, float("-inf")), rows, n)  # u_1..u_N
         t_ms = table.target_costs(batch, n0, n + 1)  # f_T(n0, tokens) for tokens = 0..N+1
         cost = [t_ms[j + 1] / max(t_ms[1], 1e-9) for j in range(n + 1)]  # c_0..c_N
-        self.last_verified = rerank_count(utility, cost, c3)
+        if self.rerank_rule == "break-even":
+            self.last_verified = break_even_count(utility, cost, drafted)
+        else:
+            self.last_verified = rerank_count(utility, cost, c3)
         return self.last_verified
 
     def feedback(self, record: StepRecord) -> None:
