@@ -707,6 +707,25 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_scenes(sub) -> None:
+    sc = sub.add_parser("scenes", help="write a synthetic multimodal prompt set (JSONL + PNG images) to a folder")
+    sc.add_argument("--scenario", default="scenes-first-turn", help="scenes-first-turn (default), scenes-second-turn or scenes-ood")
+    sc.add_argument("--num", type=int, default=24, help="prompts to write (24)")
+    sc.add_argument("--seed", type=int, default=1234)
+    sc.add_argument("--out", required=True, help="output folder: <scenario>.jsonl and images/")
+    sc.set_defaults(func=_cmd_scenes)
+
+
+def _cmd_scenes(args: argparse.Namespace) -> int:
+    from specdec.multimodal.scenes import check_scenario, export_scenario
+
+    if args.num < 1:
+        raise SpecDecError(f"--num={args.num} must be a positive integer")
+    path = export_scenario(check_scenario(args.scenario), Path(args.out), n=args.num, seed=args.seed)
+    print(f"wrote {args.num} prompts to {path} (images in {Path(args.out) / 'images'}); use it with specdec bench --prompts {path}")
+    return 0
+
+
 def _add_bench_tabed(sub) -> None:
     b = sub.add_parser("bench-tabed", help="TABED: block efficiency of drafting views and ensembles per multimodal scenario")
     add_model_args(b)
@@ -754,6 +773,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_profile(sub)
     _add_bench_tabed(sub)
+    _add_scenes(sub)
     return parser
 
 

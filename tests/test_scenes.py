@@ -452,3 +452,13 @@ def test_jsonl_image_paths_resolve_and_missing_image_names_file_and_line(tmp_pat
     with pytest.raises(SpecDecError) as info:
         load_prompts(path)
     assert f"{path}:2" in str(info.value) and "missing.png" in str(info.value)
+
+
+def test_cli_scenes_export(tmp_path, capsys):
+    from specdec.cli import main
+
+    assert main(["scenes", "--scenario", "scenes-ood", "--num", "2", "--out", str(tmp_path)]) == 0
+    items = load_prompts(tmp_path / "scenes-ood.jsonl")
+    assert len(items) == 2 and all(len(p.images) == 5 for p in items)
+    assert main(["scenes", "--scenario", "scenes-nope", "--out", str(tmp_path)]) == 2
+    assert "scenes-nope" in capsys.readouterr().err
