@@ -547,6 +547,7 @@ def _add_train(sub) -> None:
     lvlm.add_argument("--batch-size", type=int, default=16)
     lvlm.add_argument("--seed", type=int, default=0)
     lvlm.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    lvlm.add_argument("--vision-lr-scale", type=float, default=0.0, help="vision tower + projector learning rate / the language model's (0: frozen at random init, the default)")
     lvlm.add_argument("--tiny", action="store_true", help="tiny shapes (for tests and smoke runs)")
     lvlm.add_argument("--bundle", action="store_true", help="copy the result into the package (the default LVLM pair)")
     lvlm.set_defaults(func=_cmd_train_lvlm)
@@ -615,7 +616,11 @@ def _cmd_train_lvlm(args: argparse.Namespace) -> int:
         raise SpecDecError(f"--minutes={args.minutes} must be positive")
     if args.batch_size <= 0:
         raise SpecDecError(f"--batch-size={args.batch_size} must be a positive integer")
-    cfg = LvlmTrainConfig(steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, seed=args.seed, threads=args.threads)
+    if args.vision_lr_scale < 0:
+        raise SpecDecError(f"--vision-lr-scale={args.vision_lr_scale} must be >= 0")
+    cfg = LvlmTrainConfig(
+        steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, seed=args.seed, threads=args.threads, vision_lr_scale=args.vision_lr_scale
+    )
     target_size, draft_size = TARGET_SIZE, DRAFT_SIZE
     if args.tiny:
         target_size = dataclasses.replace(TARGET_SIZE, vision_hidden=32, vision_layers=1, vision_heads=2, text_hidden=32, text_layers=1, text_heads=2, image_size=96, patch_size=32)
