@@ -42,7 +42,7 @@ from specdec.multimodal.views import (
 )
 from specdec.sampling import SamplingParams
 from specdec.sources.base import DraftSource
-from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource
+from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, EnsemblePrior
 from specdec.sources.lookup import LookupDraftSource
 from specdec.sources.model import ModelDraftSource
 from specdec.stats import GenerationStats
@@ -152,6 +152,8 @@ class SpeculativeDecoder:
         self.view_names = parse_views(views)
         self.ensemble_config = make_ensemble_config(ensemble_options, len(self.view_names))
         self._views: list[PromptView] | None = None
+        self.ensemble_prior = EnsemblePrior()
+        """TABED evidence carried from one prompt to the next (see EnsembleConfig.prior)"""
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -247,7 +249,7 @@ class SpeculativeDecoder:
         if self.draft is None:
             return None
         if self.draft_source == "tabed":
-            return EnsembleDraftSource(self.draft, self.ensemble_views(), dataclasses.replace(self.ensemble_config))
+            return EnsembleDraftSource(self.draft, self.ensemble_views(), dataclasses.replace(self.ensemble_config), self.ensemble_prior)
         return ModelDraftSource(self.draft, view=self.draft_view())
 
     def ensemble_views(self) -> list[PromptView]:

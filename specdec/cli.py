@@ -73,6 +73,7 @@ def add_method_args(
     p.add_argument("--tabed-policy", default="grid", help="tabed: weight policy grid (default), softmax, static, random or fixed")
     p.add_argument("--tabed-distance", default="kl", help="tabed: kl (default), tv or hard")
     p.add_argument("--tabed-window", default="all", help="tabed: past positions scored (a positive integer, or all)")
+    p.add_argument("--tabed-prior", type=_on_off, default=True, metavar="on|off", help="tabed: start each prompt from earlier prompts' evidence (on)")
     g = p.add_argument_group("method options (defaults: each method's own)")
     g.add_argument("--k", type=int, default=None, help="chain: draft tokens per step (5)")
     g.add_argument("--depth", type=int, default=None, help="static/eagle2/cast: tree depth (4 / 6 / 13 at batch 1 ... 9 at batch >= 8)")
@@ -175,7 +176,7 @@ def ensemble_options(args: argparse.Namespace) -> dict:
             window = int(window)
         except ValueError:
             raise SpecDecError(f"--tabed-window {window!r} must be a positive integer or 'all'") from None
-    return {"policy": args.tabed_policy, "distance": args.tabed_distance, "window": None if window == "all" else window}
+    return {"policy": args.tabed_policy, "distance": args.tabed_distance, "window": None if window == "all" else window, "prior": args.tabed_prior}
 
 
 def _add_generate(sub) -> None:

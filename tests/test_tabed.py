@@ -16,7 +16,15 @@ from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.multimodal.views import CaptionView, ModelCaptioner, PassThroughView, PooledImageView, TextOnlyView, TruncatedView, parse_views
 from specdec.sampling import SamplingParams
-from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, distances, estimated_speedup, grid_weights, mixture_logprobs
+from specdec.sources.ensemble import (
+    EnsembleConfig,
+    EnsembleDraftSource,
+    EnsemblePrior,
+    distances,
+    estimated_speedup,
+    grid_weights,
+    mixture_logprobs,
+)
 from specdec.training.lvlm import make_processor
 from specdec.verification import GreedyRule, SamplingRule
 
@@ -91,6 +99,21 @@ def test_weights_move_to_the_view_that_matches_the_target(lvlm):
     engine, _ = _engine(lvlm, views, EnsembleConfig(policy="fixed", fixed_view=0), draft=lvlm["target"])
     out = engine.generate(lvlm["prompts"][:1], 10)[0]
     assert out.stats.accepted_tokens == out.stats.drafted_tokens > 0
+
+
+def test_prior_carries_evidence_to_the_next_prompt(lvlm):
+    """With a shared EnsemblePrior, a new prompt's first block uses what earlier prompts
+    showed (w = [1, 0]: M is exact); with prior=False it starts at equal weights."""
+    views = [PassThroughView(), TextOnlyView(lvlm["tok"])]
+    for use_prior, first in ((True, [1.0, 0.0]), (False, [0.5, 0.5])):
+        prior = EnsemblePrior()
+        for i, prompt in enumerate(lvlm["prompts"][:2]):
+            source = EnsembleDraftSource(lvlm["target"], views, EnsembleConfig(policy="grid", prior=use_prior), prior)
+            engine = SpeculativeEngine(lvlm["target"], make_policy("chain", k=3), GreedyRule(), source, eos_token_ids=[lvlm["tok"].eos_token_id], pad_token_id=1)
+            engine.generate([prompt], 10)
+            if i == 1:
+                assert source.traces[0][0] == first, use_prior
+    assert prior.observations == 0  # prior=False never updates it
 
 
 @pytest.mark.parametrize(("distance", "least"), [("tv", 0.9), ("hard", 0.5)])

@@ -33,7 +33,7 @@ from specdec.models.runner import ModelRunner
 from specdec.multimodal.inputs import MultimodalPrompt
 from specdec.multimodal.scenes import SCENARIOS
 from specdec.multimodal.views import PromptView
-from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, estimated_speedup
+from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, EnsemblePrior, estimated_speedup
 from specdec.sources.model import ModelDraftSource
 from specdec.stats import tau
 from specdec.verification import GreedyRule
@@ -66,6 +66,8 @@ ABLATION_CONFIGS = (
     DraftConfig("TABED-MT TV", ("M", "T"), {"policy": "grid", "distance": "tv"}),
     DraftConfig("TABED-MT hard", ("M", "T"), {"policy": "grid", "distance": "hard"}),
     DraftConfig("TABED-MTCP grid", ("M", "T", "C", "P"), {"policy": "grid"}),
+    DraftConfig("TABED-MT no prior", ("M", "T"), {"policy": "grid", "prior": False}),
+    DraftConfig("TABED-MTCP no prior", ("M", "T", "C", "P"), {"policy": "softmax", "prior": False}),
 )
 TREE_CONFIGS = ("M", "T", "TABED-MT")
 """the configurations also run with tree verification"""
@@ -178,7 +180,8 @@ def run_tabed_bench(
         if len(views) == 1:
             view = None if cfg.views[0] == "M" and decoder.draft_view() is None else views[0]
             return lambda: ModelDraftSource(decoder.draft, view=view)
-        return lambda: EnsembleDraftSource(decoder.draft, views, EnsembleConfig(**cfg.ensemble))
+        prior = EnsemblePrior()  # one per configuration and scenario: evidence flows from prompt to prompt
+        return lambda: EnsembleDraftSource(decoder.draft, views, EnsembleConfig(**cfg.ensemble), prior)
 
     for scenario in scenarios:
         prompts = encode_all(scenario)

@@ -68,6 +68,12 @@ class EnsembleConfig:
     """observations kept per row (the oldest are dropped)"""
     seed: int = 0
     """seed of the `random` policy"""
+    prior: bool = True
+    """choose a row's first-block weights from evidence of earlier rows and prompts (an
+    exponential average of past observations' distances, shared through `EnsemblePrior`)
+    instead of equal weights; False is the paper's per-sample behaviour"""
+    prior_decay: float = 0.98
+    """weight of the running average per new observation"""
 
     def validate(self, m: int) -> None:
         if self.policy not in WEIGHT_POLICIES:
@@ -82,6 +88,8 @@ class EnsembleConfig:
             raise SpecDecError(f"ensemble temperature={self.temperature!r} must be > 0")
         if not 0 <= self.fixed_view < m:
             raise SpecDecError(f"fixed_view={self.fixed_view} must index one of the {m} views")
+        if not 0 < self.prior_decay < 1:
+            raise SpecDecError(f"prior_decay={self.prior_decay!r} must be in (0, 1)")
         if self.support < 2 or self.max_history < 1:
             raise SpecDecError(f"support={self.support} must be >= 2 and max_history={self.max_history} >= 1")
 
@@ -117,6 +125,29 @@ def distances(p: torch.Tensor, q: torch.Tensor, label: torch.Tensor, kind: str) 
     return (q.argmax(-1) != label).float()
 
 
+class EnsemblePrior:
+    """Evidence that outlives a row: exponential averages of the observations' distances to
+    each candidate (grid) and to each single view (softmax). Share one between the sources
+    of successive runs (SpeculativeDecoder does) so that a new prompt's first block starts
+    from what earlier prompts showed, not from equal weights."""
+
+    def __init__(self) -> None:
+        self.cand_err: torch.Tensor | None = None  # [C]
+        self.view_err: torch.Tensor | None = None  # [m]
+        self.observations = 0
+
+    def update(self, cand_err: torch.Tensor | None, view_err: torch.Tensor | None, decay: float) -> None:
+        def ema(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+            if new is None:
+                return old
+            new = new.detach().cpu()
+            return new.clone() if old is None or old.shape != new.shape else decay * old + (1 - decay) * new
+
+        self.cand_err = ema(self.cand_err, cand_err)
+        self.view_err = ema(self.view_err, view_err)
+        self.observations += 1
+
+
 class _RepeatedBuilder:
     """A TreeBuilder seen with each row repeated m times (one copy per view)."""
 
@@ -132,7 +163,9 @@ class EnsembleDraftSource:
 
     needs_target_logprobs = True
 
-    def __init__(self, model: PreTrainedModel, views: Sequence[PromptView], config: EnsembleConfig | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, views: Sequence[PromptView], config: EnsembleConfig | None = None, prior: EnsemblePrior | None = None
+    ) -> None:
         if len(views) < 1:
             raise SpecDecError("the ensemble needs at least one view")
         self.views = list(views)
@@ -141,6 +174,7 @@ class EnsembleDraftSource:
         self.config.validate(self.m)
         self.inner = ModelDraftSource(model)
         self.device = self.inner.runner.device
+        self.prior = prior if prior is not None else EnsemblePrior()
         self.candidates = grid_weights(self.m, self.config.grid_n).to(self.device)  # [C, m]
         self.generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
         self.weights = torch.zeros(0, self.m, device=self.device)  # [B, m] of the current block
@@ -240,11 +274,16 @@ class EnsembleDraftSource:
             support[-1] = top
         p_s, q_s = p[support], q[:, support]  # [K], [m, K]
         label = (support == top).nonzero()[0]  # [1]
+        cand_err = view_err = None
         if cfg.policy == "grid":
             mixed = self.candidates @ q_s  # [C, K]
-            self._cand_err[row].append(distances(p_s[None], mixed[:, None], label, cfg.distance)[:, 0])
+            cand_err = distances(p_s[None], mixed[:, None], label, cfg.distance)[:, 0]
+            self._cand_err[row].append(cand_err)
         if cfg.policy == "softmax":
-            self._view_err[row].append(distances(p_s[None], q_s[:, None], label, cfg.distance)[:, 0])
+            view_err = distances(p_s[None], q_s[:, None], label, cfg.distance)[:, 0]
+            self._view_err[row].append(view_err)
+        if cfg.prior:
+            self.prior.update(cand_err, view_err, cfg.prior_decay)
         for errs in (self._cand_err[row], self._view_err[row]):
             if len(errs) > cfg.max_history:
                 del errs[0]
@@ -263,14 +302,20 @@ class EnsembleDraftSource:
         if cfg.policy == "grid":
             history = self._cand_err[row][-h:]
             if not history:
-                return self.candidates[0]  # the most even candidate
+                prior = self.prior.cand_err if cfg.prior else None
+                if prior is None or prior.shape[0] != self.candidates.shape[0]:
+                    return self.candidates[0]  # the most even candidate
+                history = [prior.to(self.device)]
             err = torch.stack(history).sum(0)  # [C]
             best = err.min()
             near = (err <= best + 1e-5 * (1 + best.abs())).nonzero()  # ties up to float noise: the most even wins
             return self.candidates[int(near[0, 0])]
         history = self._view_err[row][-h:]  # softmax of inverse errors
         if not history:
-            return uniform
+            prior = self.prior.view_err if cfg.prior else None
+            if prior is None or prior.shape[0] != m:
+                return uniform
+            history = [prior.to(self.device)]
         err = torch.stack(history).mean(0).clamp_min(1e-6)
         return torch.softmax((1.0 / err) / cfg.temperature, dim=0)
 
@@ -287,7 +332,7 @@ class EnsembleDraftSource:
 
     def describe(self) -> dict[str, Any]:
         cfg = self.config
-        return {"views": self.view_names, "policy": cfg.policy, "distance": cfg.distance, "window": cfg.window or "all", "grid_n": cfg.grid_n}
+        return {"views": self.view_names, "policy": cfg.policy, "distance": cfg.distance, "window": cfg.window or "all", "grid_n": cfg.grid_n, "prior": cfg.prior}
 
 
 def estimated_speedup(tau: float, gamma: float, cost_ratio: float) -> float:
