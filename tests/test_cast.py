@@ -265,7 +265,7 @@ def test_switched_off_cast_is_eagle2():
     off = CastPolicy(
         depth=4, top_k=3, total_tokens=10, breadth_pruning=False, depth_pruning=False, dynamic_rerank=False, cost_table=linear_table()
     )
-    zero = CastPolicy(depth=4, top_k=3, total_tokens=10, c1=0.0, c2=0.0, c3=0.0, cost_table=linear_table())
+    zero = CastPolicy(depth=4, top_k=3, total_tokens=10, c1=0.0, c2=0.0, c3=0.0, rerank_rule="threshold", cost_table=linear_table())
     for policy in (off, zero):
         tree = draft_once(policy, draft)
         assert torch.equal(tree.valid, ref.valid)
@@ -321,11 +321,18 @@ def test_greedy_cast_matches_generate_batch_1_and_3(arch):
 def test_tree_that_cannot_pay_is_root_only():
     target, draft = close_pair("llama")
     table = CostTable.synthetic(lambda b, c, n: 10.0 * n, lambda b, c, n: 50.0 * n)  # verifying k tokens costs k steps
-    policy = make_policy("cast", cost_table=table)
+    policy = make_policy("cast", cost_table=table, rerank_rule="threshold")
     engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
     outs = engine.generate(PROMPTS, 16, keep_steps=True)
     assert [o.token_ids for o in outs] == [reference(target, p, 16) for p in PROMPTS]
     assert all(d == 0 for rec in outs[0].steps for d in rec.drafted)
+    # break-even counts the root's draft forward as spent: it verifies a layer-1 token when that
+    # beats root-only for the step, and stops drafting deeper (depth pruning)
+    policy = make_policy("cast", cost_table=table)
+    engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+    outs = engine.generate(PROMPTS, 16, keep_steps=True)
+    assert [o.token_ids for o in outs] == [reference(target, p, 16) for p in PROMPTS]
+    assert all(rec.tree_depth <= 1 for rec in outs[0].steps)
 
 
 def test_missing_profile_is_measured_when_bound(tmp_path, caplog):

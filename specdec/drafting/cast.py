@@ -213,9 +213,9 @@ class CastPolicy:
     breadth_pruning: bool = True
     depth_pruning: bool = True
     dynamic_rerank: bool = True
-    rerank_rule: str = "threshold"
-    """threshold: the paper's Algorithm 1 with C3; break-even: verify the k that maximises the
-    step's expected tokens per unit time (1 + u_k) / (d + c_k) (no threshold to tune)"""
+    rerank_rule: str = "break-even"
+    """break-even (default): verify the k that maximises the step's expected tokens per unit
+    time (1 + u_k) / (d + c_k), no threshold to tune; threshold: the paper's Algorithm 1 with C3"""
     cost_profile: str | None = None
     """path of a cost profile JSON (see `specdec profile`)"""
     cost_table: CostTable | None = field(default=None, repr=False)
