@@ -255,10 +255,11 @@ class SpeculativeDecoder:
     def ensemble_views(self) -> list[PromptView]:
         """The TABED views (built once; the caption view keeps its captions across calls)."""
         if self._views is None:
-            self._views = [self._make_view(name) for name in self.view_names]
+            self._views = [self.make_view(name) for name in self.view_names]
         return self._views
 
-    def _make_view(self, name: str) -> PromptView:
+    def make_view(self, name: str) -> PromptView:
+        """A drafting view by name (M, T, C, P or tailN) for this decoder's draft model."""
         assert self.draft is not None
         vision_draft = is_multimodal(self.draft)
         if name.startswith("tail"):

@@ -95,7 +95,7 @@ class Cell:
 def _views(decoder: SpeculativeDecoder, names: Sequence[str], cache: dict[str, PromptView]) -> list[PromptView]:
     for name in names:
         if name not in cache:
-            cache[name] = decoder._make_view(name)
+            cache[name] = decoder.make_view(name)
     return [cache[n] for n in names]
 
 
