@@ -333,7 +333,7 @@ def test_full_queue_answers_429_and_a_disconnect_frees_the_row(slow_server):
             waiter = threading.Thread(target=lambda: waiting_result.append(complete(c, **{**body, "max_tokens": 4})))
             waiter.start()
             wait_for(lambda: c.get("/health").json()["queue_depth"] == 1)
-            busy = assert_error(complete(c, prompt="x"), 429, "the server is busy: 1 requests are already waiting for a batch row (--max-queue 1)")
+            busy = assert_error(complete(c, prompt="x"), 429, "requests are already waiting for a batch row (--max-queue 1)")
             assert busy["type"] == "rate_limit_error" and busy["code"] == "queue_full"
             assert c.get("/health").json()["running_rows"] == 1
         t_closed = time.monotonic()  # the stream's client is gone: its row is freed, the waiting request runs
