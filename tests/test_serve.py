@@ -51,9 +51,9 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def slow_server(tiny_pair_dir):
-    """One row, one waiting request at most, and a target that takes 10 ms per forward."""
+    """One row, one waiting request at most, and a target that takes 30 ms per forward."""
     slow = load_decoder(tiny_pair_dir)
-    slow.target.register_forward_pre_hook(lambda module, args: time.sleep(0.01))
+    slow.target.register_forward_pre_hook(lambda module, args: time.sleep(0.03))
     with BackgroundServer(create_app(slow, max_batch_size=1, max_queue=1)) as srv:
         yield srv
 
@@ -323,7 +323,7 @@ def test_seeded_sampling_alone_in_its_lane_is_reproducible(client, decoder):
 def test_full_queue_answers_429_and_a_disconnect_frees_the_row(slow_server):
     """max_batch_size 1, max_queue 1: one request runs, one waits, the third gets 429. The
     running client then disconnects mid-stream: its row goes to the waiting request."""
-    body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "specdec": {"method": "ar"}}  # ~2 s at 10 ms per step
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "specdec": {"method": "ar"}}  # ~6 s at 30 ms per step
     with httpx.Client(base_url=slow_server.url, timeout=TIMEOUT) as c:
         before = scrape(c)
         waiting_result: list[httpx.Response] = []
@@ -340,7 +340,7 @@ def test_full_queue_answers_429_and_a_disconnect_frees_the_row(slow_server):
         waiter.join(TIMEOUT)
         assert waiting_result and waiting_result[0].status_code == 200 and waiting_result[0].json()["usage"]["completion_tokens"] == 4
         wait_for(lambda: (lambda h: h["running_rows"] == 0 and h["queue_depth"] == 0)(c.get("/health").json()), timeout=5)
-        assert time.monotonic() - t_closed < 1.5, "the disconnected stream's 200 tokens were not decoded to the end"
+        assert time.monotonic() - t_closed < 3.5, "the disconnected stream's 200 tokens were not decoded to the end"
         after = scrape(c)
         assert after['specdec_requests_finished_total{method="ar",finish_reason="cancelled"}'] - before.get('specdec_requests_finished_total{method="ar",finish_reason="cancelled"}', 0) == 1
         assert after["specdec_running_rows"] == 0
