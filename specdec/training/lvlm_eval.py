@@ -73,8 +73,8 @@ def evaluate_lvlm(target, draft, processor, per_task: int = 40, seed: int = 7, m
     image_tasks = [t for t in EVAL_TASKS if t != "text"]
     for key in ("target_with_image", "target_without_image", "draft_with_image", "draft_without_image"):
         results[f"mean_{key}"] = statistics.mean(results["tasks"][t][key] for t in image_tasks)
-    sample = encode_multimodal(processor, format_conversation(generate_examples(1, seed, "eval", tasks=["describe"])[0].turns, upto=0),
-                               generate_examples(1, seed, "eval", tasks=["describe"])[0].images())
+    describe = generate_examples(1, seed, "eval", tasks=["describe"])[0]
+    sample = encode_multimodal(processor, format_conversation(describe.turns, upto=0), describe.images())
     results["step_ms"] = {"target": step_latency_ms(target, sample), "draft": step_latency_ms(draft, sample), "context_tokens": len(sample)}
     results["params"] = {"target": sum(p.numel() for p in target.parameters()), "draft": sum(p.numel() for p in draft.parameters())}
     return results
