@@ -73,3 +73,14 @@ def test_evaluate_lvlm_figures(tiny_run, capsys):
     for row in figures["tasks"].values():
         assert all(0.0 <= v <= 1.0 for v in row.values())
     assert figures["step_ms"]["target"] > 0 and figures["params"]["target"] > figures["params"]["draft"]
+
+
+def test_bundle_copies_the_shippable_files(tiny_run, tmp_path):
+    from specdec.errors import SpecDecError
+    from specdec.training.lvlm_train import bundle_lvlm
+
+    dest = bundle_lvlm(tiny_run, tmp_path / "assets")
+    assert sorted(p.name for p in dest.iterdir()) == ["draft", "target", "train_log.json"]
+    assert (dest / "target" / "config.json").is_file()
+    with pytest.raises(SpecDecError, match="specdec train lvlm"):
+        bundle_lvlm(tmp_path / "empty", tmp_path / "elsewhere")

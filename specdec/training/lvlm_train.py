@@ -217,20 +217,7 @@ LVLM_BUNDLE_FILES = ("target", "draft", "train_log.json")
 
 def bundle_lvlm(source: Path, dest: Path | None = None) -> Path:
     """Copy a trained LVLM pair into the package's assets (the default vision-language pair)."""
-    import shutil
-
     from specdec.models.loading import BUNDLED_LVLM
+    from specdec.training.pair import copy_bundle
 
-    dest = dest or BUNDLED_LVLM
-    missing = [name for name in LVLM_BUNDLE_FILES if not (source / name).exists()]
-    if missing:
-        raise SpecDecError(f"{source} lacks {', '.join(missing)}; pass the --out folder of a finished `specdec train lvlm` run")
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in LVLM_BUNDLE_FILES:
-        src, dst = source / name, dest / name
-        if src.is_dir():
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst)
-        else:
-            shutil.copy2(src, dst)
-    return dest
+    return copy_bundle(source, dest or BUNDLED_LVLM, LVLM_BUNDLE_FILES, "specdec train lvlm")

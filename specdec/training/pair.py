@@ -272,20 +272,17 @@ BUNDLE_FILES = ("target", "draft", "stdlib-heldout.jsonl", "train_log.json", "pa
 """what `bundle_pair` copies (checkpoints and token caches stay behind)"""
 
 
-def bundle_pair(source: Path, dest: Path | None = None) -> Path:
-    """Copy a trained pair's shippable files into the package's assets (the bundled pair)."""
+def copy_bundle(source: Path, dest: Path, files: tuple[str, ...], command: str) -> Path:
+    """Copy `files` (folders or files) of a finished training run `source` into `dest`."""
     import shutil
 
-    from specdec.models.loading import BUNDLED_PAIR
+    from specdec.errors import SpecDecError
 
-    dest = dest or BUNDLED_PAIR
-    missing = [name for name in BUNDLE_FILES if not (source / name).exists()]
+    missing = [name for name in files if not (source / name).exists()]
     if missing:
-        from specdec.errors import SpecDecError
-
-        raise SpecDecError(f"{source} lacks {', '.join(missing)}; pass the --out folder of a finished `specdec train pair` run")
+        raise SpecDecError(f"{source} lacks {', '.join(missing)}; pass the --out folder of a finished `{command}` run")
     dest.mkdir(parents=True, exist_ok=True)
-    for name in BUNDLE_FILES:
+    for name in files:
         src, dst = source / name, dest / name
         if src.is_dir():
             shutil.rmtree(dst, ignore_errors=True)
@@ -293,3 +290,10 @@ def bundle_pair(source: Path, dest: Path | None = None) -> Path:
         else:
             shutil.copy2(src, dst)
     return dest
+
+
+def bundle_pair(source: Path, dest: Path | None = None) -> Path:
+    """Copy a trained pair's shippable files into the package's assets (the bundled pair)."""
+    from specdec.models.loading import BUNDLED_PAIR
+
+    return copy_bundle(source, dest or BUNDLED_PAIR, BUNDLE_FILES, "specdec train pair")
