@@ -392,6 +392,7 @@ class DecodeSession:
             drafted_by_depth=engine._drafted_by_depth(tree),
             accepted_depth=[len(p) for p in verdict.accepted_nodes],
             prompt_index=[r.index for r in rows],
+            accepted_nodes=[list(p) if a else [] for p, a in zip(verdict.accepted_nodes, was_active, strict=True)],
         )
         for r, request in enumerate(rows):
             if was_active[r]:

@@ -75,6 +75,9 @@ class StepRecord:
     """per row: depth of the deepest accepted node (= accepted_len)"""
     prompt_index: list[int] = field(default_factory=list)
     """per row: which prompt of the call the row was decoding"""
+    accepted_nodes: list[list[int]] = field(default_factory=list)
+    """per row: the verified tree's node indices on the accepted path, root excluded (policies
+    that learn from verdicts pair them with the tree they drafted)"""
 
 
 @dataclass
