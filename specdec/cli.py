@@ -96,10 +96,16 @@ def add_method_args(
     g.add_argument("--accept-low", type=float, default=None, help="dynatree: windowed acceptance below it -> more conservative (0.15)")
     g.add_argument("--adjust-step", type=float, default=None, help="dynatree: per-step move of tau_high and rho_deep (0.05)")
     g.add_argument("--dynatree-phase", type=int, default=None, help="dynatree: 0 fixed tree, 1 +adaptive branching, 2 +dynamic depth, 3 +history adjustment (3)")
-    g.add_argument("--cast-c1", type=float, default=None, help="cast: breadth-pruning threshold C1 (3.0 at batch 1 ... 2.5 at batch >= 8)")
-    g.add_argument("--cast-c2", type=float, default=None, help="cast: depth-pruning threshold C2 (3.0 at batch 1 ... 2.5 at batch >= 8)")
+    g.add_argument("--cast-c1", type=float, default=None, help="cast: breadth-pruning threshold C1 with --prune-rule threshold (3.0 at batch 1 ... 2.5 at batch >= 8)")
+    g.add_argument("--cast-c2", type=float, default=None, help="cast: depth-pruning threshold C2 with --prune-rule threshold (3.0 at batch 1 ... 2.5 at batch >= 8)")
     g.add_argument("--cast-c3", type=float, default=None, help="cast: dynamic-reranking threshold C3 with --rerank-rule threshold (3.0 at batch 1 ... 2.5 at batch >= 8)")
     g.add_argument("--rerank-rule", default=None, help="cast: break-even (most expected tokens per unit time; default) or threshold (the paper's Algorithm 1 with C3)")
+    g.add_argument(
+        "--prune-rule", default=None, help="cast: break-even (a node or layer is drafted when it is predicted to raise the step's rate; default) or threshold (the paper's C1, C2)"
+    )
+    g.add_argument(
+        "--calibrate", type=_on_off, default=None, metavar="on|off", help="cast: value nodes by acceptance rates learned from the verifier's verdicts; off: raw draft confidence (on)"
+    )
     g.add_argument("--cast-buffer", type=int, default=None, help="cast: length R of each depth-pruning FIFO buffer (8)")
     g.add_argument("--breadth-pruning", type=_on_off, default=None, metavar="on|off", help="cast: breadth pruning (on)")
     g.add_argument("--depth-pruning", type=_on_off, default=None, metavar="on|off", help="cast: depth pruning (on)")
@@ -137,6 +143,8 @@ OPTION_FIELDS = {
     "depth_pruning": "depth_pruning",
     "dynamic_rerank": "dynamic_rerank",
     "rerank_rule": "rerank_rule",
+    "prune_rule": "prune_rule",
+    "calibrate": "calibrate",
     "cost_profile": "cost_profile",
 }
 """CLI dest -> policy field"""

@@ -14,9 +14,12 @@ from conftest import EOS, sharpen, tiny_model
 from specdec.cli import main
 from specdec.cost import CostTable, ProfileGrid, profile_models, select_context
 from specdec.drafting.builder import DraftContext
+from specdec.drafting.calibration import AcceptanceCalibrator, isotonic
 from specdec.drafting.cast import (
     CastPolicy,
     DepthBuffers,
+    StepOverheads,
+    StepPlan,
     batch_utility,
     breadth_count,
     break_even_count,
@@ -30,6 +33,7 @@ from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
+from specdec.stats import StepRecord
 from specdec.verification import GreedyRule
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
@@ -263,9 +267,13 @@ def test_switched_off_cast_is_eagle2():
     eagle = Eagle2Policy(depth=4, top_k=3, total_tokens=10)
     ref = draft_once(eagle, draft)
     off = CastPolicy(
-        depth=4, top_k=3, total_tokens=10, breadth_pruning=False, depth_pruning=False, dynamic_rerank=False, cost_table=linear_table()
+        depth=4, top_k=3, total_tokens=10, breadth_pruning=False, depth_pruning=False, dynamic_rerank=False, calibrate=False,
+        cost_table=linear_table(),
     )
-    zero = CastPolicy(depth=4, top_k=3, total_tokens=10, c1=0.0, c2=0.0, c3=0.0, rerank_rule="threshold", cost_table=linear_table())
+    zero = CastPolicy(
+        depth=4, top_k=3, total_tokens=10, c1=0.0, c2=0.0, c3=0.0, rerank_rule="threshold", prune_rule="threshold", calibrate=False,
+        cost_table=linear_table(),
+    )
     for policy in (off, zero):
         tree = draft_once(policy, draft)
         assert torch.equal(tree.valid, ref.valid)
@@ -275,11 +283,11 @@ def test_switched_off_cast_is_eagle2():
 
 def test_expensive_draft_stops_growth_and_buffers_update():
     _, draft = close_pair("llama")
-    cheap = CastPolicy(depth=5, top_k=3, total_tokens=60, dynamic_rerank=False, c1=0.0, c2=1e-9, cost_table=linear_table())
+    cheap = CastPolicy(depth=5, top_k=3, total_tokens=60, dynamic_rerank=False, c1=0.0, c2=1e-9, prune_rule="threshold", cost_table=linear_table())
     tree = draft_once(cheap, draft)
     assert tree.max_depth() == 5 and cheap.last_widths == [3, 3, 3, 3, 3]
     assert all(len(cheap.buffers.values(i)) == 2 for i in range(1, 5))  # {1} + this step's phi_i
-    costly = CastPolicy(depth=5, top_k=3, total_tokens=60, dynamic_rerank=False, cost_table=linear_table(d_fixed=1e4))
+    costly = CastPolicy(depth=5, top_k=3, total_tokens=60, dynamic_rerank=False, prune_rule="threshold", cost_table=linear_table(d_fixed=1e4))
     tree = draft_once(costly, draft)
     assert tree.max_depth() == 1 and len(costly.last_widths) == 1
     no_dp = CastPolicy(depth=5, top_k=3, total_tokens=60, dynamic_rerank=False, depth_pruning=False, cost_table=linear_table(d_fixed=1e4))
@@ -289,7 +297,7 @@ def test_expensive_draft_stops_growth_and_buffers_update():
 def test_breadth_pruning_narrows_costly_layers():
     _, draft = close_pair("llama")
     steep = CostTable.synthetic(lambda b, c, n: 10.0, lambda b, c, n: 1.0 + 50.0 * n)  # every extra draft node costs 5 target steps
-    policy = CastPolicy(depth=3, top_k=4, total_tokens=60, c1=1.0, depth_pruning=False, dynamic_rerank=False, cost_table=steep)
+    policy = CastPolicy(depth=3, top_k=4, total_tokens=60, c1=1.0, prune_rule="threshold", depth_pruning=False, dynamic_rerank=False, cost_table=steep)
     draft_once(policy, draft)
     assert policy.last_widths == [1, 1, 1]
 
@@ -300,10 +308,11 @@ def test_greedy_cast_matches_generate_batch_1_and_3(arch):
     refs = [reference(target, p, 20) for p in PROMPTS]
     accepted, deepest = 0, 0
     variants = (
-        {},  # the paper's presets
-        {"c1": 0.5, "c2": 0.5, "c3": 0.5, "depth": 5, "top_k": 4, "total_tokens": 16},
-        {"c1": 0.1, "c2": 0.0, "dynamic_rerank": False, "depth": 4, "top_k": 3, "total_tokens": 12},  # deep trees
-        {"rerank_rule": "break-even", "depth": 5, "top_k": 4, "total_tokens": 16},
+        {},  # break-even rules, calibrated values
+        {"c1": 0.5, "c2": 0.5, "c3": 0.5, "prune_rule": "threshold", "rerank_rule": "threshold", "depth": 5, "top_k": 4, "total_tokens": 16},
+        {"c1": 0.1, "c2": 0.0, "prune_rule": "threshold", "dynamic_rerank": False, "depth": 4, "top_k": 3, "total_tokens": 12},  # deep trees
+        {"calibrate": False, "depth": 5, "top_k": 4, "total_tokens": 16},
+        {"prune_rule": "threshold", "rerank_rule": "threshold", "calibrate": False},  # the paper's rules and presets
     )
     for options in variants:
         policy = make_policy("cast", cost_table=linear_table(), **options)
@@ -321,7 +330,7 @@ def test_greedy_cast_matches_generate_batch_1_and_3(arch):
 def test_tree_that_cannot_pay_is_root_only():
     target, draft = close_pair("llama")
     table = CostTable.synthetic(lambda b, c, n: 10.0 * n, lambda b, c, n: 50.0 * n)  # verifying k tokens costs k steps
-    policy = make_policy("cast", cost_table=table, rerank_rule="threshold")
+    policy = make_policy("cast", cost_table=table, rerank_rule="threshold", prune_rule="threshold")
     engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
     outs = engine.generate(PROMPTS, 16, keep_steps=True)
     assert [o.token_ids for o in outs] == [reference(target, p, 16) for p in PROMPTS]
@@ -365,7 +374,7 @@ def test_missing_profile_is_measured_when_bound(tmp_path, caplog):
 
 
 def test_option_errors():
-    for bad in ({"c1": -1.0}, {"depth": 0}, {"buffer": 0}, {"breadth_pruning": "no"}, {"top_k": 1.5}):
+    for bad in ({"c1": -1.0, "prune_rule": "threshold"}, {"depth": 0}, {"buffer": 0}, {"breadth_pruning": "no"}, {"top_k": 1.5}, {"calibrate": "yes"}):
         with pytest.raises(SpecDecError):
             make_policy("cast", **bad)
     with pytest.raises(SpecDecError, match="either cost_table or cost_profile"):
@@ -425,7 +434,9 @@ def test_sampling_runs_with_cast_trees():
     from specdec.verification import SamplingRule
 
     target, draft = close_pair("llama")
-    policy = make_policy("cast", cost_table=linear_table(), c1=0.1, c2=0.0, c3=0.1, depth=4, top_k=3, total_tokens=12)
+    policy = make_policy(
+        "cast", cost_table=linear_table(), c1=0.1, c2=0.0, c3=0.1, prune_rule="threshold", rerank_rule="threshold", depth=4, top_k=3, total_tokens=12
+    )
     engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[-1])
     outs = engine.generate(PROMPTS, 12, SamplingParams(temperature=1.0), seed=0)
     assert [len(o.token_ids) for o in outs] == [12, 12, 12]
@@ -434,3 +445,120 @@ def test_sampling_runs_with_cast_trees():
 def test_rerank_rule_is_checked():
     with pytest.raises(SpecDecError, match="rerank_rule='best'"):
         make_policy("cast", cost_table=linear_table(), rerank_rule="best")
+
+
+# ----- our additions: calibrated values, learned overheads, break-even pruning -------------------
+
+
+def step_record(paths: list[list[int]], active: list[bool], draft_s: float = 0.0, verify_s: float = 0.0) -> StepRecord:
+    n = len(paths)
+    return StepRecord(
+        step=0, active=active, drafted=[0] * n, accepted_len=[len(p) for p in paths], committed=[len(p) + 1 for p in paths],
+        relaxed=[0] * n, strict_fallbacks=[0] * n, tree_depth=0, draft_s=draft_s, verify_s=verify_s,
+        drafted_by_depth=[[] for _ in range(n)], accepted_depth=[len(p) for p in paths], accepted_nodes=paths,
+    )
+
+
+def test_calibrator_starts_at_identity_then_learns_per_rank():
+    cal = AcceptanceCalibrator(bins=10, ranks=3)
+    q = torch.tensor([0.35, 0.05, 0.95])
+    assert torch.allclose(cal.local_logprob(q.log(), torch.tensor([1, 2, 3])).exp(), torch.tensor([0.35, 0.05, 0.95]), atol=1e-6)
+    assert cal.local_logprob(torch.tensor([float("-inf")]), torch.tensor([1])).item() == float("-inf")
+    # greedy verification: the draft's favourite is accepted 90% of the time even at q = 0.25
+    rng = random.Random(0)
+    for _ in range(100):
+        hits = torch.tensor([rng.random() < 0.9 for _ in range(4)])
+        cal.observe(torch.full((4,), 0.25).log(), torch.ones(4, dtype=torch.long), hits)
+    rate = cal.local_logprob(torch.tensor([0.25]).log(), torch.tensor([1])).exp().item()
+    assert abs(rate - 0.9) < 0.06
+    # a sparse bin of the same rank borrows the rank's pooled rate instead of staying at q
+    assert cal.local_logprob(torch.tensor([0.05]).log(), torch.tensor([1])).exp().item() > 0.7
+    # ranks without evidence keep the identity; every rank stays monotone in q
+    assert abs(cal.local_logprob(torch.tensor([0.35]).log(), torch.tensor([3])).exp().item() - 0.35) < 1e-5
+    rates = cal.rates()
+    assert (rates[:, 1:] >= rates[:, :-1] - 1e-12).all()
+    assert abs(cal.child_rate() - 0.9) < 0.06
+
+
+def test_calibrator_forgets_old_verdicts():
+    cal = AcceptanceCalibrator(decay=0.998)
+    q, rank = torch.full((50,), 0.6).log(), torch.ones(50, dtype=torch.long)
+    for _ in range(10):
+        cal.observe(q, rank, torch.ones(50, dtype=torch.bool))
+    assert cal.child_rate() > 0.95
+    for _ in range(30):
+        cal.observe(q, rank, torch.zeros(50, dtype=torch.bool))
+    assert cal.child_rate() < 0.1 and cal.local_logprob(q[:1], rank[:1]).exp().item() < 0.1
+
+
+def test_isotonic_pools_violators():
+    import numpy as np
+
+    fit = isotonic(np.array([0.1, 0.5, 0.3, 0.9]), np.array([1.0, 1.0, 1.0, 1.0]))
+    assert np.allclose(fit, [0.1, 0.4, 0.4, 0.9])
+
+
+def test_step_overheads_learn_the_gap_to_the_tables():
+    over = StepOverheads(weight=0.5)
+    over.observe(10.0, 10.0)  # no prediction yet: ignored
+    assert over.draft_ms == over.verify_ms == 0.0
+    over.expect(2.0, 2, 5.0)  # tables: 2 ms over 2 draft forwards, 5 ms verification
+    over.observe(4.0, 7.0)  # measured: 1 ms more per forward, 2 ms more per verification
+    assert over.draft_ms == pytest.approx(0.5) and over.verify_ms == pytest.approx(1.0)
+    over.observe(4.0, 7.0)  # each prediction is used once
+    assert over.draft_ms == pytest.approx(0.5)
+
+
+def test_step_plan_counts_the_path_a_layer_starts():
+    plan = StepPlan(utility=0.9, verified=1, drafted=2.0, verify_cost=[6.0, 6.5, 7.0, 7.5, 8.0, 8.5])
+    assert plan.rate == pytest.approx(1.9 / 8.5)
+    # one more layer alone: (1.9 + 0.6) / (2 + 3 + 7.0) < 1.9 / 8.5
+    assert not plan.gains([0.6], 3.0)
+    # ... but with the next layer on the best path: (1.9 + 0.6 + 0.55) / (2 + 3 + 1 + 7.5) > 1.9 / 8.5
+    assert plan.gains([0.6], 3.0, [0.55, 0.5, 0.45], 1.0)
+    assert not plan.gains([0.05], 3.0, [0.04, 0.03], 1.0)
+    # several nodes of the next layer can pay where the best one alone does not
+    assert not plan.gains([0.2], 1.0) and plan.gains([0.2, 0.55], 1.0)
+
+
+def test_feedback_observes_children_of_reached_nodes():
+    _, draft = close_pair("llama")
+    policy = CastPolicy(depth=3, top_k=3, total_tokens=12, dynamic_rerank=False, prune_rule="threshold", c1=0.0, c2=0.0, cost_table=linear_table())
+    tree = draft_once(policy, draft)
+    first = tree.children(0, 0)[0]
+    record = step_record([[first], [], [tree.children(2, 0)[0]]], active=[True, True, False])
+    expected = len(tree.children(0, 0)) + len(tree.children(0, first)) + len(tree.children(1, 0))  # row 2 is inactive
+    policy.feedback(record)
+    cal = policy.state()["calibration"]
+    assert cal["observations"] == expected
+    assert policy._calibrator.hits.sum() == pytest.approx(1.0)  # the one accepted node
+    policy.feedback(record)  # a verdict pairs with its own tree only once
+    assert policy.state()["calibration"]["observations"] == expected
+
+
+def test_break_even_pruning_refreshes_a_stale_depth_buffer():
+    """Uncalibrated break-even pruning predicts a layer from the paper's buffers A_i; a buffer only
+    learns when its next layer is drafted, so a layer skipped `buffer` steps in a row is drafted
+    once to refresh it (the paper's rule would stay stuck)."""
+    _, draft = close_pair("llama")
+    policy = CastPolicy(depth=4, top_k=3, total_tokens=10, buffer=3, calibrate=False, cost_table=linear_table())
+    for _ in range(3):
+        policy.buffers.push(1, 0.0)  # alpha_1 = 0: layer 2 is never predicted to pay
+    widths = []
+    for _ in range(4):
+        draft_once(policy, draft)
+        widths.append(len(policy.last_widths))
+    assert widths[:3] == [1, 1, 1] and widths[3] >= 2
+    assert policy.buffers.values(1)[-1] > 0  # the refresh observed a real ratio
+
+
+def test_threshold_options_need_the_threshold_rules(capsys):
+    for name in ("c1", "c2"):
+        with pytest.raises(SpecDecError, match=f"{name}=1.0 is a threshold.*prune_rule='threshold'"):
+            make_policy("cast", cost_table=linear_table(), **{name: 1.0})
+    with pytest.raises(SpecDecError, match="c3=1.0 is a threshold.*rerank_rule='threshold'"):
+        make_policy("cast", cost_table=linear_table(), c3=1.0)
+    with pytest.raises(SpecDecError, match="prune_rule='max'"):
+        make_policy("cast", cost_table=linear_table(), prune_rule="max")
+    assert main(["generate", "--method", "cast", "--cast-c1", "2", "--prompt", "x", "--max-new-tokens", "1"]) != 0
+    assert "--prune-rule threshold" in capsys.readouterr().err

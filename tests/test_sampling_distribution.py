@@ -16,6 +16,7 @@ import torch
 from conftest import tiny_model
 from distribution import chi2_pvalue, exact_joint
 
+from specdec.cost import CostTable
 from specdec.engine import SpeculativeEngine
 from specdec.methods import make_policy
 from specdec.sampling import SamplingParams, logits_to_logprobs
@@ -71,6 +72,12 @@ CASES = {
     "static-tree": ("static", {"depth": 2, "branching": 2, "max_nodes": 6}, SamplingParams(temperature=1.0)),
     "eagle2-top-p": ("eagle2", {"depth": 2, "top_k": 2, "total_tokens": 4}, SamplingParams(temperature=0.8, top_p=0.9)),
     "chain-top-k": ("chain", {"k": 2}, SamplingParams(temperature=1.2, top_k=4)),
+    # CAST's tree shape adapts to earlier verdicts (calibrated values, learned overheads): still lossless
+    "cast-adaptive": (
+        "cast",
+        {"depth": 2, "top_k": 2, "total_tokens": 4, "cost_table": CostTable.synthetic(lambda b, c, n: 10.0 + 0.1 * n, lambda b, c, n: 1.0)},
+        SamplingParams(temperature=1.0),
+    ),
 }
 
 

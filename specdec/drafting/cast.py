@@ -38,6 +38,7 @@ import torch
 
 from specdec.cost.table import CostTable
 from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.drafting.calibration import AcceptanceCalibrator
 from specdec.errors import SpecDecError
 from specdec.tree import TokenTree
 
@@ -180,6 +181,83 @@ def batch_preset(batch: int, at_1: float, at_8: float) -> float:
     return at_1 + (at_8 - at_1) * w
 
 
+@dataclass
+class StepOverheads:
+    """What a step costs beyond the cost tables' forwards, learned from the engine's timings.
+
+    The tables time bare forwards; a step also spends Python and framework time per draft
+    layer (top-k, tree bookkeeping, kernel launches) and per verification (tree mask, accept
+    rule, cache commit). After each step, (measured - predicted) draft time per draft forward
+    and (measured - predicted) verification time move exponential averages with weight
+    `weight`. They may go negative when a table overstates the device (a noisy profile)."""
+
+    weight: float = 0.1
+    draft_ms: float = 0.0
+    """extra ms per draft forward"""
+    verify_ms: float = 0.0
+    """extra ms per verification"""
+    _expected: tuple[float, int, float] | None = None
+
+    def expect(self, draft_forward_ms: float, draft_forwards: int, verify_forward_ms: float) -> None:
+        """What the tables predict for the step just drafted: its draft forwards' total time,
+        how many there were, and its verification forward's time."""
+        self._expected = (draft_forward_ms, max(draft_forwards, 1), verify_forward_ms)
+
+    def observe(self, draft_ms: float, verify_ms: float) -> None:
+        """The step's measured draft and verification time (ms)."""
+        if self._expected is None:
+            return
+        predicted_draft, forwards, predicted_verify = self._expected
+        self._expected = None
+        self.draft_ms += self.weight * ((draft_ms - predicted_draft) / forwards - self.draft_ms)
+        self.verify_ms += self.weight * ((verify_ms - predicted_verify) - self.verify_ms)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Break-even pruning's view of a step in progress: verifying the `verified` best nodes
+    drafted so far gives `utility` expected accepted tokens for `drafted` + verify_cost[verified]
+    plain-step units of time (draft spent + verification)."""
+
+    utility: float
+    verified: int
+    drafted: float
+    verify_cost: list[float]
+    """c_0..c_m: f_T(k + 1) / f_T(1) for k draft tokens verified"""
+
+    @property
+    def rate(self) -> float:
+        """Expected tokens committed per plain-step unit of time: (1 + u) / (d + c)."""
+        return (1.0 + self.utility) / max(self.drafted + self.verify_cost[self.verified], 1e-12)
+
+    def gains(self, predicted: Sequence[float], draft_cost: float, chain: Sequence[float] = (), chain_cost: float = 0.0) -> bool:
+        """Whether drafting one more layer is predicted to raise the rate.
+
+        predicted: the cumulative predicted utilities of the next layer's best 1, 2, ... new
+        nodes; the layer pays when verifying some number j of them beats the rate now, counting
+        its draft cost and the verification of j more nodes (reranking keeps only the nodes
+        that pay). chain: the predicted utilities of the best path's next node in each later
+        layer, each costing `chain_cost` to draft; a layer also pays when it and the L
+        layers after it, one node each, beat the rate now (one layer alone can fall short of
+        the rate while the path it starts pays)."""
+        top = len(self.verify_cost) - 1
+        now = self.rate
+        for j, gain in enumerate(predicted, start=1):
+            more = min(self.verified + j, top)
+            if (1.0 + self.utility + gain) / max(self.drafted + draft_cost + self.verify_cost[more], 1e-12) > now:
+                return True
+        if not predicted:
+            return False
+        gain, cost = predicted[0], draft_cost
+        for depth, extra in enumerate(chain, start=2):
+            gain += extra
+            cost += chain_cost
+            more = min(self.verified + depth, top)
+            if (1.0 + self.utility + gain) / max(self.drafted + cost + self.verify_cost[more], 1e-12) > now:
+                return True
+        return False
+
+
 # ----- the policy ----------------------------------------------------------------------------
 
 
@@ -216,6 +294,13 @@ class CastPolicy:
     rerank_rule: str = "break-even"
     """break-even (default): verify the k that maximises the step's expected tokens per unit
     time (1 + u_k) / (d + c_k), no threshold to tune; threshold: the paper's Algorithm 1 with C3"""
+    calibrate: bool = True
+    """value nodes by their calibrated acceptance (learned online from the verifier's verdicts,
+    `AcceptanceCalibrator`) instead of the raw draft confidence; False is the paper's v(u)"""
+    prune_rule: str = "break-even"
+    """break-even (default): breadth and depth pruning keep a node or a layer while its predicted
+    tokens per unit of cost beat the step's own expected rate, and a layer skipped `buffer`
+    steps in a row is drafted once to refresh its buffer; threshold: the paper's C1 and C2"""
     cost_profile: str | None = None
     """path of a cost profile JSON (see `specdec profile`)"""
     cost_table: CostTable | None = field(default=None, repr=False)
@@ -227,6 +312,13 @@ class CastPolicy:
     last_verified: int = field(default=0, init=False, repr=False)
     """draft tokens per row kept for verification at the last step (before per-row validity)"""
     _buffers: DepthBuffers = field(init=False, repr=False)
+    _skipped: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _value: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
+    _rank: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1, dtype=torch.long), init=False, repr=False)
+    _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
+    overheads: StepOverheads = field(default_factory=lambda: StepOverheads(), init=False, repr=False)
+    """the engine's measured time per draft forward and per verification beyond the tables"""
+    _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _resolver: CostTableResolver | None = field(default=None, init=False, repr=False)
     _loaded: CostTable | None = field(default=None, init=False, repr=False)
 
@@ -245,7 +337,15 @@ class CastPolicy:
                 raise SpecDecError(f"{name}={value!r} must be a finite number >= 0 (or None for the batch preset)")
         if self.rerank_rule not in ("threshold", "break-even"):
             raise SpecDecError(f"rerank_rule={self.rerank_rule!r} must be 'threshold' (the paper's C3) or 'break-even'")
-        for name in ("breadth_pruning", "depth_pruning", "dynamic_rerank"):
+        if self.prune_rule not in ("threshold", "break-even"):
+            raise SpecDecError(f"prune_rule={self.prune_rule!r} must be 'threshold' (the paper's C1 and C2) or 'break-even'")
+        for name, rule, flag in (("c1", "prune_rule", "--prune-rule"), ("c2", "prune_rule", "--prune-rule"), ("c3", "rerank_rule", "--rerank-rule")):
+            if getattr(self, name) is not None and getattr(self, rule) != "threshold":
+                raise SpecDecError(
+                    f"{name}={getattr(self, name)!r} is a threshold, but {rule}={getattr(self, rule)!r} sets its own from the "
+                    f"measured costs; pass {rule}='threshold' ({flag} threshold) to use {name}, or leave {name} unset"
+                )
+        for name in ("breadth_pruning", "depth_pruning", "dynamic_rerank", "calibrate"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.cost_table is not None and not isinstance(self.cost_table, CostTable):
@@ -311,61 +411,124 @@ class CastPolicy:
         depth = min(self.depth_for(b), ctx.max_depth)
         self.last_widths = []
         self.last_verified = 0
+        self._last_tree = None
         if depth == 0 or not bool(rows.any()):
             tree, origin = builder.finish()
             return tree, builder, origin
         table = self.table_for(b)
         c1, c2, c3 = self.thresholds_for(b)
+        break_even = self.prune_rule == "break-even"
         lens = ctx.context_len.to(dev)
         n0 = int(lens[rows].max().item()) if lens.numel() == b else 0  # padded context of the batch
         k = min(self.top_k, builder.root_logprobs.shape[-1])
+        # break-even rules work in ms: the tables' forward costs plus the engine's measured overheads
+        t_verify = table.target_costs(b, n0, self.total_tokens + 1)  # f_T(B, n0, n) for n = 0..m+1 (ms)
+        forward_ms = table.draft_costs(b, n0 + 1, 1)[1]  # the root's draft forward, as the tables predict it
+        o_draft = o_verify = 0.0
+        if self._learns_costs:  # a negative correction (a table that overstates) takes off at most half a forward
+            o_draft = max(self.overheads.draft_ms, -0.5 * forward_ms)
+            o_verify = max(self.overheads.verify_ms, -0.5 * t_verify[1])
+        verify_ms = [t_verify[j + 1] + o_verify for j in range(self.total_tokens + 1)]  # k draft tokens + the root
+        drafted_ms = forward_ms + o_draft  # the step's draft time so far
 
+        # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's path
+        self._value = torch.zeros(b, 1, device=dev)  # [B, N]
+        self._rank = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, N] rank among siblings (1 = draft's favourite)
         root = torch.zeros(b, 1, dtype=torch.long, device=dev)
         parents, tokens, logq, valid = builder.top_children(
             root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev)
         )
-        candidates = builder.add(parents, tokens, logq, valid)  # [B, k], sorted by confidence (topk order)
+        candidates = self._add(builder, parents, tokens, logq, valid, k)  # [B, k] by value, descending
         kept_before = 0  # sum_{j<i} n_j
         prev_utility: float | None = None
-        t_root = max(table.target_cost(b, n0 + 1, 1), 1e-9)
-        drafted = table.draft_costs(b, n0 + 1, 1)[1] / t_root  # the draft time spent, in plain-step units: the root's forward
         for level in range(1, depth + 1):
-            # candidates come from topk, so each row is already sorted by confidence (invalid ones last)
             cand_valid = builder.valid.gather(1, candidates)  # [B, m]
-            score = builder.cum_logq.gather(1, candidates).masked_fill(~cand_valid, float("-inf"))  # [B, m]
+            score = self._value.gather(1, candidates).masked_fill(~cand_valid, float("-inf"))  # [B, m], rows descending
             utility = batch_utility(score, rows, presorted=True)  # u_1..u_m
             ctx_i = n0 + 1 + kept_before  # the draft cache: committed tokens, the root, kept layers
             t_one = max(table.target_cost(b, ctx_i, 1), 1e-9)  # a plain decoding step (ms)
-            d_ms = table.draft_costs(b, ctx_i, len(utility))
-            cost = [d_ms[j] / t_one for j in range(1, len(utility) + 1)]  # c_1..c_m
+            d_ms = table.draft_costs(b, ctx_i, len(utility))[1:]  # f_D(B, ctx_i, j) for j = 1..m
+            cost = [d / t_one for d in d_ms]  # the paper's c_1..c_m
+            # alpha: how a kept node's value carries to its best child. The paper's alpha_i (the FIFO
+            # buffer of layer gain ratios), or with calibration under break-even pruning the learned
+            # P(best child accepted | node reached), observed at every verification
+            alpha = self._calibrator.child_rate() if (break_even and self.calibrate) else self._buffers.alpha(level)
+            plan = self._step_plan(builder, rows, verify_ms, drafted_ms) if break_even else None
             width = len(utility)
             if self.breadth_pruning:
                 most = max(1, int(cand_valid[rows].sum(dim=1).max().item()))
-                width = breadth_count(utility[:most], cost[:most], c1)
+                if plan is not None:
+                    # expanding a node pays when its children's predicted utility (alpha x its
+                    # value) per ms of draft time beats the step's rate
+                    width = breadth_count(utility[:most], d_ms[:most], plan.rate / max(alpha, 1e-6))
+                else:
+                    width = breadth_count(utility[:most], cost[:most], c1)
             if prev_utility is not None and prev_utility > 0:
                 self._buffers.push(level - 1, utility[width - 1] / prev_utility)
             self.last_widths.append(width)
             if level == depth:
                 break
-            if self.depth_pruning and not grow_decision(self._buffers.alpha(level), utility[width - 1], cost[width - 1], c2):
-                break
+            if self.depth_pruning:
+                if plan is not None:
+                    best = alpha * utility[0]  # the best path's next node, then alpha^l further down
+                    chain = [best * alpha**step for step in range(1, depth - level)]
+                    grow = plan.gains([alpha * u for u in utility[:width]], d_ms[width - 1] + o_draft, chain, d_ms[0] + o_draft)
+                    if not grow and not self.calibrate and self._skipped.get(level, 0) >= self.buffer:
+                        grow = True  # refresh A_i: its ratios are only observed when layer i+1 is drafted
+                    self._skipped[level] = 0 if grow else self._skipped.get(level, 0) + 1
+                else:
+                    grow = grow_decision(alpha, utility[width - 1], cost[width - 1], c2)
+                if not grow:
+                    break
             frontier = candidates[:, :width]  # [B, n_i]
-            drafted += cost[width - 1]
+            forward_ms += d_ms[width - 1]
+            drafted_ms += d_ms[width - 1] + o_draft
             frontier_valid = builder.valid.gather(1, frontier)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, n_i, V]
             parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)
-            children = builder.add(parents, tokens, logq, valid)  # [B, n_i * k]
-            child_score = builder.cum_logq.gather(1, children).masked_fill(~builder.valid.gather(1, children), float("-inf"))
-            best = torch.topk(child_score, min(k, children.shape[1]), dim=1).indices  # [B, <=k]
-            candidates = children.gather(1, best)
+            children = self._add(builder, parents, tokens, logq, valid, k)  # [B, n_i * k] by value, descending
+            candidates = children[:, :k]
             kept_before += width
             prev_utility = utility[width - 1]
 
-        keep = builder.top_by_score(builder.cum_logq, self._verify_count(builder, rows, table, b, n0, c3, drafted))
+        keep = builder.top_by_score(self._value, self._verify_count(builder, rows, table, b, n0, c3, verify_ms, drafted_ms))
         tree, origin = builder.finish(keep)
+        if self.calibrate:
+            self._last_tree = (origin, builder.logq.gather(1, origin), self._rank.gather(1, origin), tree.parents, tree.valid)
+        if self._learns_costs:
+            self.overheads.expect(forward_ms, builder.draft_forwards, t_verify[min(tree.num_nodes, len(t_verify) - 1)])
         return tree, builder, origin
 
-    def _verify_count(self, builder: TreeBuilder, rows: torch.Tensor, table: CostTable, batch: int, n0: int, c3: float, drafted: float = 0.0) -> int:
+    def _add(self, builder: TreeBuilder, parents: torch.Tensor, tokens: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+        """Add children laid out k per parent in the draft's order (from `top_children`), give
+        them values, and return their indices sorted by value, descending ([B, m * k])."""
+        nodes = builder.add(parents, tokens, logq, valid)  # [B, m * k]
+        b, total = nodes.shape
+        rank = torch.arange(1, k + 1, device=nodes.device).repeat(total // k).expand(b, total)  # [B, m * k]
+        if self.calibrate:
+            local = self._calibrator.local_logprob(builder.logq.gather(1, nodes), rank)
+            value = self._value.gather(1, parents.clamp(min=0)) + local
+        else:
+            value = builder.cum_logq.gather(1, nodes)
+        value = value.masked_fill(~builder.valid.gather(1, nodes), float("-inf"))
+        self._value = torch.cat([self._value, value], dim=1)
+        self._rank = torch.cat([self._rank, rank], dim=1)
+        order = torch.sort(value, dim=1, descending=True, stable=True).indices
+        return nodes.gather(1, order)
+
+    def _step_plan(self, builder: TreeBuilder, rows: torch.Tensor, verify_ms: list[float], drafted_ms: float) -> StepPlan:
+        """The best the step can do with the nodes drafted so far: the k that maximises the
+        expected rate (1 + u_k) / (d + v_k), as break-even reranking would pick it now."""
+        pool = builder.valid.clone()
+        pool[:, 0] = False
+        n = min(int(pool[rows].sum(dim=1).max().item()), self.total_tokens)
+        utility = batch_utility(self._value.masked_fill(~pool, float("-inf")), rows, n) if n else []
+        k = break_even_count(utility, verify_ms[: n + 1], drafted_ms)
+        return StepPlan(utility=([0.0, *utility])[k], verified=k, drafted=drafted_ms, verify_cost=verify_ms)
+
+    def _verify_count(
+        self, builder: TreeBuilder, rows: torch.Tensor, table: CostTable, batch: int, n0: int, c3: float, verify_ms: list[float], drafted_ms: float
+    ) -> int:
         """Draft tokens per row to verify: dynamic reranking, or `total_tokens` when it is off."""
         if not self.dynamic_rerank:
             self.last_verified = self.total_tokens
@@ -377,18 +540,44 @@ class CastPolicy:
         if n == 0:
             self.last_verified = 0
             return 0
-        utility = batch_utility(builder.cum_logq.masked_fill(~pool, float("-inf")), rows, n)  # u_1..u_N
-        t_ms = table.target_costs(batch, n0, n + 1)  # f_T(n0, tokens) for tokens = 0..N+1
-        cost = [t_ms[j + 1] / max(t_ms[1], 1e-9) for j in range(n + 1)]  # c_0..c_N
+        utility = batch_utility(self._value.masked_fill(~pool, float("-inf")), rows, n)  # u_1..u_N
         if self.rerank_rule == "break-even":
-            self.last_verified = break_even_count(utility, cost, drafted)
+            self.last_verified = break_even_count(utility, verify_ms[: n + 1], drafted_ms)
         else:
+            t_ms = table.target_costs(batch, n0, n + 1)  # f_T(n0, tokens) for tokens = 0..N+1
+            cost = [t_ms[j + 1] / max(t_ms[1], 1e-9) for j in range(n + 1)]  # c_0..c_N
             self.last_verified = rerank_count(utility, cost, c3)
         return self.last_verified
 
+    @property
+    def _learns_costs(self) -> bool:
+        """Break-even rules correct the tables with the engine's measured step times."""
+        return self.prune_rule == "break-even" or self.rerank_rule == "break-even"
+
     def feedback(self, record: StepRecord) -> None:
-        """CAST adapts inside `draft` (the depth buffers); verification results are not used."""
-        return None
+        """Calibration: every verified node whose parent was reached (the root, or a node on the
+        accepted path) is one observation of (draft probability, sibling rank) -> accepted.
+        The depth buffers adapt inside `draft`. Break-even rules also learn the engine's time
+        per step beyond what the cost tables predict (`StepOverheads`)."""
+        if self._learns_costs:
+            self.overheads.observe(record.draft_s * 1e3, record.verify_s * 1e3)
+        if not self.calibrate or self._last_tree is None or not record.accepted_nodes:
+            return
+        origin, logq, rank, parents, valid = self._last_tree
+        self._last_tree = None
+        b, n = parents.shape
+        on_path = torch.zeros(b, n, dtype=torch.bool)
+        for r, path in enumerate(record.accepted_nodes):
+            if record.active[r] and path:
+                on_path[r, path] = True
+        on_path = on_path.to(parents.device)
+        reached = on_path.clone()
+        reached[:, 0] = True
+        active = torch.tensor(record.active, dtype=torch.bool, device=parents.device)[:, None]
+        parent_reached = reached.gather(1, parents.clamp(min=0)) & (parents >= 0)
+        observed = valid & parent_reached & active  # [B, N]
+        observed[:, 0] = False
+        self._calibrator.observe(logq[observed], rank[observed], on_path[observed])
 
     def state(self) -> dict[str, Any]:
         """Introspection: the last step's layer widths and verified count, and the buffers."""
@@ -396,4 +585,6 @@ class CastPolicy:
             "widths": list(self.last_widths),
             "verified": self.last_verified,
             "buffers": {i: self._buffers.values(i) for i in sorted(self._buffers._buffers)},
+            "calibration": self._calibrator.state(),
+            "overheads_ms": {"draft_forward": self.overheads.draft_ms, "verify": self.overheads.verify_ms},
         }
