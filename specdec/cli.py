@@ -103,6 +103,7 @@ def add_method_args(
     g.add_argument(
         "--prune-rule", default=None, help="cast: break-even (a node or layer is drafted when it is predicted to raise the step's rate; default) or threshold (the paper's C1, C2)"
     )
+    g.add_argument("--cast-lookahead", type=int, default=None, help="cast: layers past the next one that break-even depth pruning may count (0)")
     g.add_argument(
         "--calibrate", type=_on_off, default=None, metavar="on|off", help="cast: value nodes by acceptance rates learned from the verifier's verdicts; off: raw draft confidence (on)"
     )
@@ -145,6 +146,7 @@ OPTION_FIELDS = {
     "rerank_rule": "rerank_rule",
     "prune_rule": "prune_rule",
     "calibrate": "calibrate",
+    "cast_lookahead": "lookahead",
     "cost_profile": "cost_profile",
 }
 """CLI dest -> policy field"""

@@ -501,12 +501,23 @@ def test_isotonic_pools_violators():
 def test_step_overheads_learn_the_gap_to_the_tables():
     over = StepOverheads(weight=0.5)
     over.observe(10.0, 10.0)  # no prediction yet: ignored
-    assert over.draft_ms == over.verify_ms == 0.0
-    over.expect(2.0, 2, 5.0)  # tables: 2 ms over 2 draft forwards, 5 ms verification
-    over.observe(4.0, 7.0)  # measured: 1 ms more per forward, 2 ms more per verification
-    assert over.draft_ms == pytest.approx(0.5) and over.verify_ms == pytest.approx(1.0)
-    over.observe(4.0, 7.0)  # each prediction is used once
-    assert over.draft_ms == pytest.approx(0.5)
+    assert over.draft_step_ms == over.verify_ms == 0.0
+    # the engine spends 1 ms per step, 0.5 ms per drafted layer, 0.05 ms per expanded node and
+    # 0.8 + 0.1 ms per verified node beyond the tables' forwards
+    rng = random.Random(0)
+    for _ in range(200):
+        layers, width, tree_nodes = rng.randint(0, 5), rng.randint(1, 12), rng.randint(1, 40)
+        nodes = layers * width
+        over.expect(2.0 + layers, layers, nodes, 6.0, tree_nodes)
+        over.observe(2.0 + layers + 1.0 + 0.5 * layers + 0.05 * nodes, 6.0 + 0.8 + 0.1 * tree_nodes)
+        over.observe(99.0, 99.0)  # each prediction is used once
+    assert over.draft_step_ms == pytest.approx(1.0, abs=0.06) and over.draft_ms == pytest.approx(0.5, abs=0.06)
+    assert over.draft_node_ms == pytest.approx(0.05, abs=0.01)
+    assert over.verify_ms == pytest.approx(0.8, abs=0.05) and over.verify_node_ms == pytest.approx(0.1, abs=0.01)
+    # one stalled step moves the fit by a bounded amount
+    over.expect(3.0, 1, 6, 6.0, 10)
+    over.observe(500.0, 500.0)
+    assert over.draft_step_ms < 20.0 and over.verify_ms < 20.0  # unclipped, the 494 ms residuals would move them by ~100 ms
 
 
 def test_step_plan_counts_the_path_a_layer_starts():
@@ -558,6 +569,8 @@ def test_threshold_options_need_the_threshold_rules(capsys):
             make_policy("cast", cost_table=linear_table(), **{name: 1.0})
     with pytest.raises(SpecDecError, match="c3=1.0 is a threshold.*rerank_rule='threshold'"):
         make_policy("cast", cost_table=linear_table(), c3=1.0)
+    with pytest.raises(SpecDecError, match="lookahead=-1"):
+        make_policy("cast", cost_table=linear_table(), lookahead=-1)
     with pytest.raises(SpecDecError, match="prune_rule='max'"):
         make_policy("cast", cost_table=linear_table(), prune_rule="max")
     assert main(["generate", "--method", "cast", "--cast-c1", "2", "--prompt", "x", "--max-new-tokens", "1"]) != 0

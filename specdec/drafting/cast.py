@@ -21,9 +21,20 @@ context c and n new tokens):
   (the root only: plain decoding) is a candidate, so a tree that cannot pay for its
   verification cost shrinks to nothing.
 
-With all three switched off (or thresholds 0) CAST is exactly `Eagle2Policy`. The rules
-are module-level functions so tests check each on hand-built numbers. docs/cast.md lists
-every place where the paper is vague and the choice made here.
+With all three switched off (or thresholds 0) and calibration off, CAST is exactly
+`Eagle2Policy`. `prune_rule="threshold"`, `rerank_rule="threshold"`, `calibrate=False` is
+the paper's CAST. The defaults differ in three ways (docs/cast.md, "Our defaults"):
+
+- **calibrated values** (`calibrate`): a node's value is its path's acceptance rate learned
+  from the verifier's verdicts (`AcceptanceCalibrator`), not the raw draft confidence;
+- **break-even rules** (`prune_rule`, `rerank_rule`): a node is expanded, a layer drafted and
+  a node verified when it is predicted to raise the step's expected tokens per ms, instead of
+  beating a fixed threshold (`StepPlan`);
+- **learned overheads**: the tables' forward costs plus the engine's measured time per draft
+  forward and per verification beyond them (`StepOverheads`).
+
+The rules are module-level functions so tests check each on hand-built numbers. docs/cast.md
+lists every place where the paper is vague and the choice made here.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from specdec.cost.table import CostTable
@@ -181,36 +193,93 @@ def batch_preset(batch: int, at_1: float, at_8: float) -> float:
     return at_1 + (at_8 - at_1) * w
 
 
+class _LinearFit:
+    """y ~ theta . x by exponentially weighted least squares (weight w per observation), with a
+    small ridge `penalty` per coefficient that keeps a coefficient near 0 until the data
+    separate it from the others."""
+
+    def __init__(self, weight: float, penalty: Sequence[float]) -> None:
+        n = len(penalty)
+        self.weight = weight
+        self.xx = np.zeros((n, n))
+        self.xy = np.zeros(n)
+        self.ridge = np.diag(np.asarray(penalty, dtype=float))
+        self.theta = np.zeros(n)
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        v = np.asarray(x, dtype=float)
+        self.xx = (1 - self.weight) * self.xx + self.weight * np.outer(v, v)
+        self.xy = (1 - self.weight) * self.xy + self.weight * y * v
+        self.theta = np.linalg.solve(self.xx + self.ridge, self.xy)
+
+
 @dataclass
 class StepOverheads:
     """What a step costs beyond the cost tables' forwards, learned from the engine's timings.
 
-    The tables time bare forwards; a step also spends Python and framework time per draft
-    layer (top-k, tree bookkeeping, kernel launches) and per verification (tree mask, accept
-    rule, cache commit). After each step, (measured - predicted) draft time per draft forward
-    and (measured - predicted) verification time move exponential averages with weight
-    `weight`. They may go negative when a table overstates the device (a noisy profile)."""
+    The tables time bare forwards; a step also spends Python and framework time once per step
+    (the policy's bookkeeping, the root's distribution), per drafted layer and per expanded
+    node (top-k, tree bookkeeping, kernel launches), and per verification and verified node
+    (tree mask, accept rule, cache commit). After each step, (measured - predicted) draft time
+    is fitted as s + a * layers + b * expanded nodes and (measured - predicted) verification
+    time as c + e * tree nodes, by exponentially weighted least squares (weight `weight` per
+    step; a small ridge keeps the per-layer and per-node terms at 0 until the data tell them
+    apart from the per-step one). A residual is clipped to [-predicted, 2 * predicted + 2 ms]
+    so one stalled step (a page fault, another process) moves the fit by a bounded amount.
+    The per-step terms may go negative when a table overstates the device; the per-layer and
+    per-node terms are used only when positive."""
 
     weight: float = 0.1
-    draft_ms: float = 0.0
-    """extra ms per draft forward"""
-    verify_ms: float = 0.0
-    """extra ms per verification"""
-    _expected: tuple[float, int, float] | None = None
+    _draft: _LinearFit = field(default_factory=lambda: _LinearFit(0.1, (1e-6, 0.1, 1.0)), repr=False)
+    _verify: _LinearFit = field(default_factory=lambda: _LinearFit(0.1, (1e-6, 1.0)), repr=False)
+    _expected: tuple[float, int, int, float, int] | None = None
 
-    def expect(self, draft_forward_ms: float, draft_forwards: int, verify_forward_ms: float) -> None:
+    def __post_init__(self) -> None:
+        self._draft.weight = self._verify.weight = self.weight
+
+    @property
+    def draft_step_ms(self) -> float:
+        """extra draft-side ms per step"""
+        return float(self._draft.theta[0])
+
+    @property
+    def draft_ms(self) -> float:
+        """extra ms per drafted layer (draft forward after the root's), >= 0"""
+        return max(float(self._draft.theta[1]), 0.0)
+
+    @property
+    def draft_node_ms(self) -> float:
+        """extra ms per expanded node (the width of each expansion), >= 0"""
+        return max(float(self._draft.theta[2]), 0.0)
+
+    @property
+    def verify_ms(self) -> float:
+        """extra ms per verification"""
+        return float(self._verify.theta[0])
+
+    @property
+    def verify_node_ms(self) -> float:
+        """extra ms per verified tree node, >= 0"""
+        return max(float(self._verify.theta[1]), 0.0)
+
+    def expect(self, draft_forward_ms: float, layers: int, expanded_nodes: int, verify_forward_ms: float, tree_nodes: int) -> None:
         """What the tables predict for the step just drafted: its draft forwards' total time,
-        how many there were, and its verification forward's time."""
-        self._expected = (draft_forward_ms, max(draft_forwards, 1), verify_forward_ms)
+        how many layers it drafted after the root's forward and how many nodes they expanded,
+        and its verification forward's time over `tree_nodes` positions."""
+        self._expected = (draft_forward_ms, layers, expanded_nodes, verify_forward_ms, tree_nodes)
 
     def observe(self, draft_ms: float, verify_ms: float) -> None:
         """The step's measured draft and verification time (ms)."""
         if self._expected is None:
             return
-        predicted_draft, forwards, predicted_verify = self._expected
+        predicted_draft, layers, nodes, predicted_verify, tree_nodes = self._expected
         self._expected = None
-        self.draft_ms += self.weight * ((draft_ms - predicted_draft) / forwards - self.draft_ms)
-        self.verify_ms += self.weight * ((verify_ms - predicted_verify) - self.verify_ms)
+        self._draft.add((1.0, layers, nodes), _clip(draft_ms - predicted_draft, predicted_draft))
+        self._verify.add((1.0, tree_nodes), _clip(verify_ms - predicted_verify, predicted_verify))
+
+
+def _clip(residual: float, predicted: float) -> float:
+    return min(max(residual, -predicted), 2.0 * predicted + 2.0)
 
 
 @dataclass(frozen=True)
@@ -294,6 +363,10 @@ class CastPolicy:
     rerank_rule: str = "break-even"
     """break-even (default): verify the k that maximises the step's expected tokens per unit
     time (1 + u_k) / (d + c_k), no threshold to tune; threshold: the paper's Algorithm 1 with C3"""
+    lookahead: int = 0
+    """break-even depth pruning: how many layers past the next one the best path may count
+    when deciding whether to draft the next layer (0, the default: the next layer alone;
+    counting more was measured slower on the bundled pair, see docs/cast.md)"""
     calibrate: bool = True
     """value nodes by their calibrated acceptance (learned online from the verifier's verdicts,
     `AcceptanceCalibrator`) instead of the raw draft confidence; False is the paper's v(u)"""
@@ -323,6 +396,8 @@ class CastPolicy:
     _loaded: CostTable | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise SpecDecError(f"lookahead={self.lookahead!r} must be an integer >= 0")
         for name in ("top_k", "total_tokens", "buffer"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -424,12 +499,14 @@ class CastPolicy:
         # break-even rules work in ms: the tables' forward costs plus the engine's measured overheads
         t_verify = table.target_costs(b, n0, self.total_tokens + 1)  # f_T(B, n0, n) for n = 0..m+1 (ms)
         forward_ms = table.draft_costs(b, n0 + 1, 1)[1]  # the root's draft forward, as the tables predict it
-        o_draft = o_verify = 0.0
+        o_draft = o_verify = o_node = o_vnode = o_step = 0.0
         if self._learns_costs:  # a negative correction (a table that overstates) takes off at most half a forward
-            o_draft = max(self.overheads.draft_ms, -0.5 * forward_ms)
+            o_draft, o_node, o_vnode = self.overheads.draft_ms, self.overheads.draft_node_ms, self.overheads.verify_node_ms
             o_verify = max(self.overheads.verify_ms, -0.5 * t_verify[1])
-        verify_ms = [t_verify[j + 1] + o_verify for j in range(self.total_tokens + 1)]  # k draft tokens + the root
-        drafted_ms = forward_ms + o_draft  # the step's draft time so far
+            o_step = max(self.overheads.draft_step_ms, -0.5 * forward_ms)
+        verify_ms = [t_verify[j + 1] + o_verify + o_vnode * (j + 1) for j in range(self.total_tokens + 1)]  # k draft tokens + the root
+        expanded = 0  # nodes expanded by this step's draft forwards (row-padded widths)
+        drafted_ms = forward_ms + o_step  # the step's draft time so far
 
         # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's path
         self._value = torch.zeros(b, 1, device=dev)  # [B, N]
@@ -449,6 +526,7 @@ class CastPolicy:
             t_one = max(table.target_cost(b, ctx_i, 1), 1e-9)  # a plain decoding step (ms)
             d_ms = table.draft_costs(b, ctx_i, len(utility))[1:]  # f_D(B, ctx_i, j) for j = 1..m
             cost = [d / t_one for d in d_ms]  # the paper's c_1..c_m
+            d_ms = [d + o_node * j for j, d in enumerate(d_ms, start=1)]  # + the learned per-node overhead
             # alpha: how a kept node's value carries to its best child. The paper's alpha_i (the FIFO
             # buffer of layer gain ratios), or with calibration under break-even pruning the learned
             # P(best child accepted | node reached), observed at every verification
@@ -471,7 +549,7 @@ class CastPolicy:
             if self.depth_pruning:
                 if plan is not None:
                     best = alpha * utility[0]  # the best path's next node, then alpha^l further down
-                    chain = [best * alpha**step for step in range(1, depth - level)]
+                    chain = [best * alpha**step for step in range(1, min(depth - level, self.lookahead + 1))]
                     grow = plan.gains([alpha * u for u in utility[:width]], d_ms[width - 1] + o_draft, chain, d_ms[0] + o_draft)
                     if not grow and not self.calibrate and self._skipped.get(level, 0) >= self.buffer:
                         grow = True  # refresh A_i: its ratios are only observed when layer i+1 is drafted
@@ -481,8 +559,9 @@ class CastPolicy:
                 if not grow:
                     break
             frontier = candidates[:, :width]  # [B, n_i]
-            forward_ms += d_ms[width - 1]
+            forward_ms += d_ms[width - 1] - o_node * width
             drafted_ms += d_ms[width - 1] + o_draft
+            expanded += width
             frontier_valid = builder.valid.gather(1, frontier)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, n_i, V]
             parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)
@@ -496,7 +575,8 @@ class CastPolicy:
         if self.calibrate:
             self._last_tree = (origin, builder.logq.gather(1, origin), self._rank.gather(1, origin), tree.parents, tree.valid)
         if self._learns_costs:
-            self.overheads.expect(forward_ms, builder.draft_forwards, t_verify[min(tree.num_nodes, len(t_verify) - 1)])
+            nodes = min(tree.num_nodes, len(t_verify) - 1)
+            self.overheads.expect(forward_ms, builder.draft_forwards - 1, expanded, t_verify[nodes], nodes)
         return tree, builder, origin
 
     def _add(self, builder: TreeBuilder, parents: torch.Tensor, tokens: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
@@ -586,5 +666,11 @@ class CastPolicy:
             "verified": self.last_verified,
             "buffers": {i: self._buffers.values(i) for i in sorted(self._buffers._buffers)},
             "calibration": self._calibrator.state(),
-            "overheads_ms": {"draft_forward": self.overheads.draft_ms, "verify": self.overheads.verify_ms},
+            "overheads_ms": {
+                "draft_step": self.overheads.draft_step_ms,
+                "draft_layer": self.overheads.draft_ms,
+                "draft_node": self.overheads.draft_node_ms,
+                "verify": self.overheads.verify_ms,
+                "verify_node": self.overheads.verify_node_ms,
+            },
         }
