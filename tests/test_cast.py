@@ -408,6 +408,9 @@ def test_cli_cast_options(capsys):
         ]
     )
     assert collect_method_options(args, "cast") == {"c1": 1.5, "c3": 2.0, "depth_pruning": False, "cost_profile": "p.json", "depth": 7}
+    ours = build_parser().parse_args(["generate", "--method", "cast", "--prune-rule", "threshold", "--calibrate", "off", "--cast-lookahead", "2"])
+    assert collect_method_options(ours, "cast") == {"prune_rule": "threshold", "calibrate": False, "lookahead": 2}
+    make_policy("cast", cost_table=linear_table(), **collect_method_options(ours, "cast"))
     with pytest.raises(SpecDecError, match="--cast-c1 does not apply to --method eagle2"):
         collect_method_options(build_parser().parse_args(["generate", "--method", "eagle2", "--cast-c1", "1"]), "eagle2")
     with pytest.raises(SystemExit) as err:
