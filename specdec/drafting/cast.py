@@ -230,12 +230,13 @@ class StepOverheads:
     per-node terms are used only when positive."""
 
     weight: float = 0.1
-    _draft: _LinearFit = field(default_factory=lambda: _LinearFit(0.1, (1e-6, 0.1, 1.0)), repr=False)
-    _verify: _LinearFit = field(default_factory=lambda: _LinearFit(0.1, (1e-6, 1.0)), repr=False)
-    _expected: tuple[float, int, int, float, int] | None = None
+    _draft: _LinearFit = field(init=False, repr=False)
+    _verify: _LinearFit = field(init=False, repr=False)
+    _expected: tuple[float, int, int, float, int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._draft.weight = self._verify.weight = self.weight
+        self._draft = _LinearFit(self.weight, (1e-6, 0.1, 1.0))  # [per step, per layer, per node]
+        self._verify = _LinearFit(self.weight, (1e-6, 1.0))  # [per step, per tree node]
 
     @property
     def draft_step_ms(self) -> float:
@@ -524,9 +525,9 @@ class CastPolicy:
             utility = batch_utility(score, rows, presorted=True)  # u_1..u_m
             ctx_i = n0 + 1 + kept_before  # the draft cache: committed tokens, the root, kept layers
             t_one = max(table.target_cost(b, ctx_i, 1), 1e-9)  # a plain decoding step (ms)
-            d_ms = table.draft_costs(b, ctx_i, len(utility))[1:]  # f_D(B, ctx_i, j) for j = 1..m
-            cost = [d / t_one for d in d_ms]  # the paper's c_1..c_m
-            d_ms = [d + o_node * j for j, d in enumerate(d_ms, start=1)]  # + the learned per-node overhead
+            f_draft = table.draft_costs(b, ctx_i, len(utility))[1:]  # f_D(B, ctx_i, j) for j = 1..m
+            cost = [d / t_one for d in f_draft]  # the paper's c_1..c_m
+            d_ms = [d + o_node * j for j, d in enumerate(f_draft, start=1)]  # + the learned per-node overhead
             # alpha: how a kept node's value carries to its best child. The paper's alpha_i (the FIFO
             # buffer of layer gain ratios), or with calibration under break-even pruning the learned
             # P(best child accepted | node reached), observed at every verification
@@ -559,7 +560,7 @@ class CastPolicy:
                 if not grow:
                     break
             frontier = candidates[:, :width]  # [B, n_i]
-            forward_ms += d_ms[width - 1] - o_node * width
+            forward_ms += f_draft[width - 1]
             drafted_ms += d_ms[width - 1] + o_draft
             expanded += width
             frontier_valid = builder.valid.gather(1, frontier)
@@ -596,14 +597,18 @@ class CastPolicy:
         order = torch.sort(value, dim=1, descending=True, stable=True).indices
         return nodes.gather(1, order)
 
-    def _step_plan(self, builder: TreeBuilder, rows: torch.Tensor, verify_ms: list[float], drafted_ms: float) -> StepPlan:
-        """The best the step can do with the nodes drafted so far: the k that maximises the
-        expected rate (1 + u_k) / (d + v_k), as break-even reranking would pick it now."""
+    def _pool_utility(self, builder: TreeBuilder, rows: torch.Tensor) -> list[float]:
+        """u_1..u_N over every drafted node but the root (always verified), N <= total_tokens."""
         pool = builder.valid.clone()
         pool[:, 0] = False
         n = min(int(pool[rows].sum(dim=1).max().item()), self.total_tokens)
-        utility = batch_utility(self._value.masked_fill(~pool, float("-inf")), rows, n) if n else []
-        k = break_even_count(utility, verify_ms[: n + 1], drafted_ms)
+        return batch_utility(self._value.masked_fill(~pool, float("-inf")), rows, n) if n else []
+
+    def _step_plan(self, builder: TreeBuilder, rows: torch.Tensor, verify_ms: list[float], drafted_ms: float) -> StepPlan:
+        """The best the step can do with the nodes drafted so far: the k that maximises the
+        expected rate (1 + u_k) / (d + v_k), as break-even reranking picks it."""
+        utility = self._pool_utility(builder, rows)
+        k = break_even_count(utility, verify_ms[: len(utility) + 1], drafted_ms)
         return StepPlan(utility=([0.0, *utility])[k], verified=k, drafted=drafted_ms, verify_cost=verify_ms)
 
     def _verify_count(
@@ -612,21 +617,14 @@ class CastPolicy:
         """Draft tokens per row to verify: dynamic reranking, or `total_tokens` when it is off."""
         if not self.dynamic_rerank:
             self.last_verified = self.total_tokens
-            return self.total_tokens
-        pool = builder.valid.clone()
-        pool[:, 0] = False  # the root is always verified
-        available = int(pool[rows].sum(dim=1).max().item())
-        n = min(available, self.total_tokens)
-        if n == 0:
-            self.last_verified = 0
-            return 0
-        utility = batch_utility(self._value.masked_fill(~pool, float("-inf")), rows, n)  # u_1..u_N
-        if self.rerank_rule == "break-even":
-            self.last_verified = break_even_count(utility, verify_ms[: n + 1], drafted_ms)
+        elif self.rerank_rule == "break-even":
+            self.last_verified = self._step_plan(builder, rows, verify_ms, drafted_ms).verified
         else:
+            utility = self._pool_utility(builder, rows)
+            n = len(utility)
             t_ms = table.target_costs(batch, n0, n + 1)  # f_T(n0, tokens) for tokens = 0..N+1
             cost = [t_ms[j + 1] / max(t_ms[1], 1e-9) for j in range(n + 1)]  # c_0..c_N
-            self.last_verified = rerank_count(utility, cost, c3)
+            self.last_verified = rerank_count(utility, cost, c3) if n else 0
         return self.last_verified
 
     @property
