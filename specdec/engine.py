@@ -393,6 +393,7 @@ class DecodeSession:
             accepted_depth=[len(p) for p in verdict.accepted_nodes],
             prompt_index=[r.index for r in rows],
             accepted_nodes=[list(p) if a else [] for p, a in zip(verdict.accepted_nodes, was_active, strict=True)],
+            step_s=time.perf_counter() - t0,
         )
         for r, request in enumerate(rows):
             if was_active[r]:

@@ -146,6 +146,11 @@ class TokenTree:
         keep: [B, N] bool; must contain the root and be closed under taking parents
         (a valid subtree). BFS order is preserved because node order is preserved.
         """
+        return self.select_with_origin(keep)[0]
+
+    def select_with_origin(self, keep: torch.Tensor) -> tuple[TokenTree, torch.Tensor]:
+        """`select`, plus each new node's index in this tree ([B, M] int64; padding columns
+        point at some dropped node)."""
         keep = keep & self.valid
         b, n = keep.shape
         counts = keep.sum(dim=1)
@@ -169,7 +174,7 @@ class TokenTree:
         draft_logprobs = None
         if self.draft_logprobs is not None:
             draft_logprobs = self.draft_logprobs.gather(1, order[:, :, None].expand(b, m, self.draft_logprobs.shape[-1]))
-        return TokenTree(
+        tree = TokenTree(
             tokens=take(self.tokens),
             parents=new_parents,
             depths=take(self.depths),
@@ -179,3 +184,4 @@ class TokenTree:
             sampled=take(self.sampled) & new_valid,
             draft_logprobs=draft_logprobs,
         )
+        return tree, order

@@ -68,19 +68,21 @@ class TreeBuilder:
         of each token under its parent's distribution; valid: [B, k] bool.
         """
         b, k = tokens.shape
-        valid = valid & self.ctx.active[:, None] & self.valid.gather(1, parents.clamp(min=0)) & torch.isfinite(logq)
-        parent_depth = self.depths.gather(1, parents.clamp(min=0))
-        parent_cum = self.cum_logq.gather(1, parents.clamp(min=0))
-        if not isinstance(sampled, torch.Tensor):
-            sampled = torch.full((b, k), bool(sampled), dtype=torch.bool, device=tokens.device)
+        safe = parents.clamp(min=0)
+        valid = valid & self.ctx.active[:, None] & self.valid.gather(1, safe) & torch.isfinite(logq)
+        invalid = ~valid
         start = self.num_nodes
         self.tokens = torch.cat([self.tokens, tokens], dim=1)
-        self.parents = torch.cat([self.parents, parents.masked_fill(~valid, -1)], dim=1)
-        self.depths = torch.cat([self.depths, parent_depth + 1], dim=1)
-        self.logq = torch.cat([self.logq, logq.masked_fill(~valid, float("-inf"))], dim=1)
-        self.cum_logq = torch.cat([self.cum_logq, (parent_cum + logq).masked_fill(~valid, float("-inf"))], dim=1)
+        self.parents = torch.cat([self.parents, parents.masked_fill(invalid, -1)], dim=1)
+        self.depths = torch.cat([self.depths, self.depths.gather(1, safe) + 1], dim=1)
+        self.logq = torch.cat([self.logq, logq.masked_fill(invalid, float("-inf"))], dim=1)
+        self.cum_logq = torch.cat([self.cum_logq, (self.cum_logq.gather(1, safe) + logq).masked_fill(invalid, float("-inf"))], dim=1)
         self.valid = torch.cat([self.valid, valid], dim=1)
-        self.sampled = torch.cat([self.sampled, sampled & valid], dim=1)
+        if isinstance(sampled, torch.Tensor):
+            new_sampled = sampled & valid
+        else:
+            new_sampled = valid if sampled else torch.zeros_like(valid)
+        self.sampled = torch.cat([self.sampled, new_sampled], dim=1)
         self.expanded = torch.cat([self.expanded, torch.zeros_like(valid)], dim=1)
         if self._draft_logprobs is not None:
             pad = torch.zeros(b, k, self._draft_logprobs.shape[2], device=tokens.device)
@@ -126,19 +128,7 @@ class TreeBuilder:
         )
         keep = self.valid if keep is None else keep & self.valid
         keep[:, 0] = True
-        # carry the builder index through `select` in the draft-free `depths`-shaped slot
-        origin_tree = TokenTree(
-            tokens=torch.arange(self.num_nodes, device=self.tokens.device).expand_as(self.tokens),
-            parents=full.parents,
-            depths=full.depths,
-            logq=full.logq,
-            cum_logq=full.cum_logq,
-            valid=full.valid,
-            sampled=full.sampled,
-        )
-        tree = full.select(keep)
-        origin = origin_tree.select(keep).tokens
-        return tree, origin
+        return full.select_with_origin(keep)
 
     def top_by_score(self, score: torch.Tensor, n: int) -> torch.Tensor:
         """Keep mask [B, N] of the root and the n best valid non-root nodes by `score` [B, N].

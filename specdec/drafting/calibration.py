@@ -68,7 +68,7 @@ class AcceptanceCalibrator:
         self.hits = np.zeros((ranks, bins))  # decayed accepted counts
         self.observations = 0
         self._updates = 0
-        self._log_rate = torch.from_numpy(np.log(np.clip(np.tile(self.centers, (ranks, 1)), 1e-6, 1 - 1e-6))).float()  # [R, bins]
+        self._set_rates(np.tile(self.centers, (ranks, 1)))  # the identity until verdicts arrive
 
     def rates(self) -> np.ndarray:
         """[ranks, bins] calibrated acceptance rates (prior included, monotone in q).
@@ -93,10 +93,11 @@ class AcceptanceCalibrator:
     def local_logprob(self, logq: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
         """Calibrated log acceptance of tokens with local draft log-probs `logq` and sibling
         ranks `rank` (1-based), same shape; -inf where logq is -inf."""
-        r, b = self._cells(logq, rank)
-        table = self._log_rate.to(logq.device)
-        out = table[r, b]
-        return out.masked_fill(~torch.isfinite(logq), float("-inf"))
+        q_bin = (logq.exp() * self.bins).long().clamp_(0, self.bins - 1)  # exp(-inf) = 0: bin 0
+        cell = (rank.long() - 1).clamp_(0, self.ranks - 1) * self.bins + q_bin
+        if self._flat_log_rate.device != logq.device:
+            self._flat_log_rate = self._flat_log_rate.to(logq.device)
+        return self._flat_log_rate[cell].masked_fill_(~torch.isfinite(logq), float("-inf"))
 
     def observe(self, logq: torch.Tensor, rank: torch.Tensor, accepted: torch.Tensor) -> None:
         """Record verdicts: logq, rank, accepted are 1-D, one entry per verified node whose
@@ -111,13 +112,17 @@ class AcceptanceCalibrator:
         factor = self.decay**n
         self.seen *= factor
         self.hits *= factor
-        flat_seen, flat_hits = self.seen.reshape(-1), self.hits.reshape(-1)
-        np.add.at(flat_seen, cell, 1.0)
-        np.add.at(flat_hits, cell, hit)
+        size = self.ranks * self.bins
+        self.seen += np.bincount(cell, minlength=size).reshape(self.ranks, self.bins)
+        self.hits += np.bincount(cell, weights=hit, minlength=size).reshape(self.ranks, self.bins)
         self.observations += n
         self._updates += 1
         if self._updates <= REFIT_EVERY or self._updates % REFIT_EVERY == 0:  # refit the table now and then
-            self._log_rate = torch.from_numpy(np.log(np.clip(self.rates(), 1e-6, 1 - 1e-6))).float()
+            self._set_rates(self.rates())
+
+    def _set_rates(self, rates: np.ndarray) -> None:
+        self._log_rate = torch.from_numpy(np.log(np.clip(rates, 1e-6, 1 - 1e-6))).float()  # [R, bins]
+        self._flat_log_rate = self._log_rate.reshape(-1)  # [R * bins], indexed by (rank - 1) * bins + q bin
 
     def child_rate(self, rank: int = 1) -> float:
         """P(a node's rank-`rank` child is accepted | the node was reached): the decayed share of

@@ -40,6 +40,7 @@ lists every place where the paper is vague and the choice made here.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,11 +120,25 @@ def batch_utility(score: torch.Tensor, rows: torch.Tensor, k: int | None = None,
     presorted: each row of `score` is already in descending order (skips the sort).
     """
     n = score.shape[1] if k is None else min(k, score.shape[1])
-    if n == 0 or not bool(rows.any()):
+    count = int(rows.sum())
+    if n == 0 or count == 0:
         return [0.0] * n
-    picked = score[rows]
-    top = (picked[:, :n] if presorted else torch.topk(picked, n, dim=1).values).exp()  # [B', n] descending
-    return top.double().mean(dim=0).cumsum(dim=0).tolist()
+    return _utility(score, rows.to(torch.float64)[:, None] / count, n, presorted)
+
+
+def _utility(score: torch.Tensor, weights: torch.Tensor, n: int, presorted: bool) -> list[float]:
+    """`batch_utility` with the row weights given ([B, 1] float64: 1 / active rows, 0 for the
+    others) and n >= 1: a handful of tensor ops and one transfer, as it runs several times a step."""
+    top = score[:, :n] if presorted else torch.topk(score, n, dim=1).values  # [B, n] descending
+    return (top.double().exp() * weights).sum(dim=0).cumsum(dim=0).tolist()
+
+
+def _trim_flat(utility: list[float]) -> list[float]:
+    """Drop the trailing entries that add nothing (candidates that are missing in every row)."""
+    end = len(utility)
+    while end > 1 and utility[end - 1] <= utility[end - 2]:
+        end -= 1
+    return utility[:end]
 
 
 def breadth_count(utility: Sequence[float], draft_cost: Sequence[float], threshold: float) -> int:
@@ -227,11 +242,17 @@ class StepOverheads:
     apart from the per-step one). A residual is clipped to [-predicted, 2 * predicted + 2 ms]
     so one stalled step (a page fault, another process) moves the fit by a bounded amount.
     The per-step terms may go negative when a table overstates the device; the per-layer and
-    per-node terms are used only when positive."""
+    per-node terms are used only when positive.
+
+    A step also costs time outside drafting and verification (committing the accepted path to
+    both caches, the engine's bookkeeping, the policy's own feedback), the same whatever the
+    tree; it is tracked as an exponentially weighted mean (`other_ms`), each observation
+    clipped to [0, 2 * mean + 2 ms] (a prompt admitted mid-batch prefills inside a step)."""
 
     weight: float = 0.1
     _draft: _LinearFit = field(init=False, repr=False)
     _verify: _LinearFit = field(init=False, repr=False)
+    _other: float = field(default=0.0, init=False, repr=False)
     _expected: tuple[float, int, int, float, int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -252,6 +273,16 @@ class StepOverheads:
     def draft_node_ms(self) -> float:
         """extra ms per expanded node (the width of each expansion), >= 0"""
         return max(float(self._draft.theta[2]), 0.0)
+
+    @property
+    def other_ms(self) -> float:
+        """ms per step outside drafting and verification, >= 0"""
+        return self._other
+
+    def observe_other(self, other_ms: float) -> None:
+        """One step's measured time outside drafting and verification (ms)."""
+        clipped = min(max(other_ms, 0.0), 2.0 * self._other + 2.0)
+        self._other = (1 - self.weight) * self._other + self.weight * clipped
 
     @property
     def verify_ms(self) -> float:
@@ -388,11 +419,17 @@ class CastPolicy:
     _buffers: DepthBuffers = field(init=False, repr=False)
     _skipped: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _value: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
+    _ranks: dict[tuple[int, int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    """cached sibling ranks 1..k repeated per parent, [1, m * k]"""
+    _weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
+    """[B, 1] float64: each row's weight in the batch-averaged utilities (1 / active rows, or 0)"""
     _rank: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1, dtype=torch.long), init=False, repr=False)
     _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
     overheads: StepOverheads = field(default_factory=lambda: StepOverheads(), init=False, repr=False)
     """the engine's measured time per draft forward and per verification beyond the tables"""
     _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _feedback_ms: float = field(default=0.0, init=False, repr=False)
+    """how long the previous feedback took (part of the step's time outside drafting and verification)"""
     _resolver: CostTableResolver | None = field(default=None, init=False, repr=False)
     _loaded: CostTable | None = field(default=None, init=False, repr=False)
 
@@ -504,11 +541,15 @@ class CastPolicy:
         if self._learns_costs:  # a negative correction (a table that overstates) takes off at most half a forward
             o_draft, o_node, o_vnode = self.overheads.draft_ms, self.overheads.draft_node_ms, self.overheads.verify_node_ms
             o_verify = max(self.overheads.verify_ms, -0.5 * t_verify[1])
-            o_step = max(self.overheads.draft_step_ms, -0.5 * forward_ms)
+            # the step's time outside drafting and verification is paid whatever the tree: it counts
+            # in every rate's denominator, as if spent before drafting
+            o_step = max(self.overheads.draft_step_ms, -0.5 * forward_ms) + self.overheads.other_ms
         verify_ms = [t_verify[j + 1] + o_verify + o_vnode * (j + 1) for j in range(self.total_tokens + 1)]  # k draft tokens + the root
         expanded = 0  # nodes expanded by this step's draft forwards (row-padded widths)
         drafted_ms = forward_ms + o_step  # the step's draft time so far
 
+        weights = rows.to(torch.float64)[:, None] / int(rows.sum())  # [B, 1]: utilities average the active rows
+        self._weights = weights
         # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's path
         self._value = torch.zeros(b, 1, device=dev)  # [B, N]
         self._rank = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, N] rank among siblings (1 = draft's favourite)
@@ -518,15 +559,17 @@ class CastPolicy:
         )
         candidates = self._add(builder, parents, tokens, logq, valid, k)  # [B, k] by value, descending
         kept_before = 0  # sum_{j<i} n_j
+        plan: StepPlan | None = None
         prev_utility: float | None = None
         for level in range(1, depth + 1):
-            cand_valid = builder.valid.gather(1, candidates)  # [B, m]
-            score = self._value.gather(1, candidates).masked_fill(~cand_valid, float("-inf"))  # [B, m], rows descending
-            utility = batch_utility(score, rows, presorted=True)  # u_1..u_m
+            score = self._value.gather(1, candidates)  # [B, m], rows descending, -inf where missing
+            utility = _trim_flat(_utility(score, weights, score.shape[1], presorted=True))  # u_1..u_m
             ctx_i = n0 + 1 + kept_before  # the draft cache: committed tokens, the root, kept layers
-            t_one = max(table.target_cost(b, ctx_i, 1), 1e-9)  # a plain decoding step (ms)
             f_draft = table.draft_costs(b, ctx_i, len(utility))[1:]  # f_D(B, ctx_i, j) for j = 1..m
-            cost = [d / t_one for d in f_draft]  # the paper's c_1..c_m
+            cost: list[float] = []  # the paper's c_1..c_m (threshold rules), in plain decoding steps
+            if not break_even:
+                t_one = max(table.target_cost(b, ctx_i, 1), 1e-9)  # a plain decoding step (ms)
+                cost = [d / t_one for d in f_draft]
             d_ms = [d + o_node * j for j, d in enumerate(f_draft, start=1)]  # + the learned per-node overhead
             # alpha: how a kept node's value carries to its best child. The paper's alpha_i (the FIFO
             # buffer of layer gain ratios), or with calibration under break-even pruning the learned
@@ -535,11 +578,14 @@ class CastPolicy:
             plan = self._step_plan(builder, rows, verify_ms, drafted_ms) if break_even else None
             width = len(utility)
             if self.breadth_pruning:
-                most = max(1, int(cand_valid[rows].sum(dim=1).max().item()))
+                most = len(utility)  # candidates present in some row
                 if plan is not None:
-                    # expanding a node pays when its children's predicted utility (alpha x its
-                    # value) per ms of draft time beats the step's rate
-                    width = breadth_count(utility[:most], d_ms[:most], plan.rate / max(alpha, 1e-6))
+                    # expanding j nodes pays when their children's predicted utility (alpha x their
+                    # values) beats the step's rate over what they cost: drafting them, and
+                    # verifying the j children that would carry that utility
+                    top = len(verify_ms) - 1
+                    extra = [d_ms[j - 1] + verify_ms[min(plan.verified + j, top)] - verify_ms[plan.verified] for j in range(1, most + 1)]
+                    width = breadth_count(utility[:most], extra, plan.rate / max(alpha, 1e-6))
                 else:
                     width = breadth_count(utility[:most], cost[:most], c1)
             if prev_utility is not None and prev_utility > 0:
@@ -571,7 +617,9 @@ class CastPolicy:
             kept_before += width
             prev_utility = utility[width - 1]
 
-        keep = builder.top_by_score(self._value, self._verify_count(builder, rows, table, b, n0, c3, verify_ms, drafted_ms))
+        # the loop always ends right after planning at its last level (no node added since): reuse that plan
+        count = self._verify_count(builder, rows, table, b, n0, c3, verify_ms, drafted_ms, plan)
+        keep = builder.top_by_score(self._value, count)
         tree, origin = builder.finish(keep)
         if self.calibrate:
             self._last_tree = (origin, builder.logq.gather(1, origin), self._rank.gather(1, origin), tree.parents, tree.valid)
@@ -583,15 +631,17 @@ class CastPolicy:
     def _add(self, builder: TreeBuilder, parents: torch.Tensor, tokens: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
         """Add children laid out k per parent in the draft's order (from `top_children`), give
         them values, and return their indices sorted by value, descending ([B, m * k])."""
+        start = builder.num_nodes  # builder.add appends: the new nodes are columns start..start + m*k - 1
         nodes = builder.add(parents, tokens, logq, valid)  # [B, m * k]
         b, total = nodes.shape
-        rank = torch.arange(1, k + 1, device=nodes.device).repeat(total // k).expand(b, total)  # [B, m * k]
-        if self.calibrate:
-            local = self._calibrator.local_logprob(builder.logq.gather(1, nodes), rank)
-            value = self._value.gather(1, parents.clamp(min=0)) + local
+        key = (k, total, nodes.device)
+        if key not in self._ranks:
+            self._ranks[key] = torch.arange(1, k + 1, device=nodes.device).repeat(total // k)[None]  # [1, m * k]
+        rank = self._ranks[key].expand(b, total)
+        if self.calibrate:  # builder.logq is -inf at invalid nodes, and so is the value
+            value = self._value.gather(1, parents.clamp(min=0)) + self._calibrator.local_logprob(builder.logq[:, start:], rank)
         else:
-            value = builder.cum_logq.gather(1, nodes)
-        value = value.masked_fill(~builder.valid.gather(1, nodes), float("-inf"))
+            value = builder.cum_logq[:, start:]  # -inf at invalid nodes
         self._value = torch.cat([self._value, value], dim=1)
         self._rank = torch.cat([self._rank, rank], dim=1)
         order = torch.sort(value, dim=1, descending=True, stable=True).indices
@@ -599,10 +649,9 @@ class CastPolicy:
 
     def _pool_utility(self, builder: TreeBuilder, rows: torch.Tensor) -> list[float]:
         """u_1..u_N over every drafted node but the root (always verified), N <= total_tokens."""
-        pool = builder.valid.clone()
-        pool[:, 0] = False
-        n = min(int(pool[rows].sum(dim=1).max().item()), self.total_tokens)
-        return batch_utility(self._value.masked_fill(~pool, float("-inf")), rows, n) if n else []
+        # self._value is -inf at invalid nodes; column 0 is the root
+        n = min(builder.num_nodes - 1, self.total_tokens)
+        return _trim_flat(_utility(self._value[:, 1:], self._weights, n, presorted=False)) if n > 0 else []
 
     def _step_plan(self, builder: TreeBuilder, rows: torch.Tensor, verify_ms: list[float], drafted_ms: float) -> StepPlan:
         """The best the step can do with the nodes drafted so far: the k that maximises the
@@ -612,13 +661,23 @@ class CastPolicy:
         return StepPlan(utility=([0.0, *utility])[k], verified=k, drafted=drafted_ms, verify_cost=verify_ms)
 
     def _verify_count(
-        self, builder: TreeBuilder, rows: torch.Tensor, table: CostTable, batch: int, n0: int, c3: float, verify_ms: list[float], drafted_ms: float
+        self,
+        builder: TreeBuilder,
+        rows: torch.Tensor,
+        table: CostTable,
+        batch: int,
+        n0: int,
+        c3: float,
+        verify_ms: list[float],
+        drafted_ms: float,
+        plan: StepPlan | None = None,
     ) -> int:
-        """Draft tokens per row to verify: dynamic reranking, or `total_tokens` when it is off."""
+        """Draft tokens per row to verify: dynamic reranking, or `total_tokens` when it is off.
+        plan: the step plan of the finished tree when one was made (break-even pruning)."""
         if not self.dynamic_rerank:
             self.last_verified = self.total_tokens
         elif self.rerank_rule == "break-even":
-            self.last_verified = self._step_plan(builder, rows, verify_ms, drafted_ms).verified
+            self.last_verified = (plan or self._step_plan(builder, rows, verify_ms, drafted_ms)).verified
         else:
             utility = self._pool_utility(builder, rows)
             n = len(utility)
@@ -637,8 +696,17 @@ class CastPolicy:
         accepted path) is one observation of (draft probability, sibling rank) -> accepted.
         The depth buffers adapt inside `draft`. Break-even rules also learn the engine's time
         per step beyond what the cost tables predict (`StepOverheads`)."""
+        started = time.perf_counter()
+        try:
+            self._feedback(record)
+        finally:
+            self._feedback_ms = (time.perf_counter() - started) * 1e3
+
+    def _feedback(self, record: StepRecord) -> None:
         if self._learns_costs:
             self.overheads.observe(record.draft_s * 1e3, record.verify_s * 1e3)
+            if record.step_s > 0:  # outside drafting and verification: commits, bookkeeping, the last feedback
+                self.overheads.observe_other((record.step_s - record.draft_s - record.verify_s) * 1e3 + self._feedback_ms)
         if not self.calibrate or self._last_tree is None or not record.accepted_nodes:
             return
         origin, logq, rank, parents, valid = self._last_tree
@@ -670,5 +738,6 @@ class CastPolicy:
                 "draft_node": self.overheads.draft_node_ms,
                 "verify": self.overheads.verify_ms,
                 "verify_node": self.overheads.verify_node_ms,
+                "step_other": self.overheads.other_ms,
             },
         }
