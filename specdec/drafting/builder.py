@@ -78,10 +78,7 @@ class TreeBuilder:
         self.logq = torch.cat([self.logq, logq.masked_fill(invalid, float("-inf"))], dim=1)
         self.cum_logq = torch.cat([self.cum_logq, (self.cum_logq.gather(1, safe) + logq).masked_fill(invalid, float("-inf"))], dim=1)
         self.valid = torch.cat([self.valid, valid], dim=1)
-        if isinstance(sampled, torch.Tensor):
-            new_sampled = sampled & valid
-        else:
-            new_sampled = valid if sampled else torch.zeros_like(valid)
+        new_sampled = (sampled & valid) if isinstance(sampled, torch.Tensor) else (valid if sampled else torch.zeros_like(valid))
         self.sampled = torch.cat([self.sampled, new_sampled], dim=1)
         self.expanded = torch.cat([self.expanded, torch.zeros_like(valid)], dim=1)
         if self._draft_logprobs is not None:
