@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 
 import pytest
@@ -578,3 +579,48 @@ def test_threshold_options_need_the_threshold_rules(capsys):
         make_policy("cast", cost_table=linear_table(), prune_rule="max")
     assert main(["generate", "--method", "cast", "--cast-c1", "2", "--prompt", "x", "--max-new-tokens", "1"]) != 0
     assert "--prune-rule threshold" in capsys.readouterr().err
+
+
+def test_break_even_breadth_counts_the_verification_of_the_children():
+    """Break-even breadth pruning expands j nodes when their children's predicted utility beats
+    the step's rate over drafting them and verifying j more nodes: with verification that costs
+    nothing per token every candidate is expanded; when each verified token costs a plain step,
+    no second node pays (drafting is nearly free in both tables)."""
+    _, draft = close_pair("llama")
+    flat = CostTable.synthetic(lambda b, c, n: 10.0, lambda b, c, n: 1.0 + 1e-4 * n)
+    steep = CostTable.synthetic(lambda b, c, n: 10.0 * n, lambda b, c, n: 1.0 + 1e-4 * n)
+    widths = {}
+    for name, table in (("flat", flat), ("steep", steep)):
+        policy = CastPolicy(depth=2, top_k=4, total_tokens=60, calibrate=False, depth_pruning=False, dynamic_rerank=False, cost_table=table)
+        draft_once(policy, draft)
+        widths[name] = policy.last_widths
+    assert widths["flat"][0] == 4 and widths["steep"][0] == 1
+
+
+def test_step_time_outside_drafting_and_verification_is_learned():
+    over = StepOverheads(weight=0.2)
+    for _ in range(100):
+        over.observe_other(0.8)
+    assert over.other_ms == pytest.approx(0.8, abs=1e-3)
+    over.observe_other(500.0)  # a prompt admitted mid-batch: clipped to 2 * mean + 2 ms
+    assert over.other_ms < 0.8 + 0.2 * (2 * 0.8 + 2.0) + 1e-9
+    over.observe_other(-3.0)  # clock noise: clipped at 0
+    assert over.other_ms >= 0.0
+    # the policy feeds it the record's step time minus drafting and verification (plus its own feedback)
+    _, draft = close_pair("llama")
+    policy = CastPolicy(depth=2, top_k=3, total_tokens=8, cost_table=linear_table())
+    draft_once(policy, draft)
+    record = step_record([[], [], []], active=[True, True, True], draft_s=0.002, verify_s=0.006)
+    record.step_s = 0.0105
+    policy.feedback(record)
+    assert policy.overheads.other_ms == pytest.approx(0.1 * 2.0)  # 2.5 ms, clipped to 2 ms at the first step
+    assert policy.state()["overheads_ms"]["step_other"] == policy.overheads.other_ms
+
+
+def test_trimmed_utilities_drop_missing_candidates():
+    from specdec.drafting.cast import _trim_flat
+
+    assert _trim_flat([0.5, 0.8, 0.8, 0.8]) == [0.5, 0.8]
+    assert _trim_flat([0.0]) == [0.0] and _trim_flat([0.3, 0.3]) == [0.3]
+    score = torch.tensor([[0.0, -1.0, float("-inf")], [-0.5, float("-inf"), float("-inf")]])
+    assert _trim_flat(batch_utility(score, torch.tensor([True, True]))) == pytest.approx([(1 + math.exp(-0.5)) / 2, (1 + math.exp(-0.5) + math.exp(-1)) / 2])

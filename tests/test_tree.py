@@ -47,6 +47,10 @@ def test_select_reindexes_and_pads():
     assert sub.valid[1].tolist() == [True, True, False]
     with pytest.raises(ValueError, match="closed under parents"):
         tree.select(torch.tensor([[True, False, False, True], [True, False, False, False]]))
+    same, origin = tree.select_with_origin(keep)
+    assert origin[0].tolist() == [0, 1, 3] and origin[1, :2].tolist() == [0, 1]  # each kept node's old index
+    assert torch.equal(same.tokens, sub.tokens) and torch.equal(same.parents, sub.parents)
+    assert torch.equal(tree.tokens.gather(1, origin)[same.valid], same.tokens[same.valid])
 
 
 def test_select_on_large_trees():
