@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.errors import SpecDecError
 from specdec.models.loading import bundled_lvlm_draft, bundled_lvlm_target
 from specdec.parsing import parse_int_list
+
+if TYPE_CHECKING:
+    from specdec.api import SpeculativeDecoder
 
 EXIT_USAGE = 2
 
@@ -194,8 +199,12 @@ def _add_generate(sub) -> None:
     add_model_args(gen)
     add_method_args(gen)
     add_sampling_args(gen)
-    gen.add_argument("--prompt", default=None, help="the text to continue")
-    gen.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    gen.add_argument("--prompt", action="append", default=[], help="the text to continue (repeat for several prompts)")
+    gen.add_argument("--prompt-file", action="append", default=[], help="read a prompt from this file (repeat for several)")
+    gen.add_argument(
+        "--batch-size", type=int, default=None,
+        help="with several prompts: rows decoded together (default: all of them); a finished row takes the next prompt",
+    )
     gen.add_argument(
         "--image", action="append", default=[],
         help="an image for a vision-language target (repeat for several; one <image> in the prompt per image); without --target the bundled LVLM pair is used",
@@ -205,27 +214,65 @@ def _add_generate(sub) -> None:
     gen.set_defaults(func=_cmd_generate)
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _decoder_for(args: argparse.Namespace, target: str | None, draft: str | None) -> SpeculativeDecoder:
+    """The decoder `generate` asked for (method, rule, draft source and their options)."""
     from specdec.api import SpeculativeDecoder
 
-    if args.prompt is None and args.prompt_file is None:
-        raise SpecDecError("give the text to continue with --prompt TEXT or --prompt-file PATH")
-    prompt = args.prompt
-    if args.prompt_file is not None:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise SpecDecError(f"--prompt-file {args.prompt_file!r} does not exist")
-        prompt = path.read_text(encoding="utf-8")
     options = collect_method_options(args, args.method)
     if args.mars_theta is not None and args.verify != "mars":
         raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
-    target, draft = args.target, args.draft
-    if args.image and target is None:  # images: the bundled vision-language pair
-        target, draft = bundled_lvlm_target(), draft or bundled_lvlm_draft()
-    decoder = SpeculativeDecoder.from_pretrained(
+    return SpeculativeDecoder.from_pretrained(
         target, draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta,
         draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, views=args.views, ensemble_options=ensemble_options(args), **options,
     )
+
+
+def _generate_many(args: argparse.Namespace, prompts: list[str]) -> int:
+    """Several prompts, `--batch-size` rows decoded together: each prompt's text (or one JSON
+    line per prompt, in the order given), then a summary on stderr."""
+    decoder = _decoder_for(args, args.target, args.draft)
+    started = time.perf_counter()
+    results = decoder.generate(
+        prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        batch_size=args.batch_size,
+    )
+    wall = time.perf_counter() - started
+    keys = ("tau", "acceptance_rate", "tokens_per_s", "steps", "ttft_ms", "tpot_ms")
+    for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        if args.json:
+            stats = result.stats.summary()
+            print(json.dumps({"prompt_index": index, "text": result.text, "token_ids": result.token_ids, "stats": {k: stats[k] for k in keys}}))
+        else:
+            print(f"--- prompt {index + 1} of {len(prompts)} ---")
+            print(prompt + result.text)
+    tokens = sum(len(r.token_ids) for r in results)
+    rows = min(args.batch_size or len(prompts), len(prompts))
+    print(f"[{args.method}] {len(prompts)} prompts, batch size {rows}: {tokens} tokens in {wall:.2f} s, {tokens / max(wall, 1e-9):.1f} tok/s over the batch", file=sys.stderr)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if not args.prompt and not args.prompt_file:
+        raise SpecDecError("give the text to continue with --prompt TEXT or --prompt-file PATH")
+    prompts = list(args.prompt)
+    for name in args.prompt_file:
+        path = Path(name)
+        if not path.is_file():
+            raise SpecDecError(f"--prompt-file {name!r} does not exist")
+        prompts.append(path.read_text(encoding="utf-8"))
+    if args.batch_size is not None and args.batch_size < 1:
+        raise SpecDecError(f"--batch-size {args.batch_size} must be a positive integer")
+    if len(prompts) > 1:
+        if args.image:
+            raise SpecDecError(f"--image goes with one prompt, got {len(prompts)} prompts; generate them one at a time")
+        if args.stream:
+            raise SpecDecError(f"--stream shows one prompt's text as it comes, got {len(prompts)} prompts; drop --stream (or use --json)")
+        return _generate_many(args, prompts)
+    prompt = prompts[0]
+    target, draft = args.target, args.draft
+    if args.image and target is None:  # images: the bundled vision-language pair
+        target, draft = bundled_lvlm_target(), draft or bundled_lvlm_draft()
+    decoder = _decoder_for(args, target, draft)
     stream = None
     if args.stream and not args.json:
         print(prompt, end="", flush=True)

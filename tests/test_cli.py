@@ -119,3 +119,36 @@ def test_generate_stream_and_prompt_file(capsys, tiny_pair_dir, tmp_path):
     assert streamed == "def add(a, b):" + expected + "\n"  # prompt, streamed text, final newline
     code, _, err = run_cli(capsys, "generate", *pair, "--prompt-file", str(tmp_path / "missing.txt"))
     assert code == 2 and "does not exist" in err
+
+
+@pytest.mark.parametrize("method", ["chain", "dynatree"])
+def test_generate_several_prompts_batched(capsys, tiny_pair_dir, method):
+    """--prompt repeated with --batch-size: rows decoded together, one JSON line per prompt in the
+    order given, each equal to that prompt's own greedy continuation."""
+    prompts = ["def add(a, b):", "import os", "class A:\n    def"]
+    pair = ["--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"), "--max-new-tokens", "10"]
+    args = [a for p in prompts for a in ("--prompt", p)]
+    code, out, err = run_cli(capsys, "generate", *pair, "--method", method, *args, "--batch-size", "2", "--json")
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    assert [line["prompt_index"] for line in lines] == [0, 1, 2]
+    assert "3 prompts, batch size 2" in err
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target")
+    decoder = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), method="ar")
+    for prompt, line in zip(prompts, lines, strict=True):
+        ids = decoder.encode(prompt)
+        ref = target.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(ids) :].tolist()
+        assert line["token_ids"] == ref, prompt
+    code, out, _ = run_cli(capsys, "generate", *pair, *args)
+    assert code == 0 and out.count("--- prompt ") == 3 and prompts[1] in out
+
+
+def test_generate_several_prompts_bad_input(capsys, tiny_pair_dir):
+    pair = ["--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft")]
+    for extra, needle in (
+        (["--prompt", "a", "--prompt", "b", "--batch-size", "0"], "--batch-size 0"),
+        (["--prompt", "a", "--prompt", "b", "--stream"], "drop --stream"),
+        (["--prompt", "a", "--prompt", "b", "--image", "x.png"], "--image goes with one prompt"),
+    ):
+        code, _, err = run_cli(capsys, "generate", *pair, *extra)
+        assert code == 2 and needle in err and "Traceback" not in err
