@@ -214,6 +214,10 @@ def _add_generate(sub) -> None:
     gen.set_defaults(func=_cmd_generate)
 
 
+JSON_STATS = ("tau", "acceptance_rate", "tokens_per_s", "steps", "ttft_ms", "tpot_ms")
+"""the stats `generate --json` prints per prompt"""
+
+
 def _decoder_for(args: argparse.Namespace, target: str | None, draft: str | None) -> SpeculativeDecoder:
     """The decoder `generate` asked for (method, rule, draft source and their options)."""
     from specdec.api import SpeculativeDecoder
@@ -237,11 +241,10 @@ def _generate_many(args: argparse.Namespace, prompts: list[str]) -> int:
         batch_size=args.batch_size,
     )
     wall = time.perf_counter() - started
-    keys = ("tau", "acceptance_rate", "tokens_per_s", "steps", "ttft_ms", "tpot_ms")
     for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         if args.json:
             stats = result.stats.summary()
-            print(json.dumps({"prompt_index": index, "text": result.text, "token_ids": result.token_ids, "stats": {k: stats[k] for k in keys}}))
+            print(json.dumps({"prompt_index": index, "text": result.text, "token_ids": result.token_ids, "stats": {k: stats[k] for k in JSON_STATS}}))
         else:
             print(f"--- prompt {index + 1} of {len(prompts)} ---")
             print(prompt + result.text)
@@ -291,8 +294,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     stats = result.stats.summary()
     if args.json:
-        keys = ("tau", "acceptance_rate", "tokens_per_s", "steps", "ttft_ms", "tpot_ms")
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": {k: stats[k] for k in keys}}))
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": {k: stats[k] for k in JSON_STATS}}))
         return 0
     if not args.stream:
         print(prompt + result.text)
@@ -335,17 +337,10 @@ def _check_server_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from specdec.api import SpeculativeDecoder
     from specdec.serve import create_app, serve
 
     _check_server_args(args)
-    options = collect_method_options(args, args.method)
-    if args.mars_theta is not None and args.verify != "mars":
-        raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
-    decoder = SpeculativeDecoder.from_pretrained(
-        args.target, args.draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta,
-        draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, views=args.views, ensemble_options=ensemble_options(args), **options,
-    )
+    decoder = _decoder_for(args, args.target, args.draft)
     app = create_app(decoder, model_name=args.model_name, max_batch_size=args.max_batch_size, max_queue=args.max_queue)
     print(f"specdec: serving {app.state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)

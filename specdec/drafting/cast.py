@@ -548,8 +548,7 @@ class CastPolicy:
         expanded = 0  # nodes expanded by this step's draft forwards (row-padded widths)
         drafted_ms = forward_ms + o_step  # the step's draft time so far
 
-        weights = rows.to(torch.float64)[:, None] / int(rows.sum())  # [B, 1]: utilities average the active rows
-        self._weights = weights
+        self._weights = rows.to(torch.float64)[:, None] / int(rows.sum())  # [B, 1]: utilities average the active rows
         # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's path
         self._value = torch.zeros(b, 1, device=dev)  # [B, N]
         self._rank = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, N] rank among siblings (1 = draft's favourite)
@@ -563,7 +562,7 @@ class CastPolicy:
         prev_utility: float | None = None
         for level in range(1, depth + 1):
             score = self._value.gather(1, candidates)  # [B, m], rows descending, -inf where missing
-            utility = _trim_flat(_utility(score, weights, score.shape[1], presorted=True))  # u_1..u_m
+            utility = _trim_flat(_utility(score, self._weights, score.shape[1], presorted=True))  # u_1..u_m
             ctx_i = n0 + 1 + kept_before  # the draft cache: committed tokens, the root, kept layers
             f_draft = table.draft_costs(b, ctx_i, len(utility))[1:]  # f_D(B, ctx_i, j) for j = 1..m
             cost: list[float] = []  # the paper's c_1..c_m (threshold rules), in plain decoding steps
