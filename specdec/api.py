@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.cost.profile import CostTableResolver
 from specdec.drafting.base import TreePolicy
 from specdec.engine import EngineOutput, SpeculativeEngine
 from specdec.errors import SpecDecError
@@ -152,6 +153,7 @@ class SpeculativeDecoder:
         self.view_names = parse_views(views)
         self.ensemble_config = make_ensemble_config(ensemble_options, len(self.view_names))
         self._views: list[PromptView] | None = None
+        self._cost_resolvers: dict[str | None, CostTableResolver] = {}  # cost tables shared by every policy built here
         self.ensemble_prior = EnsemblePrior()
         """TABED evidence carried from one prompt to the next (see EnsembleConfig.prior)"""
         self.target = target
@@ -236,8 +238,14 @@ class SpeculativeDecoder:
         if policy.uses_draft and self.draft is None and self.draft_source in ("model", "tabed"):
             raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH, use --draft-source lookup, or use --method ar")
         bind = getattr(policy, "bind_models", None)
-        if callable(bind):  # cost-aware policies (cast) find or measure the pair's cost profile
-            bind(self.target, self.draft)
+        if callable(bind):  # cost-aware policies (cast) find or measure the pair's cost profile, once per profile path
+            resolver = None
+            if self.draft is not None:
+                path = getattr(policy, "cost_profile", None)
+                if path not in self._cost_resolvers:
+                    self._cost_resolvers[path] = CostTableResolver(self.target, self.draft, path)
+                resolver = self._cost_resolvers[path]
+            bind(self.target, self.draft, resolver=resolver)
         return policy
 
     def make_source(self, policy: TreePolicy | None = None) -> DraftSource | None:

@@ -431,6 +431,12 @@ def test_decoder_binds_models_for_cast(tiny_pair_dir, tmp_path):
     ar = SpeculativeDecoder(decoder.target, decoder.tokenizer, None, method="ar").generate("def add(a, b):", max_new_tokens=6)
     assert result.token_ids == ar.token_ids
     assert path.is_file()
+    # every CAST engine built over the decoder (a server lane per sampling setting) shares its
+    # cost tables instead of re-measuring them
+    lanes = [decoder.make_engine("cast"), decoder.make_engine("cast", verify="sampling")]
+    assert all(engine.policy._resolver is decoder.policy._resolver for engine in lanes)
+    with pytest.raises(ValueError, match="other models"):
+        make_policy("cast").bind_models(decoder.target, decoder.draft, resolver=decoder.policy._resolver)  # another cost_profile
 
 
 def test_sampling_runs_with_cast_trees():

@@ -487,17 +487,21 @@ class CastPolicy:
         return self._buffers
 
     # ----- cost tables -------------------------------------------------------------------
-    def bind_models(self, target: torch.nn.Module, draft: torch.nn.Module | None) -> None:
+    def bind_models(self, target: torch.nn.Module, draft: torch.nn.Module | None, resolver: CostTableResolver | None = None) -> None:
         """Give the policy its target and draft models, so it can find (or measure) their
         cost profile. Without an injected `cost_table` this is required unless `cost_profile`
         names a file. The batch-1 table is resolved now (a quick measurement when no profile
         fits), so that cost is paid when the decoder is built, not inside a timed generation;
-        other batch sizes are resolved on first use."""
+        other batch sizes are resolved on first use.
+        resolver: an existing resolver of the same models and `cost_profile` to share (its
+        tables, measured or loaded once, serve every policy built over the pair)."""
         if draft is None or self.cost_table is not None:
             return
         from specdec.cost.profile import CostTableResolver
 
-        self._resolver = CostTableResolver(target, draft, self.cost_profile)
+        if resolver is not None and (resolver.target is not target or resolver.draft is not draft or resolver.path != self.cost_profile):
+            raise ValueError("bind_models: the shared resolver is for other models or another cost profile")
+        self._resolver = resolver or CostTableResolver(target, draft, self.cost_profile)
         self._resolver.table_for(1)
 
     def table_for(self, batch: int) -> CostTable:
