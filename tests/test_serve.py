@@ -177,7 +177,8 @@ def test_stop_strings_cut_the_text_and_end_the_row(client, decoder):
     assert stop and full.index(stop) == 3
     body = complete(client, prompt=PROMPTS[0], max_tokens=40, stop=[stop, "never-there"]).json()
     assert body["choices"][0] == {"index": 0, "text": full[:3], "logprobs": None, "finish_reason": "stop"}
-    assert body["usage"]["completion_tokens"] < 40
+    # usage counts the tokens of the text before the stop string, whatever the method committed past it
+    assert body["usage"]["completion_tokens"] == len(decoder.tokenizer(full[:3], add_special_tokens=False)["input_ids"])
     with client.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "stop": stop, "stream": True}) as r:
         events = sse_payloads(r.iter_lines())
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == full[:3] and events[-2]["choices"][0]["finish_reason"] == "stop"
@@ -199,6 +200,23 @@ def test_completion_text_holds_back_possible_stop_strings():
     assert text.add([ord("z")]) == "" and text.finish() == ""
     plain = CompletionText(_CharTokenizer())
     assert plain.add([ord("a"), 0xFFFD]) == "a" and plain.finish() == "\ufffd"  # a trailing U+FFFD waits for the next token
+    # a possible stop-string start before an incomplete character is held back too
+    accented = CompletionText(_CharTokenizer(), ["Eé"])
+    assert accented.add([ord(c) for c in "abcE"] + [0xFFFD]) == "abc"
+    assert accented.add([ord("x")]) == "E\ufffdx"  # the character was not the stop string's é
+
+
+def test_completion_tokens_stop_at_the_stop_string():
+    """A speculative step can commit tokens past a stop string; usage counts only those the text
+    before it needs, so it does not depend on the method."""
+    text = CompletionText(_CharTokenizer(), ["END"])
+    text.add([ord(c) for c in "abcEN"])
+    text.add([ord(c) for c in "D and more"])  # one step: the rest of the stop string and 7 more tokens
+    assert text.stopped and text.text == "abc" and text.token_count == 3
+    assert CompletionText(_CharTokenizer(), ["x"]).token_count == 0
+    running = CompletionText(_CharTokenizer(), ["x"])
+    running.add([ord("a"), ord("b")])
+    assert running.token_count == 2 and not running.stopped
 
 
 def test_models_and_health(client):

@@ -440,7 +440,7 @@ class Scheduler:
                 text=job.text.text,
                 finish_reason=finish_reason,
                 prompt_tokens=len(job.prompt_ids),
-                completion_tokens=len(request.token_ids),
+                completion_tokens=job.text.token_count,
                 stats=request.stats,
                 lane=job.lane,
             )
@@ -455,7 +455,7 @@ class Scheduler:
 
     def _count_finish(self, job: Job, label: str) -> None:
         job.reported = True
-        completion = len(job.request.token_ids) if job.request is not None else 0
+        completion = job.text.token_count if job.request is not None else 0
         ttft = job.first_token_at - job.arrived if job.first_token_at is not None else None
         self.metrics.observe_finish(job.lane.method, label, len(job.prompt_ids), completion, ttft, time.perf_counter() - job.arrived)
         with self._cond:

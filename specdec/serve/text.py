@@ -40,7 +40,9 @@ class CompletionText:
     released only when it is final: a trailing U+FFFD (an incomplete UTF-8 sequence) or a
     tail that could be the start of a stop string is held back until the next tokens
     decide it. `text` is the completion so far; with `stop_strings` the text is cut before
-    the first one found and `stopped` becomes True.
+    the first one found and `stopped` becomes True, and `token_count` counts only the tokens
+    needed to produce the text up to it (a speculative step may commit several tokens past a
+    stop string; how many depends on the method, so usage must not count them).
     """
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = ()) -> None:
@@ -52,6 +54,13 @@ class CompletionText:
         self.sent = 0
         """characters of `text` already released as deltas"""
         self.stopped = False
+        self._stop_tokens: int | None = None
+
+    @property
+    def token_count(self) -> int:
+        """Completion tokens: all added tokens, or after a stop string the fewest that decode
+        to the text before it."""
+        return len(self.token_ids) if self._stop_tokens is None else self._stop_tokens
 
     def add(self, tokens: Sequence[int]) -> str:
         """Append newly committed tokens; returns the text that became final (maybe "")."""
@@ -63,6 +72,10 @@ class CompletionText:
         if cut is not None:
             self.text = self.text[:cut]
             self.stopped = True
+            count = len(self.token_ids)  # drop the tokens the cut text does not need (at most one step's)
+            while count > 0 and self.tokenizer.decode(self.token_ids[: count - 1], skip_special_tokens=True).startswith(self.text):
+                count -= 1
+            self._stop_tokens = count
             return self._release(len(self.text))
         return self._release(len(self.text) - self._held_back())
 
@@ -85,13 +98,12 @@ class CompletionText:
 
     def _held_back(self) -> int:
         """Characters at the end of `text` not yet final."""
-        text = self.text
-        if text.endswith("\ufffd"):
-            return len(text) - len(text.rstrip("\ufffd"))
-        longest = 0
+        text = self.text.rstrip("\ufffd")  # an incomplete UTF-8 sequence is not final
+        incomplete = len(self.text) - len(text)
+        longest = 0  # nor is a tail before it that could start a stop string
         for stop in self.stop_strings:
             for n in range(min(len(stop) - 1, len(text)), longest, -1):
                 if text.endswith(stop[:n]):
                     longest = n
                     break
-        return longest
+        return incomplete + longest
