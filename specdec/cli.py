@@ -805,6 +805,8 @@ def _cmd_bench_tabed(args: argparse.Namespace) -> int:
     from specdec.multimodal.scenes import check_scenario
 
     scenarios = [check_scenario(s.strip()) for s in args.scenarios.split(",") if s.strip()]
+    if not scenarios:
+        raise SpecDecError(f"--scenarios {args.scenarios!r} names no scenario; give e.g. scenes-first-turn,scenes-ood")
     gammas = parse_int_list(args.gammas, "--gammas")
     widths = parse_int_list(args.widths, "--widths")
     if args.num_prompts < 1 or args.max_new_tokens < 1:

@@ -37,6 +37,20 @@ def test_grid_weights():
     assert two[0].tolist() == [0.5, 0.5]  # most even first
     assert {tuple(round(x, 1) for x in w) for w in two.tolist()} == {(round(1 - j / 10, 1), round(j / 10, 1)) for j in range(11)}
     assert grid_weights(4, 10).shape == (286, 4)  # compositions of 10 into 4 parts
+    assert len({tuple(w) for w in grid_weights(3, 5).tolist()}) == 21 and torch.allclose(grid_weights(3, 5).sum(1), torch.ones(21))
+    with pytest.raises(SpecDecError, match="12 views and grid_n=10 has 352716 weight candidates"):  # refused, not enumerated
+        grid_weights(12, 10)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", "1"), ("fixed_view", "0"), ("fixed_view", 1.0), ("support", 64.5), ("max_history", None), ("prior_decay", "0.9")],
+)
+def test_ensemble_config_rejects_wrong_types(field, value):
+    from specdec.sources.ensemble import EnsembleConfig
+
+    with pytest.raises(SpecDecError, match=field):
+        EnsembleConfig(**{field: value}).validate(2)
 
 
 def test_mixture_and_distances():
@@ -195,3 +209,10 @@ def test_bench_tabed_small(lvlm, tmp_path):
     assert (tmp_path / "report.md").read_text().count("| TABED-MT |") >= 2
     assert (tmp_path / "tau_by_scenario.png").stat().st_size > 0
     assert (tmp_path / "weights_over_steps.png").stat().st_size > 0
+
+
+def test_bench_tabed_needs_a_scenario(capsys):
+    from specdec.cli import main
+
+    assert main(["bench-tabed", "--scenarios", ",", "--out", "unused"]) == 2
+    assert "names no scenario" in capsys.readouterr().err

@@ -312,7 +312,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
     ]
     for shape in shapes:
         lines += [f"## τ, {shape}", ""] + _table(cells, scenarios, shape, "tau", ".2f") + [""]
-    main_shape = next((s for s in shapes if s.startswith("chain g=5")), shapes[0])
+    main_shape = next((s for s in shapes if s == f"chain g={results['settings']['ablation_gamma']}"), shapes[0])
     lines += [f"## Estimated speedup (Eq. 1), {main_shape}", ""] + _table(cells, scenarios, main_shape, "estimated_speedup", ".2f") + [""]
     lines += [f"## Measured speedup over AR, {main_shape}", ""] + _table(cells, scenarios, main_shape, "speedup", ".2f") + [""]
     lines += paper_comparison(cells, scenarios, main_shape)
@@ -332,7 +332,7 @@ def _plots(results: dict[str, Any], out_dir: Path) -> None:
 
     cells = results["cells"]
     scenarios = results["settings"]["scenarios"]
-    main = [c for c in cells if c["shape"].startswith("chain g=5")] or cells
+    main = [c for c in cells if c["shape"] == f"chain g={results['settings']['ablation_gamma']}"] or cells
     configs = list(dict.fromkeys(c["config"] for c in main if "h=" not in c["config"] and " " not in c["config"]))
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / max(1, len(configs))

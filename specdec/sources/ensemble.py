@@ -23,7 +23,6 @@ then a sum over cached rows. Memory per row: `max_history` x (candidates + m) fl
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,21 +83,42 @@ class EnsembleConfig:
             raise SpecDecError(f"ensemble window h={self.window!r} must be a positive integer (or all)")
         if not isinstance(self.grid_n, int) or self.grid_n < 1:
             raise SpecDecError(f"grid_n={self.grid_n!r} must be a positive integer")
-        if not self.temperature > 0:
-            raise SpecDecError(f"ensemble temperature={self.temperature!r} must be > 0")
-        if not 0 <= self.fixed_view < m:
-            raise SpecDecError(f"fixed_view={self.fixed_view} must index one of the {m} views")
-        if not 0 < self.prior_decay < 1:
-            raise SpecDecError(f"prior_decay={self.prior_decay!r} must be in (0, 1)")
-        if self.support < 2 or self.max_history < 1:
-            raise SpecDecError(f"support={self.support} must be >= 2 and max_history={self.max_history} >= 1")
+        def number(value: object) -> bool:
+            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+        def integer(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not number(self.temperature) or not self.temperature > 0:
+            raise SpecDecError(f"ensemble temperature={self.temperature!r} must be a number > 0")
+        if not integer(self.fixed_view) or not 0 <= self.fixed_view < m:
+            raise SpecDecError(f"fixed_view={self.fixed_view!r} must be an integer indexing one of the {m} views")
+        if not number(self.prior_decay) or not 0 < self.prior_decay < 1:
+            raise SpecDecError(f"prior_decay={self.prior_decay!r} must be a number in (0, 1)")
+        if not integer(self.support) or not integer(self.max_history) or self.support < 2 or self.max_history < 1:
+            raise SpecDecError(f"support={self.support!r} must be an integer >= 2 and max_history={self.max_history!r} an integer >= 1")
+
+
+MAX_GRID = 200_000
+"""the most weight candidates the grid policy scores per observation"""
 
 
 def grid_weights(m: int, n: int) -> torch.Tensor:
     """All weights w = a / n with non-negative integers a summing to n: [C, m], the most
     even first (ties in the selection then go to the most even candidate)."""
-    combos = [a for a in itertools.product(range(n + 1), repeat=m) if sum(a) == n]
-    weights = torch.tensor(combos, dtype=torch.float32) / n
+    count = math.comb(n + m - 1, m - 1)
+    if count > MAX_GRID:
+        raise SpecDecError(
+            f"the grid policy with {m} views and grid_n={n} has {count} weight candidates (at most {MAX_GRID}); "
+            "use fewer views, a smaller grid_n, or another policy (softmax)"
+        )
+
+    def compositions(parts: int, total: int) -> list[tuple[int, ...]]:  # non-negative `parts`-tuples summing to `total`
+        if parts == 1:
+            return [(total,)]
+        return [(first, *rest) for first in range(total + 1) for rest in compositions(parts - 1, total - first)]
+
+    weights = torch.tensor(compositions(m, n), dtype=torch.float32) / n
     spread = (weights - 1.0 / m).abs().sum(dim=1)
     return weights[torch.argsort(spread, stable=True)]
 
@@ -175,7 +195,8 @@ class EnsembleDraftSource:
         self.inner = ModelDraftSource(model)
         self.device = self.inner.runner.device
         self.prior = prior if prior is not None else EnsemblePrior()
-        self.candidates = grid_weights(self.m, self.config.grid_n).to(self.device)  # [C, m]
+        # [C, m] weight candidates (the grid policy only)
+        self.candidates = grid_weights(self.m, self.config.grid_n).to(self.device) if self.config.policy == "grid" else torch.zeros(0, self.m)
         self.generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
         self.weights = torch.zeros(0, self.m, device=self.device)  # [B, m] of the current block
         self._cand_err: list[list[torch.Tensor]] = []  # per row: observations' [C] distances
