@@ -95,17 +95,7 @@ def quick_grid(batch_size: int) -> ProfileGrid:
 
 def _fill_context(runner: ModelRunner, batch: int, context: int, generator: torch.Generator) -> None:
     """Reset `runner` to `batch` rows whose caches hold `context` random committed entries."""
-    runner.reset(batch)
-    dev = runner.device
-    one = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-    runner.forward(one, one, torch.ones(batch, 1, 1, dtype=torch.bool, device=dev))  # initialises every cache layer
-    assert runner.cache is not None
-    for layer in runner.cache.layers:
-        b, heads, _, dim = layer.keys.shape
-        layer.keys = torch.randn(b, heads, context, dim, generator=generator, device=dev, dtype=layer.keys.dtype)
-        layer.values = torch.randn(b, heads, context, layer.values.shape[-1], generator=generator, device=dev, dtype=layer.values.dtype)
-    runner.slot_valid = torch.ones(batch, context, dtype=torch.bool, device=dev)
-    runner.step_len = 0
+    runner.fill_random(batch, context, generator)
 
 
 def measure_forward_ms(

@@ -7,9 +7,15 @@ so holes never shift positions.
 
 A decoding step appends "step slots" with `forward` (any number of calls: the draft
 adds one tree level per call), then `commit` keeps a chosen subset of them, gathered to
-the end of the committed prefix, and drops the rest; `rollback` drops them all. Only
-the public `transformers` API is used: `DynamicCache`, a 4D additive attention mask and
-explicit `position_ids`, so any decoder-only architecture with a standard cache works.
+the end of the committed prefix, and drops the rest; `rollback` drops them all.
+
+The cache is a `SlotCache`: key/value storage preallocated for every layer at once
+(`[layers, 2, B, heads, capacity, head_dim]` when all layers share a shape, as in every
+standard decoder), written by position. A forward writes its new keys in place and
+attends to a view of the used slots; commit moves the kept step slots in place with one
+gather for all layers; rollback only moves the length back. Only the public
+`transformers` API is used (a `Cache` of `CacheLayerMixin` layers, a 4D additive mask and
+explicit `position_ids`), so any decoder-only architecture with a standard cache works.
 """
 
 from __future__ import annotations
@@ -19,8 +25,126 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec.errors import SpecDecError
+from specdec.hostwork import model_forward
+
+CAPACITY_STEP = 256
+"""cache capacity grows in multiples of this many slots"""
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's view of a `SlotCache`: writes new keys at the cache's write offset and
+    returns the used slots. `keys`/`values` are [B, H, used, D] views of the storage."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: SlotCache, index: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.index = index
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.cache._allocate_layer(self.index, key_states, value_states)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states: [B, H, n, D] of the n new tokens. Returns [B, H, used + n, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cache = self.cache
+        start, n = cache.length, key_states.shape[2]
+        if start + n > cache.capacity:
+            raise RuntimeError(f"SlotCache overflow: {start} + {n} > capacity {cache.capacity} (ModelRunner reserves room before forwards)")
+        keys, values = cache.kv(self.index)
+        keys[:, :, start : start + n].copy_(key_states)
+        values[:, :, start : start + n].copy_(value_states)
+        return keys[:, :, : start + n], values[:, :, : start + n]
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        return self.cache.kv(self.index)[0][:, :, : self.cache.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:  # CacheLayerMixin.__init__ assigns None
+        if value is not None:
+            raise AttributeError("SlotLayer.keys is a view of the SlotCache storage; write through ModelRunner")
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        return self.cache.kv(self.index)[1][:, :, : self.cache.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("SlotLayer.values is a view of the SlotCache storage; write through ModelRunner")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotCache(Cache):
+    """Preallocated KV storage for every layer, written by position.
+
+    `length` slots per row are in use (committed + this step's); `capacity` are allocated.
+    Layers whose key/value shape equals the first layer's share one tensor
+    `storage` [L, 2, B, H, capacity, D] (so a commit or a row reorder is one op for all of
+    them); any other layer gets its own [2, B, H', capacity, D'] tensor in `extra`.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int) -> None:
+        self.length = 0
+        self.capacity = capacity
+        self.rows = batch_size
+        self.num_layers = num_layers
+        self.storage: torch.Tensor | None = None
+        self.extra: dict[int, torch.Tensor] = {}
+        super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
+
+    def _allocate_layer(self, index: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        if self.storage is None and key_states.shape == value_states.shape:
+            self.storage = torch.zeros(self.num_layers, 2, b, h, self.capacity, d, dtype=key_states.dtype, device=key_states.device)
+        storage = self.storage
+        if storage is not None and key_states.shape == value_states.shape and storage.shape[3] == h and storage.shape[5] == d and index not in self.extra:
+            return
+        shape = (2, b, max(h, value_states.shape[1]), self.capacity, max(d, value_states.shape[3]))
+        self.extra[index] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+
+    def kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Storage views of layer `index`: keys, values [B, H, capacity, D]."""
+        own = self.extra.get(index)
+        if own is not None:
+            return own[0], own[1]
+        assert self.storage is not None
+        return self.storage[index, 0], self.storage[index, 1]
+
+    def tensors(self) -> list[tuple[torch.Tensor, int, int]]:
+        """Every storage tensor with its batch and slot dimensions: [(tensor, batch_dim, slot_dim)]."""
+        out = [] if self.storage is None else [(self.storage, 2, 4)]
+        return out + [(t, 1, 3) for t in self.extra.values()]
+
+    def map_tensors(self, fn: Any) -> None:
+        """Replace every storage tensor t (batch dim, slot dim) by fn(t, batch_dim, slot_dim)."""
+        if self.storage is not None:
+            self.storage = fn(self.storage, 2, 4)
+        self.extra = {i: fn(t, 1, 3) for i, t in self.extra.items()}
+        for t, batch_dim, slot_dim in self.tensors():
+            self.capacity = t.shape[slot_dim]
+            self.rows = t.shape[batch_dim]
+            break
 
 
 class ModelRunner:
@@ -30,12 +154,17 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.cache: DynamicCache | None = None
+        self.num_layers = _num_cache_layers(model)
+        self.cache: SlotCache | None = None
         self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S_past]
         self.step_len = 0  # step slots appended since the last commit/rollback
         self.forward_calls = 0
         self.forward_tokens = 0
-        self.forward_s = 0.0  # wall time inside model forwards (synchronised on CUDA)
+        self._forward_s = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed without a sync per forward
+        self._eye: dict[int, torch.Tensor] = {}
+        self._mask_values = (torch.zeros((), dtype=self.dtype, device=self.device), torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device))
+        self._compact_checked_at = 0
 
     # ----- state -------------------------------------------------------------------
     @property
@@ -47,14 +176,44 @@ class ModelRunner:
         """S_past: committed slots per row (valid or not)."""
         return self.slot_valid.shape[1]
 
+    @property
+    def forward_s(self) -> float:
+        """Wall time inside model forwards (on CUDA from events, synchronised when read)."""
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            self._forward_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self._events.clear()
+        return self._forward_s
+
     def committed_len(self) -> torch.Tensor:
         """[B] number of committed tokens per row = position id of the next token."""
         return self.slot_valid.sum(dim=1)
 
-    def reset(self, batch_size: int) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+    def reset(self, batch_size: int, capacity: int = CAPACITY_STEP) -> None:
+        self.cache = SlotCache(self.num_layers, batch_size, _round_up(max(capacity, 1)))
         self.slot_valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
         self.step_len = 0
+        self._compact_checked_at = 0
+
+    def reserve(self, slots: int) -> None:
+        """Make room for `slots` slots per row in total (grows the storage; rare)."""
+        cache = self._cache()
+        if slots <= cache.capacity:
+            return
+        new_capacity = _round_up(max(slots, 2 * cache.capacity))
+
+        def grow(t: torch.Tensor, batch_dim: int, slot_dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[slot_dim] = new_capacity - t.shape[slot_dim]
+            return torch.cat([t, t.new_zeros(shape)], dim=slot_dim)
+
+        cache.map_tensors(grow)
+        cache.capacity = new_capacity
+
+    def _cache(self) -> SlotCache:
+        if self.cache is None:
+            raise RuntimeError("ModelRunner used before reset()")
+        return self.cache
 
     # ----- forwards ----------------------------------------------------------------
     @torch.inference_mode()
@@ -77,36 +236,52 @@ class ModelRunner:
                          prompt: pixel_values and the like).
         Returns logits [B, n, V] float32 (or [B, logits_to_keep, V]).
         """
-        if self.cache is None:
-            raise RuntimeError("ModelRunner.forward before reset()")
+        cache = self._cache()
         b, n = input_ids.shape
         s_past, s_step = self.past_len, self.step_len
         if step_visibility.shape != (b, n, s_step + n):
             raise ValueError(f"step_visibility shape {tuple(step_visibility.shape)} != {(b, n, s_step + n)}")
-        diag = torch.arange(n, device=self.device)
-        step_visibility = step_visibility.clone()
-        step_visibility[:, diag, s_step + diag] = True
+        self.reserve(s_past + s_step + n)
+        cache.length = s_past + s_step
+        eye = self._eye.get(n)
+        if eye is None:
+            eye = self._eye[n] = torch.eye(n, dtype=torch.bool, device=self.device)
+        step_visibility = torch.cat([step_visibility[:, :, :s_step], step_visibility[:, :, s_step:] | eye], dim=2) if s_step else step_visibility | eye
         visible = torch.cat([self.slot_valid[:, None, :].expand(b, n, s_past), step_visibility], dim=2)  # [B, n, S]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        t0 = time.perf_counter()
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask[:, None, :, :],  # [B, 1, n, S]
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **(model_inputs or {}),
-        )
+        mask = torch.where(visible, *self._mask_values)  # [B, n, S] additive: 0 where visible, dtype min elsewhere
+        timer = self._start_timer()
+        with model_forward(), _attention_backends(self.device):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask[:, None, :, :],  # [B, 1, n, S]
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **(model_inputs or {}),
+            )
         logits = out.logits.float()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.forward_s += time.perf_counter() - t0
+        self._stop_timer(timer)
         self.step_len += n
+        cache.length = s_past + self.step_len
         self.forward_calls += 1
         self.forward_tokens += b * n
         return logits
+
+    def _start_timer(self) -> Any:
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def _stop_timer(self, timer: Any) -> None:
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((timer, end))
+        else:
+            self._forward_s += time.perf_counter() - timer
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None = None) -> torch.Tensor:
         """Run left-padded prompts and commit them; return the logits of the last position.
@@ -115,17 +290,22 @@ class ModelRunner:
         model_inputs: the batch's other inputs (pixel_values of its images, in row order).
         Returns [B, V] float32: the distribution of each row's first new token.
         """
-        self.reset(input_ids.shape[0])
+        self.reset(input_ids.shape[0], capacity=input_ids.shape[1] + CAPACITY_STEP)
         real = attention_mask.bool()
         positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
         causal = torch.tril(torch.ones(input_ids.shape[1], input_ids.shape[1], dtype=torch.bool, device=self.device))
         visibility = causal[None] & real[:, None, :]  # [B, L, L]
         logits = self.forward(input_ids, positions, visibility, logits_to_keep=1, model_inputs=model_inputs)[:, -1]
-        keep = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
-        self.commit(keep, real)
+        self.commit_prefix(real)
         return logits
 
     # ----- commit / rollback -------------------------------------------------------
+    def commit_prefix(self, keep_valid: torch.Tensor) -> None:
+        """Keep every step slot in place (keep_valid [B, step_len] marks the real ones)."""
+        self.slot_valid = torch.cat([self.slot_valid, keep_valid.to(self.device).bool()], dim=1)
+        self.step_len = 0
+        self._cache().length = self.past_len
+
     @torch.inference_mode()
     def commit(self, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
         """Keep step slots `keep` (in order) after the committed prefix; drop the others.
@@ -133,40 +313,33 @@ class ModelRunner:
         keep:       [B, K] int64 step-slot indices (0 = first slot appended this step)
         keep_valid: [B, K] bool; False entries are padding and become invalid slots.
         Example: step slots [r, a, b, c] with keep [[0, 1, 3]] -> the cache ends in r, a, c.
+        One gather and one in-place copy for all layers (a few more for odd-shaped layers).
         """
-        if self.cache is None:
-            raise RuntimeError("ModelRunner.commit before reset()")
+        cache = self._cache()
         s_past, k = self.past_len, keep.shape[1]
         if k > 0:
-            src = (s_past + keep.clamp(0, max(self.step_len - 1, 0))).to(self.device)  # [B, K]
-            identity = bool(torch.equal(src, torch.arange(s_past, s_past + k, device=self.device).expand_as(src)))
-            for layer in self.cache.layers:
-                if getattr(layer, "is_sliding", False):
-                    raise SpecDecError("sliding-window attention layers are not supported; load the model with sliding windows disabled")
-                if not identity:
-                    idx = src[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-                    kept_keys = layer.keys.gather(2, idx)
-                    kept_values = layer.values.gather(2, idx)
-                    layer.keys[:, :, s_past : s_past + k] = kept_keys
-                    layer.values[:, :, s_past : s_past + k] = kept_values
-                layer.keys = layer.keys[:, :, : s_past + k]
-                layer.values = layer.values[:, :, : s_past + k]
-        else:
-            self._crop_to(s_past)
+            src = s_past + keep.clamp(0, max(self.step_len - 1, 0))  # [B, K]
+            for t, batch_dim, slot_dim in cache.tensors():
+                # idx: src broadcast over every dim but batch and slot
+                shape = [1] * t.dim()
+                shape[batch_dim], shape[slot_dim] = src.shape[0], k
+                idx = src.reshape(shape).expand(*[k if d == slot_dim else s for d, s in enumerate(t.shape)])
+                kept = t.gather(slot_dim, idx)
+                t.narrow(slot_dim, s_past, k).copy_(kept)
         self.slot_valid = torch.cat([self.slot_valid, keep_valid.to(self.device).bool()], dim=1)
         self.step_len = 0
+        cache.length = self.past_len
         self.compact_if_wasteful()
 
     @torch.inference_mode()
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Shrink the batch to `rows` ([B'] int64 row indices, in their new order)."""
-        if self.cache is None or self.step_len:
+        """Shrink (or reorder/repeat) the batch to `rows` ([B'] int64 row indices, in their new order)."""
+        cache = self._cache()
+        if self.step_len:
             raise RuntimeError("keep_rows needs a committed cache (call it between steps)")
         rows = rows.to(self.device)
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.keys = layer.keys.index_select(0, rows)
-                layer.values = layer.values.index_select(0, rows)
+        cache.map_tensors(lambda t, batch_dim, slot_dim: t.index_select(batch_dim, rows))
+        cache.rows = rows.shape[0]
         self.slot_valid = self.slot_valid.index_select(0, rows)
         self.compact_if_wasteful()
 
@@ -180,21 +353,22 @@ class ModelRunner:
         their own and their cache spliced in right-aligned; the cache grows on the left (with
         invalid slots) when L exceeds its width. Returns the new rows' last logits [len(rows), V].
         """
-        if self.cache is None or self.step_len:
+        cache = self._cache()
+        if self.step_len:
             raise RuntimeError("replace_rows needs a committed cache (call it between steps)")
         fresh = ModelRunner(self.model)
         logits = fresh.prefill(input_ids, attention_mask, model_inputs)
-        assert fresh.cache is not None
+        fresh_cache = fresh._cache()
         s_new = fresh.past_len
         if s_new > self.past_len:
             self._left_pad(s_new - self.past_len)
         s = self.past_len
+        self.reserve(s)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        for layer, new in zip(self.cache.layers, fresh.cache.layers, strict=True):
-            layer.keys[index] = 0
-            layer.values[index] = 0
-            layer.keys[index, :, s - s_new :] = new.keys
-            layer.values[index, :, s - s_new :] = new.values
+        for (t, batch_dim, slot_dim), (new, _, _) in zip(cache.tensors(), fresh_cache.tensors(), strict=True):
+            block = torch.zeros_like(t.index_select(batch_dim, index).narrow(slot_dim, 0, s))
+            block.narrow(slot_dim, s - s_new, s_new).copy_(new.narrow(slot_dim, 0, s_new))
+            t.narrow(slot_dim, 0, s).index_copy_(batch_dim, index, block)
         valid = torch.zeros(len(rows), s, dtype=torch.bool, device=self.device)
         valid[:, s - s_new :] = fresh.slot_valid
         self.slot_valid[index] = valid
@@ -202,47 +376,111 @@ class ModelRunner:
         return logits
 
     def _left_pad(self, extra: int) -> None:
-        assert self.cache is not None
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                b, h, _, d = layer.keys.shape
-                pad = torch.zeros(b, h, extra, d, dtype=layer.keys.dtype, device=self.device)
-                layer.keys = torch.cat([pad, layer.keys], dim=2)
-                layer.values = torch.cat([pad.clone(), layer.values], dim=2)
+        """Insert `extra` invalid slots before every row's committed slots."""
+        cache = self._cache()
+        self.reserve(self.past_len + extra)
+        s = self.past_len
+
+        def shift(t: torch.Tensor, batch_dim: int, slot_dim: int) -> torch.Tensor:
+            moved = t.narrow(slot_dim, 0, s).clone()
+            t.narrow(slot_dim, extra, s).copy_(moved)
+            t.narrow(slot_dim, 0, extra).zero_()
+            return t
+
+        cache.map_tensors(shift)
         pad_valid = torch.zeros(self.batch_size, extra, dtype=torch.bool, device=self.device)
         self.slot_valid = torch.cat([pad_valid, self.slot_valid], dim=1)
+        cache.length = self.past_len
 
     def rollback(self) -> None:
         """Drop every step slot appended since the last commit."""
-        self._crop_to(self.past_len)
         self.step_len = 0
+        self._cache().length = self.past_len
 
-    def _crop_to(self, length: int) -> None:
-        assert self.cache is not None
-        for layer in self.cache.layers:
-            if layer.is_initialized and layer.keys.shape[2] > length:
-                layer.keys = layer.keys[:, :, :length]
-                layer.values = layer.values[:, :, :length]
+    @torch.inference_mode()
+    def fill_random(self, batch_size: int, context: int, generator: torch.Generator) -> None:
+        """Reset to `batch_size` rows whose caches hold `context` random committed entries
+        (for latency measurements: attention cost depends on the cache, not its values)."""
+        self.reset(batch_size, capacity=context + CAPACITY_STEP)
+        one = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
+        self.forward(one, one, torch.ones(batch_size, 1, 1, dtype=torch.bool, device=self.device))  # allocates every layer
+        self.rollback()
+        cache = self._cache()
+
+        def randomize(t: torch.Tensor, batch_dim: int, slot_dim: int) -> torch.Tensor:
+            noise = torch.randn(t.shape, generator=generator, device="cpu" if generator.device.type == "cpu" else t.device, dtype=torch.float32)
+            return noise.to(device=t.device, dtype=t.dtype)
+
+        cache.map_tensors(randomize)
+        self.slot_valid = torch.ones(batch_size, context, dtype=torch.bool, device=self.device)
+        cache.length = context
 
     @torch.inference_mode()
     def compact_if_wasteful(self, max_waste: float = 0.25, min_slots: int = 64) -> None:
-        """Remove invalid slots when they exceed `max_waste` of the cache (batches only).
+        """Remove invalid slots when they exceed `max_waste` of the cache.
 
         Rows keep their valid slots in order, right-aligned after left padding, so
-        position ids (counts of valid slots) are unchanged.
+        position ids (counts of valid slots) are unchanged. Checked (one host read) only
+        each time the committed width has grown by `min_slots` since the last check, so a
+        decoding step normally reads nothing here.
         """
-        if self.cache is None or self.step_len:
-            return
+        cache = self._cache()
         b, s = self.slot_valid.shape
-        counts = self.slot_valid.sum(dim=1)
-        width = int(counts.max().item()) if b else 0
+        if self.step_len or b == 0 or s < self._compact_checked_at + min_slots:
+            return
+        self._compact_checked_at = s
+        width = int(self.slot_valid.sum(dim=1).max().item())
         if s - width < max(min_slots, max_waste * s):
             return
         # per row: the indices of valid slots, left-padded to `width`
         order = torch.argsort(self.slot_valid.to(torch.int8), dim=1, stable=True)[:, s - width :]  # invalid first, then valid in order
         new_valid = self.slot_valid.gather(1, order)
-        for layer in self.cache.layers:
-            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, idx)
-            layer.values = layer.values.gather(2, idx)
+
+        def gather(t: torch.Tensor, batch_dim: int, slot_dim: int) -> torch.Tensor:
+            shape = [1] * t.dim()
+            shape[batch_dim], shape[slot_dim] = b, width
+            idx = order.reshape(shape).expand(*[width if d == slot_dim else n for d, n in enumerate(t.shape)])
+            out = torch.zeros_like(t)
+            out.narrow(slot_dim, 0, width).copy_(t.gather(slot_dim, idx))
+            return out
+
+        cache.map_tensors(gather)
         self.slot_valid = new_valid
+        self._compact_checked_at = width
+        cache.length = width
+
+
+def _round_up(slots: int) -> int:
+    return -(-slots // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def _num_cache_layers(model: PreTrainedModel) -> int:
+    """Decoder layers that keep a KV cache, as transformers lays them out for this config;
+    sliding-window layers are refused with a clear error."""
+    layers = DynamicCache(config=model.config).layers
+    if any(getattr(layer, "is_sliding", False) for layer in layers):
+        raise SpecDecError("sliding-window attention layers are not supported; load the model with sliding windows disabled")
+    if not layers:
+        raise SpecDecError(f"cannot tell how many decoder layers {type(model).__name__} has from its config")
+    return len(layers)
+
+
+class _attention_backends:
+    """On CUDA, SDPA without cuDNN attention: cuDNN builds a new execution plan for every new
+    key length (the cache grows every step and tree sizes vary), costing milliseconds per
+    call. Flash/efficient/math kernels need no plan. A no-op elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._ctx: Any = None
+        if device.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            self._ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)

@@ -1,0 +1,125 @@
+"""Counting the work a decoding step does *outside* model forwards.
+
+On a GPU every tensor op issued from Python is a kernel launch (microseconds of CPU time
+each, and the GPU idles while Python decides what to launch next), and every host read of
+a device value (`.item()`, `.tolist()`, `bool(tensor)`, `int(tensor)`, `.cpu()`) is a full
+synchronisation: the CPU waits for the GPU to drain. Both are invisible in CPU wall time,
+so they are counted here, on any device:
+
+- **ops**: aten operators dispatched outside model forwards that do work (view and
+  metadata-only operators such as `view`, `slice`, `expand`, `select` are excluded: they
+  launch no kernel). `ops_all` counts views too.
+- **host reads**: calls that copy a tensor's value to Python (`item`, `tolist`, `__bool__`,
+  `__int__`, `__float__`, `__index__`, `cpu`, `numpy`), outside model forwards.
+
+`ModelRunner` wraps every model call in `model_forward()`, so work inside the model is not
+counted. A `HostWorkCounter` is a context manager; counting is off (and costs one
+ContextVar read per model call) when none is active.
+
+    with HostWorkCounter() as counter:
+        engine.generate(...)
+    counter.ops, counter.host_reads
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"})
+
+_active: ContextVar[HostWorkCounter | None] = ContextVar("specdec_host_work_counter", default=None)
+
+
+@contextmanager
+def model_forward() -> Iterator[None]:
+    """Marks a model forward: the active counter (if any) pauses inside it."""
+    counter = _active.get()
+    if counter is None:
+        yield
+        return
+    counter._inside += 1
+    try:
+        yield
+    finally:
+        counter._inside -= 1
+
+
+class _OpMode(TorchDispatchMode):
+    def __init__(self, counter: HostWorkCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        counter = self.counter
+        if not counter._inside:
+            counter.ops_all += 1
+            if not func.is_view and func not in _METADATA_OPS:
+                counter.ops += 1
+                if counter.keep_names:
+                    counter.op_names[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _ReadMode(TorchFunctionMode):
+    def __init__(self, counter: HostWorkCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        counter = self.counter
+        if not counter._inside and getattr(func, "__name__", "") in _HOST_READS:
+            counter.host_reads += 1
+            if counter.keep_names:
+                counter.read_names[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+_METADATA_OPS = frozenset(
+    {
+        torch.ops.aten.detach.default,
+        torch.ops.aten.lift_fresh.default,
+        torch.ops.aten._local_scalar_dense.default,  # counted as a host read instead
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_stride.int,
+    }
+)
+
+
+class HostWorkCounter:
+    """Counts ops and host reads outside model forwards while active (see the module docstring)."""
+
+    def __init__(self, keep_names: bool = False) -> None:
+        self.ops = 0
+        """aten ops outside model forwards that do work (views excluded)"""
+        self.ops_all = 0
+        """every aten op outside model forwards, views included"""
+        self.host_reads = 0
+        """device-to-host value reads outside model forwards"""
+        self.keep_names = keep_names
+        self.op_names: Counter[str] = Counter()
+        self.read_names: Counter[str] = Counter()
+        self._inside = 0
+        self._modes: list[Any] = []
+        self._token: Any = None
+
+    def __enter__(self) -> HostWorkCounter:
+        self._token = _active.set(self)
+        self._modes = [_ReadMode(self), _OpMode(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        _active.reset(self._token)
