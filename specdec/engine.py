@@ -26,10 +26,10 @@ from specdec.errors import SpecDecError
 from specdec.models.runner import ModelRunner
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.sampling import SamplingParams, choose_tokens, logits_to_logprobs
-from specdec.sources.base import DraftSource
+from specdec.sources.base import AcceptedPaths, DraftSource
 from specdec.stats import GenerationStats, StepRecord
 from specdec.tree import TokenTree
-from specdec.verification.base import AcceptRule
+from specdec.verification.base import AcceptRule, Verdict
 
 StreamCallback = Callable[[int, list[int]], None]
 """stream(row, new_token_ids) is called with every row's newly committed tokens."""
@@ -96,6 +96,64 @@ def path_target_logprobs(logits: torch.Tensor, accepted_nodes: list[list[int]], 
         index = torch.tensor([0, *path], dtype=torch.long, device=logits.device)
         out.append(logits_to_logprobs(logits[row, index], params))
     return out
+
+
+@dataclass
+class StepResult:
+    """A step's verdict on the host, read from the device in one transfer. Lists are per row."""
+
+    accepted_nodes: list[list[int]]
+    """tree node indices of the accepted path (root excluded)"""
+    accepted_origin: list[list[int]]
+    """the same nodes as builder indices"""
+    accepted_tokens: list[list[int]]
+    bonus: list[int]
+    relaxed: list[int]
+    fallbacks: list[int]
+    drafted: list[int]
+    """drafted tokens (valid non-root nodes) per row"""
+    drafted_by_depth: list[list[int]]
+    """drafted nodes at depth 1, 2, ... per row"""
+    tree_depth: int
+    """depth of the deepest valid node of the batch"""
+
+    @classmethod
+    def read(cls, tree: TokenTree, verdict: Verdict, origin: torch.Tensor) -> StepResult:
+        """Pack everything the host needs into one int64 tensor and read it once (one sync on a GPU)."""
+        path, b = verdict.path, tree.batch_size
+        d = path.shape[1]
+        depth_cap = tree.depth_limit()
+        by_depth = torch.zeros(b, depth_cap + 1, dtype=torch.long, device=path.device)
+        by_depth.scatter_add_(1, tree.depths.clamp(max=depth_cap), tree.valid.long())  # [B, 1 + depth_cap]: column 0 is the root
+        packed = torch.cat(
+            [
+                torch.stack([verdict.accepted_len, verdict.bonus_tokens, verdict.relaxed_count, verdict.fallback_count], dim=1),
+                path,
+                origin.gather(1, path),
+                tree.tokens.gather(1, path),
+                by_depth,
+            ],
+            dim=1,
+        ).tolist()
+        accepted_nodes, accepted_origin, accepted_tokens, drafted_by_depth = [], [], [], []
+        for row in packed:
+            n = row[0]
+            accepted_nodes.append(row[4 : 4 + n])
+            accepted_origin.append(row[4 + d : 4 + d + n])
+            accepted_tokens.append(row[4 + 2 * d : 4 + 2 * d + n])
+            drafted_by_depth.append(row[4 + 3 * d + 1 :])
+        deepest = max((i + 1 for counts in drafted_by_depth for i, c in enumerate(counts) if c), default=0)
+        return cls(
+            accepted_nodes=accepted_nodes,
+            accepted_origin=accepted_origin,
+            accepted_tokens=accepted_tokens,
+            bonus=[row[1] for row in packed],
+            relaxed=[row[2] for row in packed],
+            fallbacks=[row[3] for row in packed],
+            drafted=[sum(counts) for counts in drafted_by_depth],
+            drafted_by_depth=[counts[:deepest] for counts in drafted_by_depth],
+            tree_depth=deepest,
+        )
 
 
 class SpeculativeEngine:
@@ -214,26 +272,6 @@ class SpeculativeEngine:
     def _forward_s(self) -> float:
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
 
-    def _commit(self, tree: TokenTree, accepted_nodes: list[list[int]]) -> None:
-        """Keep the root and the accepted path in the target cache (their KV from the verify forward)."""
-        width = 1 + max(len(p) for p in accepted_nodes)
-        keep = torch.zeros(tree.batch_size, width, dtype=torch.long, device=self.device)
-        keep_valid = torch.zeros(tree.batch_size, width, dtype=torch.bool, device=self.device)
-        for row, path in enumerate(accepted_nodes):
-            keep[row, : 1 + len(path)] = torch.tensor([0, *path], dtype=torch.long)
-            keep_valid[row, : 1 + len(path)] = True
-        self.target.commit(keep, keep_valid)
-
-    @staticmethod
-    def _drafted_by_depth(tree: TokenTree) -> list[list[int]]:
-        depth = tree.max_depth()
-        if depth == 0:
-            return [[] for _ in range(tree.batch_size)]
-        valid_depths = tree.depths.masked_fill(~tree.valid, 0)
-        counts = torch.stack([(valid_depths == d).sum(dim=1) for d in range(1, depth + 1)], dim=1)  # [B, depth]
-        return counts.tolist()
-
-
 class DecodeSession:
     """The decode loop of one engine, one step at a time, over a rolling batch of rows.
 
@@ -348,51 +386,64 @@ class DecodeSession:
     def _decode_step(self) -> StepRecord:
         engine, params = self.engine, self.params
         rows = self.rows
-        active = torch.tensor([not r.done for r in rows], dtype=torch.bool)
+        was_active = [not r.done for r in rows]
+        dev = engine.device
         remaining = max(r.max_new_tokens - len(r.token_ids) for r in rows if not r.done)
+        context_len = engine.target.committed_len()  # [B]
         ctx = DraftContext(
             params=params,
             generator=self.generator,
             max_depth=max(0, remaining - 1),
-            active=active.to(engine.device),
-            context_len=engine.target.committed_len(),
+            active=torch.tensor(was_active, dtype=torch.bool).to(dev, non_blocking=True),
+            context_len=context_len,
         )
         t0 = time.perf_counter()
-        tree, builder, origin = engine.policy.draft(engine.source, self.roots, ctx)
+        draft = engine.policy.draft(engine.source, self.roots, ctx)
+        tree = draft.tree
         t1 = time.perf_counter()
-        positions = engine.target.committed_len()[:, None] + tree.depths  # [B, N]
-        logits = engine.target.forward(tree.tokens, positions, tree.ancestor_mask())  # [B, N, V]
+        logits = engine.target.forward(tree.tokens, context_len[:, None] + tree.depths, tree.ancestor_mask())  # [B, N, V]
         verdict = engine.rule.verify(tree, logits, params, self.generator)
         t2 = time.perf_counter()
-        engine._commit(tree, verdict.accepted_nodes)
-        if builder is not None and engine.source is not None:
+        # keep the root and the accepted path in the target cache (their KV from the verify forward)
+        path, accepted_len = verdict.path, verdict.accepted_len  # [B, D], [B]
+        d = path.shape[1]
+        keep = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # [B, 1 + D]
+        keep_valid = torch.arange(1 + d, device=dev)[None, :] <= accepted_len[:, None]
+        engine.target.commit(keep, keep_valid)
+        result = StepResult.read(tree, verdict, draft.origin)  # the step's one host read
+        if draft.builder is not None and engine.source is not None:
             target_logprobs = None
             if engine.source.needs_target_logprobs:  # adaptive sources learn from the target's distributions on the path
-                target_logprobs = path_target_logprobs(logits, verdict.accepted_nodes, active.tolist(), params)
+                target_logprobs = path_target_logprobs(logits, result.accepted_nodes, was_active, params)
             engine.source.end_step(
-                builder, [origin[r, path].tolist() if path else [] for r, path in enumerate(verdict.accepted_nodes)], target_logprobs=target_logprobs
+                AcceptedPaths(
+                    nodes=draft.origin.gather(1, path),
+                    length=accepted_len,
+                    tokens=draft.builder.tokens,
+                    host_nodes=result.accepted_origin,
+                    host_tokens=result.accepted_tokens,
+                    target_logprobs=target_logprobs,
+                )
             )
-        was_active = active.tolist()
         committed = [0] * len(rows)
         for r, request in enumerate(rows):
             if was_active[r]:
-                new = tree.tokens[r, verdict.accepted_nodes[r]].tolist() + [int(verdict.bonus_tokens[r])]
-                committed[r] = self._append(request, new)
+                committed[r] = self._append(request, [*result.accepted_tokens[r], result.bonus[r]])
         record = StepRecord(
             step=self.steps,
             active=was_active,
-            drafted=[d if a else 0 for d, a in zip(tree.drafted_per_row().tolist(), was_active, strict=True)],
-            accepted_len=[len(p) if a else 0 for p, a in zip(verdict.accepted_nodes, was_active, strict=True)],
+            drafted=[d if a else 0 for d, a in zip(result.drafted, was_active, strict=True)],
+            accepted_len=[len(p) if a else 0 for p, a in zip(result.accepted_nodes, was_active, strict=True)],
             committed=committed,
-            relaxed=verdict.relaxed,
-            strict_fallbacks=verdict.strict_fallbacks,
-            tree_depth=tree.max_depth(),
+            relaxed=result.relaxed,
+            strict_fallbacks=result.fallbacks,
+            tree_depth=result.tree_depth,
             draft_s=t1 - t0,
             verify_s=t2 - t1,
-            drafted_by_depth=engine._drafted_by_depth(tree),
-            accepted_depth=[len(p) for p in verdict.accepted_nodes],
+            drafted_by_depth=result.drafted_by_depth,
+            accepted_depth=[len(p) for p in result.accepted_nodes],
             prompt_index=[r.index for r in rows],
-            accepted_nodes=[list(p) if a else [] for p, a in zip(verdict.accepted_nodes, was_active, strict=True)],
+            accepted_nodes=[list(p) if a else [] for p, a in zip(result.accepted_nodes, was_active, strict=True)],
             step_s=time.perf_counter() - t0,
         )
         for r, request in enumerate(rows):
@@ -406,7 +457,7 @@ class DecodeSession:
         engine.policy.feedback(record)
         if engine.source is not None:
             engine.source.feedback(record)
-        self.roots = verdict.bonus_tokens.to(engine.device)
+        self.roots = verdict.bonus_tokens
         self.steps += 1
         return record
 

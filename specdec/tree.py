@@ -60,6 +60,11 @@ class TokenTree:
     draft_logprobs: torch.Tensor | None = None
     """[B, N, V] float32 draft log-distribution over the children of each node, kept only when
     some node is `sampled` (rows of nodes without sampled children are unspecified)"""
+    ancestors: torch.Tensor | None = None
+    """[B, N, N] bool ancestor mask (see `ancestor_mask`) when the builder kept it; computed on demand otherwise"""
+    depth_bound: int | None = None
+    """an upper bound on the depth of any valid node known without reading the device (the
+    levels the builder drafted); None = read it from `depths`"""
 
     @property
     def batch_size(self) -> int:
@@ -84,17 +89,24 @@ class TokenTree:
         b = roots.shape[0]
         zeros_f = torch.zeros(b, 1, device=roots.device)
         return cls(
-            tokens=roots[:, None].clone(),
+            tokens=roots[:, None],
             parents=torch.full((b, 1), -1, dtype=torch.long, device=roots.device),
             depths=torch.zeros(b, 1, dtype=torch.long, device=roots.device),
             logq=zeros_f,
             cum_logq=zeros_f.clone(),
             valid=torch.ones(b, 1, dtype=torch.bool, device=roots.device),
             sampled=torch.zeros(b, 1, dtype=torch.bool, device=roots.device),
+            ancestors=torch.ones(b, 1, 1, dtype=torch.bool, device=roots.device),
+            depth_bound=0,
         )
 
     def max_depth(self) -> int:
+        """Depth of the deepest valid node (a host read)."""
         return int(self.depths.masked_fill(~self.valid, 0).max().item())
+
+    def depth_limit(self) -> int:
+        """`depth_bound` when known (no device read), else `max_depth()`."""
+        return self.depth_bound if self.depth_bound is not None else self.max_depth()
 
     def ancestor_mask(self) -> torch.Tensor:
         """[B, N, N] bool: [b, i, j] is True when node j is node i itself or one of its ancestors.
@@ -103,10 +115,9 @@ class TokenTree:
         seen by nobody else. Computed once per tree (the verify forward and the accept rule
         both need it); a TokenTree is not modified after it is built.
         """
-        cached = self.__dict__.get("_ancestor_mask")
-        if cached is None:
-            cached = self.__dict__["_ancestor_mask"] = self._build_ancestor_mask()
-        return cached
+        if self.ancestors is None:
+            self.ancestors = self._build_ancestor_mask()
+        return self.ancestors
 
     def _build_ancestor_mask(self) -> torch.Tensor:
         b, n = self.tokens.shape
@@ -144,29 +155,36 @@ class TokenTree:
         """The subtree of nodes with keep[b, i] True, re-indexed and padded to a common size.
 
         keep: [B, N] bool; must contain the root and be closed under taking parents
-        (a valid subtree). BFS order is preserved because node order is preserved.
+        (a valid subtree; checked, a ValueError otherwise). BFS order is preserved because
+        node order is preserved.
         """
-        return self.select_with_origin(keep)[0]
+        tree = self.select_with_origin(keep)[0]
+        tree.check_closed()
+        return tree
 
-    def select_with_origin(self, keep: torch.Tensor) -> tuple[TokenTree, torch.Tensor]:
+    def select_with_origin(self, keep: torch.Tensor, width: int | None = None) -> tuple[TokenTree, torch.Tensor]:
         """`select`, plus each new node's index in this tree ([B, M] int64; padding columns
-        point at some dropped node)."""
+        point at some dropped node).
+
+        width: M, the number of node columns of the result (at least the largest kept count;
+        extra columns are padding). None = the largest kept count (a host read); a policy
+        that knows its budget passes it, so selecting reads nothing from the device.
+        Example: keep [[T, T, F, T]] -> nodes [0, 1, 3] of this tree, origin [[0, 1, 3]].
+        """
         keep = keep & self.valid
         b, n = keep.shape
-        counts = keep.sum(dim=1)
-        m = int(counts.max().item())
-        # order[b, :counts[b]] are the kept indices in increasing order, then padding
-        order = torch.argsort((~keep).long() * 2 * n + torch.arange(n, device=keep.device), dim=1, stable=True)[:, :m]
-        new_valid = torch.arange(m, device=keep.device)[None, :] < counts[:, None]
-        # old index -> new index map
-        remap = torch.full((b, n), -1, dtype=torch.long, device=keep.device)
-        remap.scatter_(1, order, torch.arange(m, device=keep.device).expand(b, m).clone())
+        dev = keep.device
+        counts = keep.sum(dim=1)  # [B]
+        m = int(counts.max().item()) if width is None else min(width, n)
+        cols = torch.arange(n, device=dev)
+        # order[b, :counts[b]] are the kept indices in increasing order, then the dropped ones
+        order = torch.argsort(torch.where(keep, cols, cols + n), dim=1)[:, :m]  # [B, M]
+        new_valid = keep.gather(1, order)  # [B, M] (kept nodes come first)
+        # old index -> new index (-1 for dropped nodes)
+        remap = torch.full((b, n), -1, dtype=torch.long, device=dev).scatter_(1, order, torch.arange(m, device=dev).expand(b, m))
         remap = remap.masked_fill(~keep, -1)
         old_parents = self.parents.gather(1, order)
-        new_parents = torch.where(old_parents >= 0, remap.gather(1, old_parents.clamp(min=0)), old_parents)
-        new_parents = new_parents.masked_fill(~new_valid, -1)
-        if bool(((new_parents < 0) & new_valid & (torch.arange(m, device=keep.device)[None, :] > 0)).any()):
-            raise ValueError("TokenTree.select: keep mask is not closed under parents (a kept node lost its parent)")
+        new_parents = remap.gather(1, old_parents.clamp(min=0)).masked_fill((old_parents < 0) | ~new_valid, -1)
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.gather(1, order)
@@ -174,6 +192,11 @@ class TokenTree:
         draft_logprobs = None
         if self.draft_logprobs is not None:
             draft_logprobs = self.draft_logprobs.gather(1, order[:, :, None].expand(b, m, self.draft_logprobs.shape[-1]))
+        ancestors = None
+        if self.ancestors is not None:
+            rows = self.ancestors.gather(1, order[:, :, None].expand(b, m, n))  # [B, M, N]
+            ancestors = rows.gather(2, order[:, None, :].expand(b, m, m)) & (new_valid[:, None, :] & new_valid[:, :, None])  # [B, M, M]
+            ancestors |= torch.eye(m, dtype=torch.bool, device=dev)
         tree = TokenTree(
             tokens=take(self.tokens),
             parents=new_parents,
@@ -183,5 +206,15 @@ class TokenTree:
             valid=new_valid,
             sampled=take(self.sampled) & new_valid,
             draft_logprobs=draft_logprobs,
+            ancestors=ancestors,
+            depth_bound=self.depth_bound,
         )
         return tree, order
+
+    def check_closed(self) -> None:
+        """ValueError unless every valid non-root node's parent is a valid earlier node (a host read; tests and debugging)."""
+        b, n = self.parents.shape
+        cols = torch.arange(n, device=self.parents.device)
+        bad = self.valid & (cols > 0) & ((self.parents < 0) | (self.parents >= cols) | ~self.valid.gather(1, self.parents.clamp(min=0)))
+        if bool(bad.any()):
+            raise ValueError("TokenTree: a kept node lost its parent (the keep mask is not closed under parents)")

@@ -71,7 +71,7 @@ def draft_once(policy, draft_model, prompts=PROMPTS, roots=(3, 4, 5)):
         mask[row, width - len(p) :] = 1
     source.prefill(ids, mask)
     ctx = DraftContext(SamplingParams(), None, max_depth=30, active=torch.ones(len(prompts), dtype=torch.bool), context_len=mask.sum(dim=1))
-    tree, _, _ = policy.draft(source, torch.tensor(roots[: len(prompts)]), ctx)
+    tree = policy.draft(source, torch.tensor(roots[: len(prompts)]), ctx).tree
     return tree
 
 

@@ -13,13 +13,14 @@ import torch
 from conftest import EOS, sharpen, tiny_model
 
 from specdec.cli import build_parser, collect_method_options, main
-from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.drafting.builder import DraftContext
 from specdec.drafting.dynatree import DynaTreePolicy, compact, confidence_branching, dynamic_depth_expandable, keep_within_budget
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import POLICY_CLASSES, make_policy, method_options
 from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
+from specdec.sources.base import AcceptedPaths, NodeBatch
 from specdec.stats import StepRecord
 from specdec.verification import GreedyRule, make_rule
 
@@ -53,31 +54,28 @@ class TableSource:
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return torch.stack([spread(self.dist(row, ())) for row in range(roots.shape[0])]).log()  # [B, V]
 
-    def expand(self, builder: TreeBuilder, nodes: torch.Tensor, valid: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
+        nodes, valid = batch.nodes, batch.valid
         self.calls.append((nodes.clone(), valid.clone()))
         b, k = nodes.shape
         out = torch.full((b, k, V), 1.0 / V)
         for row in range(b):
             for col in range(k):
                 if valid[row, col]:
-                    path = tuple(int(builder.tokens[row, i]) for i in _path(builder, row, int(nodes[row, col])))
+                    path = tuple(int(batch.tokens[row, i]) for i in _path(batch, row, int(nodes[row, col])))
                     out[row, col] = spread(self.dist(row, path))
         return out.log()  # [B, k, V]
 
-    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]]) -> None:
+    def end_step(self, accepted: AcceptedPaths) -> None:
         return None
 
     def feedback(self, record: StepRecord) -> None:
         return None
 
 
-def _path(builder: TreeBuilder, row: int, node: int) -> list[int]:
+def _path(batch: NodeBatch, row: int, node: int) -> list[int]:
     """Builder indices from the root's first child down to `node`."""
-    out = []
-    while node > 0:
-        out.append(node)
-        node = int(builder.parents[row, node])
-    return out[::-1]
+    return [i for i in range(1, batch.tokens.shape[1]) if batch.ancestors[row, node, i]]
 
 
 def draft(policy: DynaTreePolicy, dist: DistFn, rows: int = 1, max_depth: int = 50, active: list[bool] | None = None):
@@ -85,7 +83,8 @@ def draft(policy: DynaTreePolicy, dist: DistFn, rows: int = 1, max_depth: int = 
     src = TableSource(dist)
     act = torch.tensor(active if active is not None else [True] * rows)
     ctx = DraftContext(params=SamplingParams(), generator=None, max_depth=max_depth, active=act)
-    tree, builder, origin = policy.draft(src, torch.full((rows,), 3, dtype=torch.long), ctx)
+    drafted = policy.draft(src, torch.full((rows,), 3, dtype=torch.long), ctx)
+    tree, builder, origin = drafted.tree, drafted.builder, drafted.origin
     assert origin.shape == tree.tokens.shape
     assert builder.draft_forwards == 1 + len(src.calls)
     return tree, src

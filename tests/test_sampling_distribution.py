@@ -64,7 +64,7 @@ class AcceptEverything:
             paths.append(path)
             bonus.append(int(torch.multinomial(probs[row, node], 1, generator=generator)))
         zeros = [0] * tree.batch_size
-        return Verdict(paths, torch.tensor(bonus), zeros, list(zeros))
+        return Verdict.from_lists(paths, bonus, zeros, list(zeros), target_logits.device)
 
 
 CASES = {

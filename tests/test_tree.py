@@ -82,7 +82,7 @@ def test_tree_logits_match_sequential(arch):
     source.prefill(ids[:, :-1], mask[:, :-1])
     roots = ids[:, -1]
     ctx = DraftContext(SamplingParams(), None, max_depth=3, active=torch.ones(2, dtype=torch.bool))
-    tree, _, _ = StaticTreePolicy(depth=3, branching=2, max_nodes=12).draft(source, roots, ctx)
+    tree = StaticTreePolicy(depth=3, branching=2, max_nodes=12).draft(source, roots, ctx).tree
     logits = runner.forward(tree.tokens, runner.committed_len()[:, None] + tree.depths, tree.ancestor_mask())
     worst = 0.0
     for row, prompt in enumerate(prompts):

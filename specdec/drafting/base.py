@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specdec.drafting.builder import DraftContext, TreeBuilder
-from specdec.tree import TokenTree
+from specdec.drafting.builder import Draft, DraftContext
 
 if TYPE_CHECKING:
     from specdec.sources.base import DraftSource
@@ -21,9 +20,8 @@ class TreePolicy(Protocol):
     uses_draft: bool
     """False only for plain autoregressive decoding"""
 
-    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder | None, torch.Tensor]:
-        """Build this step's trees. roots: [B] int64. Returns (tree, builder, origin) where
-        origin [B, N] maps tree nodes to builder nodes (for committing the draft cache)."""
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
+        """Build this step's trees. roots: [B] int64."""
         ...
 
     def feedback(self, record: StepRecord) -> None:

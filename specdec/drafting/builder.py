@@ -1,4 +1,10 @@
-"""TreeBuilder: grows a batch of draft trees level by level, then emits a TokenTree."""
+"""TreeBuilder: grows a batch of draft trees level by level, then emits a TokenTree.
+
+Node fields live in preallocated [B, capacity] buffers written in place, and every node's
+ancestor row is built when the node is added (its parent's row plus itself), so adding a
+level, expanding it and emitting the tree are a fixed, small number of tensor ops whatever
+the number of nodes, with no host reads.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.sampling import SamplingParams
-from specdec.sources.base import DraftSource
+from specdec.sources.base import DraftSource, NodeBatch
 from specdec.tree import TokenTree
 
 
@@ -25,6 +31,18 @@ class DraftContext:
     """[B] committed tokens per row (cost-aware policies bucket on it)"""
 
 
+@dataclass
+class Draft:
+    """A policy's draft for one step."""
+
+    tree: TokenTree
+    """the trees to verify"""
+    builder: TreeBuilder | None
+    """the builder that grew them (None for AR, which drafts nothing)"""
+    origin: torch.Tensor
+    """[B, N] int64: the builder node of each tree node (tree node i came from builder node origin[b, i])"""
+
+
 class TreeBuilder:
     """Candidate nodes in creation order (level by level, so parents precede children).
 
@@ -32,67 +50,141 @@ class TreeBuilder:
     level marks the extra columns invalid. `finish` selects the nodes to verify.
     """
 
-    def __init__(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext, keep_draft_probs: bool) -> None:
+    def __init__(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext, keep_draft_probs: bool, capacity: int = 64) -> None:
         self.source = source
         self.ctx = ctx
-        dev = roots.device
+        self.device = dev = roots.device
         b = roots.shape[0]
-        self.tokens = roots[:, None].clone()  # [B, N]
-        self.parents = torch.full((b, 1), -1, dtype=torch.long, device=dev)
-        self.depths = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        self.logq = torch.zeros(b, 1, device=dev)
-        self.cum_logq = torch.zeros(b, 1, device=dev)
-        self.valid = torch.ones(b, 1, dtype=torch.bool, device=dev)
-        self.sampled = torch.zeros(b, 1, dtype=torch.bool, device=dev)
-        self.expanded = torch.zeros(b, 1, dtype=torch.bool, device=dev)
+        cap = max(2, capacity)
+        self._n = 1  # nodes so far (the root)
+        self._tokens = torch.zeros(b, cap, dtype=torch.long, device=dev)
+        self._tokens[:, 0] = roots
+        self._parents = torch.full((b, cap), -1, dtype=torch.long, device=dev)
+        self._depths = torch.zeros(b, cap, dtype=torch.long, device=dev)
+        self._logq = torch.zeros(b, cap, device=dev)
+        self._cum_logq = torch.zeros(b, cap, device=dev)
+        self._valid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+        self._valid[:, 0] = True
+        self._sampled = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+        self._ancestors = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)  # [B, N, N] node i descends from (or is) node j
+        self._ancestors[:, 0, 0] = True
+        self.levels = 0
+        """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
         self.keep_draft_probs = keep_draft_probs
-        self._draft_logprobs: torch.Tensor | None = None  # [B, N, V] when kept
         self.root_logprobs = source.begin_step(roots, ctx.params)  # [B, V]
-        self.expanded[:, 0] = True
+        self._draft_logprobs: torch.Tensor | None = None  # [B, cap, V] when kept
         if keep_draft_probs:
-            self._draft_logprobs = self.root_logprobs[:, None, :].clone()
+            self._draft_logprobs = torch.zeros(b, cap, self.root_logprobs.shape[-1], device=dev)
+            self._draft_logprobs[:, 0] = self.root_logprobs
         self.draft_forwards = 1
 
+    # ----- views of the nodes so far ([B, N]) ------------------------------------------
     @property
     def num_nodes(self) -> int:
-        return self.tokens.shape[1]
+        return self._n
 
     @property
     def batch_size(self) -> int:
-        return self.tokens.shape[0]
+        return self._tokens.shape[0]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._tokens[:, : self._n]
+
+    @property
+    def parents(self) -> torch.Tensor:
+        return self._parents[:, : self._n]
+
+    @property
+    def depths(self) -> torch.Tensor:
+        return self._depths[:, : self._n]
+
+    @property
+    def logq(self) -> torch.Tensor:
+        """[B, N] draft log-prob of each node's token under its parent (-inf for invalid nodes)"""
+        return self._logq[:, : self._n]
+
+    @property
+    def cum_logq(self) -> torch.Tensor:
+        """[B, N] path draft log-prob (-inf for invalid nodes)"""
+        return self._cum_logq[:, : self._n]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self._valid[:, : self._n]
+
+    @property
+    def ancestors(self) -> torch.Tensor:
+        """[B, N, N] bool: [b, i, j] when node j is node i or one of its ancestors (invalid nodes: only themselves)"""
+        return self._ancestors[:, : self._n, : self._n]
+
+    # ----- growing -----------------------------------------------------------------------
+    def _reserve(self, total: int) -> None:
+        cap = self._tokens.shape[1]
+        if total <= cap:
+            return
+        new = max(total, 2 * cap)
+        grow = new - cap
+
+        def pad(t: torch.Tensor, value: float | bool | int, dims: int = 1) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[1] = grow
+            t = torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
+            if dims == 2:
+                shape = list(t.shape)
+                shape[2] = grow
+                t = torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=2)
+            return t
+
+        self._tokens = pad(self._tokens, 0)
+        self._parents = pad(self._parents, -1)
+        self._depths = pad(self._depths, 0)
+        self._logq = pad(self._logq, 0.0)
+        self._cum_logq = pad(self._cum_logq, 0.0)
+        self._valid = pad(self._valid, False)
+        self._sampled = pad(self._sampled, False)
+        self._ancestors = pad(self._ancestors, False, dims=2)
+        if self._draft_logprobs is not None:
+            self._draft_logprobs = pad(self._draft_logprobs, 0.0)
 
     def add(self, parents: torch.Tensor, tokens: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, sampled: bool | torch.Tensor = False) -> torch.Tensor:
         """Append k candidate nodes per row; returns their indices [B, k].
 
-        parents: [B, k] int64 builder indices; tokens: [B, k]; logq: [B, k] draft log-prob
-        of each token under its parent's distribution; valid: [B, k] bool.
+        parents: [B, k] int64 node indices; tokens: [B, k]; logq: [B, k] draft log-prob
+        of each token under its parent's distribution; valid: [B, k] bool. A node is valid
+        only if its parent is, its row is active and its logq is finite.
         """
         b, k = tokens.shape
+        start, end = self._n, self._n + k
+        self._reserve(end)
         safe = parents.clamp(min=0)
-        valid = valid & self.ctx.active[:, None] & self.valid.gather(1, safe) & torch.isfinite(logq)
-        invalid = ~valid
-        start = self.num_nodes
-        self.tokens = torch.cat([self.tokens, tokens], dim=1)
-        self.parents = torch.cat([self.parents, parents.masked_fill(invalid, -1)], dim=1)
-        self.depths = torch.cat([self.depths, self.depths.gather(1, safe) + 1], dim=1)
-        self.logq = torch.cat([self.logq, logq.masked_fill(invalid, float("-inf"))], dim=1)
-        self.cum_logq = torch.cat([self.cum_logq, (self.cum_logq.gather(1, safe) + logq).masked_fill(invalid, float("-inf"))], dim=1)
-        self.valid = torch.cat([self.valid, valid], dim=1)
-        new_sampled = (sampled & valid) if isinstance(sampled, torch.Tensor) else (valid if sampled else torch.zeros_like(valid))
-        self.sampled = torch.cat([self.sampled, new_sampled], dim=1)
-        self.expanded = torch.cat([self.expanded, torch.zeros_like(valid)], dim=1)
-        if self._draft_logprobs is not None:
-            pad = torch.zeros(b, k, self._draft_logprobs.shape[2], device=tokens.device)
-            self._draft_logprobs = torch.cat([self._draft_logprobs, pad], dim=1)
-        return torch.arange(start, start + k, device=tokens.device).expand(b, k)
+        valid = valid & self.ctx.active[:, None] & self._valid.gather(1, safe) & (logq > float("-inf"))
+        self._tokens[:, start:end] = tokens
+        self._parents[:, start:end] = parents.masked_fill(~valid, -1)
+        self._depths[:, start:end] = self._depths.gather(1, safe) + 1
+        self._logq[:, start:end] = logq.masked_fill(~valid, float("-inf"))
+        self._cum_logq[:, start:end] = (self._cum_logq.gather(1, safe) + logq).masked_fill(~valid, float("-inf"))
+        self._valid[:, start:end] = valid
+        if isinstance(sampled, torch.Tensor):
+            self._sampled[:, start:end] = sampled & valid
+        elif sampled:
+            self._sampled[:, start:end] = valid
+        # ancestor rows: the parent's row (valid nodes only) plus the node itself
+        cap = self._ancestors.shape[2]
+        rows = self._ancestors.gather(1, safe[:, :, None].expand(b, k, cap)) & valid[:, :, None]  # [B, k, cap]
+        rows[:, :, start:end] |= torch.eye(k, dtype=torch.bool, device=self.device)
+        self._ancestors[:, start:end] = rows
+        self._n = end
+        self.levels += 1
+        return torch.arange(start, end, device=self.device).expand(b, k)
 
     def expand(self, nodes: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """One draft forward over `nodes` [B, k] (valid [B, k]); returns their children's
         draft log-distributions [B, k, V]."""
-        valid = valid & self.valid.gather(1, nodes)
-        logprobs = self.source.expand(self, nodes, valid, self.ctx.params)
+        valid = valid & self._valid.gather(1, nodes)
+        batch = NodeBatch(nodes=nodes, valid=valid, tokens=self.tokens, depths=self.depths, ancestors=self.ancestors)
+        logprobs = self.source.expand(batch, self.ctx.params)
         self.draft_forwards += 1
-        self.expanded.scatter_(1, nodes, self.expanded.gather(1, nodes) | valid)
         if self._draft_logprobs is not None:
             idx = nodes[:, :, None].expand(-1, -1, logprobs.shape[2])
             self._draft_logprobs.scatter_(1, idx, logprobs)
@@ -110,22 +202,34 @@ class TreeBuilder:
         child_valid = valid[:, :, None].expand(b, m, k).reshape(b, m * k)
         return parents, top.indices.reshape(b, m * k), top.values.reshape(b, m * k), child_valid
 
-    def finish(self, keep: torch.Tensor | None = None) -> tuple[TokenTree, torch.Tensor]:
-        """The TokenTree of the kept nodes (all valid nodes when keep is None) and, for each of
-        its nodes, the builder index it came from ([B, N'] int64)."""
+    # ----- emitting ------------------------------------------------------------------------
+    def finish(self, keep: torch.Tensor | None = None, width: int | None = None) -> tuple[TokenTree, torch.Tensor]:
+        """The TokenTree of the kept nodes and, for each of its nodes, the builder index it
+        came from ([B, N'] int64).
+
+        keep: [B, N] bool, closed under parents (the root is always kept); None keeps every
+        node as it is (no selection at all). width: N' when keep is given (at least the
+        largest kept count; the policy's node budget + 1 reads nothing from the device);
+        None = the largest kept count (a host read).
+        """
+        n = self._n
         full = TokenTree(
             tokens=self.tokens,
             parents=self.parents,
             depths=self.depths,
             logq=self.logq.masked_fill(~self.valid, 0.0),
-            cum_logq=self.cum_logq.masked_fill(~self.valid, float("-inf")),
+            cum_logq=self.cum_logq,
             valid=self.valid,
-            sampled=self.sampled,
-            draft_logprobs=self._draft_logprobs,
+            sampled=self._sampled[:, :n],
+            draft_logprobs=None if self._draft_logprobs is None else self._draft_logprobs[:, :n],
+            ancestors=self.ancestors,
+            depth_bound=self.levels,
         )
-        keep = self.valid if keep is None else keep & self.valid
+        if keep is None:
+            return full, torch.arange(n, device=self.device).expand(self.batch_size, n)
+        keep = keep.clone()
         keep[:, 0] = True
-        return full.select_with_origin(keep)
+        return full.select_with_origin(keep, width=width)
 
     def top_by_score(self, score: torch.Tensor, n: int) -> torch.Tensor:
         """Keep mask [B, N] of the root and the n best valid non-root nodes by `score` [B, N].
@@ -134,10 +238,9 @@ class TreeBuilder:
         towards the earlier node, the kept set is a valid subtree.
         """
         b, total = score.shape
-        order_key = score.masked_fill(~self.valid, float("-inf")).clone()
+        order_key = score.masked_fill(~self.valid, float("-inf"))
         order_key[:, 0] = float("inf")
         # stable sort on descending score: equal scores keep creation order (parents first)
         idx = torch.sort(order_key, dim=1, descending=True, stable=True).indices[:, : n + 1]
-        keep = torch.zeros(b, total, dtype=torch.bool, device=score.device)
-        keep.scatter_(1, idx, True)
+        keep = torch.zeros(b, total, dtype=torch.bool, device=score.device).scatter_(1, idx, True)
         return keep & self.valid

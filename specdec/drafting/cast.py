@@ -50,10 +50,9 @@ import numpy as np
 import torch
 
 from specdec.cost.table import CostTable
-from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
 from specdec.drafting.calibration import AcceptanceCalibrator
 from specdec.errors import SpecDecError
-from specdec.tree import TokenTree
 
 if TYPE_CHECKING:
     from specdec.cost.profile import CostTableResolver
@@ -520,7 +519,7 @@ class CastPolicy:
         )
 
     # ----- drafting ----------------------------------------------------------------------
-    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder, torch.Tensor]:
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
         b = roots.shape[0]
         dev = roots.device
@@ -531,7 +530,7 @@ class CastPolicy:
         self._last_tree = None
         if depth == 0 or not bool(rows.any()):
             tree, origin = builder.finish()
-            return tree, builder, origin
+            return Draft(tree, builder, origin)
         table = self.table_for(b)
         c1, c2, c3 = self.thresholds_for(b)
         break_even = self.prune_rule == "break-even"
@@ -629,7 +628,7 @@ class CastPolicy:
         if self._learns_costs:
             nodes = min(tree.num_nodes, len(t_verify) - 1)
             self.overheads.expect(forward_ms, builder.draft_forwards - 1, expanded, t_verify[nodes], nodes)
-        return tree, builder, origin
+        return Draft(tree, builder, origin)
 
     def _add(self, builder: TreeBuilder, parents: torch.Tensor, tokens: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
         """Add children laid out k per parent in the draft's order (from `top_children`), give

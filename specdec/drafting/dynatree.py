@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
 from specdec.errors import SpecDecError
-from specdec.tree import TokenTree
 
 if TYPE_CHECKING:
     from specdec.sources.base import DraftSource
@@ -296,7 +295,7 @@ class DynaTreePolicy:
             return torch.full_like(cum_logq, depth < limit, dtype=torch.bool) & torch.isfinite(cum_logq)
         return dynamic_depth_expandable(depth, cum_logq, self.cur_d0, limit, self.rho_stop, self.cur_rho_deep)
 
-    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder, torch.Tensor]:
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
         b = roots.shape[0]
         dev = roots.device
@@ -336,4 +335,4 @@ class DynaTreePolicy:
             frontier = nodes.gather(1, order)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, m', V]: one draft forward per level
         tree, origin = builder.finish()
-        return tree, builder, origin
+        return Draft(tree, builder, origin)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
 from specdec.errors import SpecDecError
 from specdec.sampling import sample_from_probs
 from specdec.tree import TokenTree
@@ -33,8 +33,8 @@ class ARPolicy(_Stateless):
     name = "ar"
     uses_draft = False
 
-    def draft(self, source: DraftSource | None, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, None, torch.Tensor]:
-        return TokenTree.root_only(roots), None, torch.zeros(roots.shape[0], 1, dtype=torch.long, device=roots.device)
+    def draft(self, source: DraftSource | None, roots: torch.Tensor, ctx: DraftContext) -> Draft:
+        return Draft(TokenTree.root_only(roots), None, torch.zeros(roots.shape[0], 1, dtype=torch.long, device=roots.device))
 
 
 @dataclass
@@ -53,9 +53,9 @@ class ChainPolicy(_Stateless):
     def __post_init__(self) -> None:
         _positive("k", self.k)
 
-    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder, torch.Tensor]:
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         sampling = not ctx.params.greedy
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + self.k)
         b = roots.shape[0]
         logprobs = builder.root_logprobs  # [B, V]
         parent = torch.zeros(b, 1, dtype=torch.long, device=roots.device)
@@ -64,12 +64,11 @@ class ChainPolicy(_Stateless):
         for level in range(1, depth + 1):
             tok = sample_from_probs(logprobs.exp(), ctx.generator)[:, None] if sampling else logprobs.argmax(-1, keepdim=True)  # [B, 1]
             node = builder.add(parent, tok, logprobs.gather(1, tok), valid, sampled=sampling)
-            valid = builder.valid.gather(1, node)
             if level < depth:
-                logprobs = builder.expand(node, valid)[:, 0]
+                logprobs = builder.expand(node, valid)[:, 0]  # builder.expand drops invalid nodes itself
             parent = node
         tree, origin = builder.finish()
-        return tree, builder, origin
+        return Draft(tree, builder, origin)
 
 
 @dataclass
@@ -90,27 +89,26 @@ class StaticTreePolicy(_Stateless):
         for name in ("depth", "branching", "max_nodes"):
             _positive(name, getattr(self, name))
 
-    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder, torch.Tensor]:
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False, capacity=1 + self.max_nodes)
         b = roots.shape[0]
         frontier = torch.zeros(b, 1, dtype=torch.long, device=roots.device)
         frontier_valid = torch.ones(b, 1, dtype=torch.bool, device=roots.device)
-        logprobs = builder.root_logprobs[:, None, :]
+        logprobs = builder.root_logprobs[:, None, :]  # [B, m, V] children distributions of the frontier
         budget = self.max_nodes
         depth = min(self.depth, ctx.max_depth)
         for level in range(1, depth + 1):
             k = min(self.branching, logprobs.shape[-1])
-            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)
-            take = min(parents.shape[1], budget)
-            if take <= 0:
-                break
+            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+            take = min(parents.shape[1], budget)  # a partial last level: the first children in BFS order
             nodes = builder.add(parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take])
             budget -= take
+            if level == depth or budget == 0:
+                break
             frontier, frontier_valid = nodes, builder.valid.gather(1, nodes)
-            if level < depth and budget > 0:
-                logprobs = builder.expand(frontier, frontier_valid)
+            logprobs = builder.expand(frontier, frontier_valid)
         tree, origin = builder.finish()
-        return tree, builder, origin
+        return Draft(tree, builder, origin)
 
 
 @dataclass
@@ -131,14 +129,15 @@ class Eagle2Policy(_Stateless):
         for name in ("depth", "top_k", "total_tokens"):
             _positive(name, getattr(self, name))
 
-    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> tuple[TokenTree, TreeBuilder, torch.Tensor]:
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
+    def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
+        k = self.top_k
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False, capacity=1 + k + (self.depth - 1) * k * k)
         b = roots.shape[0]
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)
         if depth == 0:
             tree, origin = builder.finish()
-            return tree, builder, origin
+            return Draft(tree, builder, origin)
         k = min(self.top_k, builder.root_logprobs.shape[-1])
         root = torch.zeros(b, 1, dtype=torch.long, device=dev)
         parents, tokens, logq, valid = builder.top_children(root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev))
@@ -152,5 +151,5 @@ class Eagle2Policy(_Stateless):
             best = torch.topk(score, k, dim=1).indices  # [B, k]
             frontier = nodes.gather(1, best)
         keep = builder.top_by_score(builder.cum_logq, self.total_tokens)
-        tree, origin = builder.finish(keep)
-        return tree, builder, origin
+        tree, origin = builder.finish(keep, width=1 + self.total_tokens)
+        return Draft(tree, builder, origin)

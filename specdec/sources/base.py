@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -10,8 +11,45 @@ import torch
 from specdec.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from specdec.drafting.builder import TreeBuilder
     from specdec.stats import StepRecord
+
+
+@dataclass(frozen=True)
+class NodeBatch:
+    """The tree nodes one draft forward expands, and the tree grown so far.
+
+    Node indices are the step's creation order (0 = the root, the last committed token).
+    """
+
+    nodes: torch.Tensor
+    """[B, k] int64 the nodes to expand"""
+    valid: torch.Tensor
+    """[B, k] bool; invalid entries are padding (their outputs are ignored)"""
+    tokens: torch.Tensor
+    """[B, N] int64 the token of every node so far"""
+    depths: torch.Tensor
+    """[B, N] int64 depth of every node (root 0)"""
+    ancestors: torch.Tensor
+    """[B, N, N] bool: [b, i, j] when node j is node i or one of its ancestors"""
+
+
+@dataclass(frozen=True)
+class AcceptedPaths:
+    """What the accept rule kept this step, in the builder's node indices."""
+
+    nodes: torch.Tensor
+    """[B, D] int64 the accepted path's nodes, root excluded, root-to-leaf; entries at and past `length` are padding"""
+    length: torch.Tensor
+    """[B] int64 accepted draft tokens per row (0 for finished rows)"""
+    tokens: torch.Tensor
+    """[B, N] int64 the token of every builder node (tokens.gather(1, nodes) are the accepted tokens)"""
+    host_nodes: list[list[int]]
+    """per row, `nodes[b, :length[b]]` on the host (read once per step by the engine)"""
+    host_tokens: list[list[int]]
+    """per row, the accepted tokens on the host"""
+    target_logprobs: list[torch.Tensor | None] | None = None
+    """only for sources with `needs_target_logprobs`: per row [1 + length, V], the target's
+    log-distributions at the root and each accepted node (None for finished rows)"""
 
 
 class DraftSource(Protocol):
@@ -39,18 +77,16 @@ class DraftSource(Protocol):
         log-distribution of the root's children: [B, V] float32 (after `params`)."""
         ...
 
-    def expand(self, builder: TreeBuilder, nodes: torch.Tensor, valid: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """nodes: [B, k] builder node indices to expand (valid: [B, k] bool). Returns the draft
-        log-distribution over each node's children: [B, k, V] float32."""
+    def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
+        """One draft forward over `batch.nodes` [B, k]. Returns the draft log-distribution over
+        each node's children: [B, k, V] float32."""
         ...
 
     needs_target_logprobs: bool
     """whether `end_step` wants the target's distributions on the accepted path"""
 
-    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]], target_logprobs: list[torch.Tensor | None] | None = None) -> None:
-        """accepted_nodes: per row, builder indices of the accepted path (root excluded).
-        target_logprobs (only when `needs_target_logprobs`): per row, [1 + len(path), V], the
-        target's log-distributions at the root and each accepted node (None for finished rows)."""
+    def end_step(self, accepted: AcceptedPaths) -> None:
+        """The verdict of the step: keep what the accepted path needs, drop the rest."""
         ...
 
     def feedback(self, record: StepRecord) -> None:

@@ -34,10 +34,10 @@ from transformers import PreTrainedModel
 from specdec.errors import SpecDecError
 from specdec.multimodal.views import PromptView, left_pad, merge_inputs
 from specdec.sampling import SamplingParams
+from specdec.sources.base import AcceptedPaths, NodeBatch
 from specdec.sources.model import ModelDraftSource
 
 if TYPE_CHECKING:
-    from specdec.drafting.builder import TreeBuilder
     from specdec.stats import StepRecord
 
 WEIGHT_POLICIES = ("grid", "softmax", "static", "random", "fixed")
@@ -168,14 +168,9 @@ class EnsemblePrior:
         self.observations += 1
 
 
-class _RepeatedBuilder:
-    """A TreeBuilder seen with each row repeated m times (one copy per view)."""
-
-    def __init__(self, builder: TreeBuilder, m: int) -> None:
-        self.tokens = builder.tokens.repeat_interleave(m, dim=0)
-        self.parents = builder.parents.repeat_interleave(m, dim=0)
-        self.depths = builder.depths.repeat_interleave(m, dim=0)
-        self.num_nodes = builder.num_nodes
+def _repeat_rows(t: torch.Tensor, m: int) -> torch.Tensor:
+    """Each row repeated m times in place (row r -> rows r*m .. r*m + m - 1)."""
+    return t.repeat_interleave(m, dim=0)
 
 
 class EnsembleDraftSource:
@@ -222,17 +217,14 @@ class EnsembleDraftSource:
         ids, mask = left_pad([enc_ids for enc_ids, _ in encoded], self.device)
         extra = merge_inputs([enc_extra for _, enc_extra in encoded], self.device, self.inner.runner.model)
         if rows is None:
-            self.inner.runner.prefill(ids, mask, extra)
-            self.inner.pending = [[] for _ in range(ids.shape[0])]
+            self.inner.prefill_rows(ids, mask, None, extra)
             b = len(prompts)
             self._cand_err = [[] for _ in range(b)]
             self._view_err = [[] for _ in range(b)]
             self.traces = [[] for _ in range(b)]
             self.weights = torch.full((b, self.m), 1.0 / self.m, device=self.device)
             return
-        self.inner.runner.replace_rows(self._rows(rows), ids, mask, extra)
-        for r in self._rows(rows):
-            self.inner.pending[r] = []
+        self.inner.prefill_rows(ids, mask, self._rows(rows), extra)
         for r in rows:
             self._cand_err[r], self._view_err[r], self.traces[r] = [], [], []
 
@@ -253,18 +245,30 @@ class EnsembleDraftSource:
         self._expanded = []
         return mixture_logprobs(self._root_q, self.weights)
 
-    def expand(self, builder: TreeBuilder, nodes: torch.Tensor, valid: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
+        nodes, valid = batch.nodes, batch.valid
         b, k = nodes.shape
-        view_logprobs = self.inner.expand(_RepeatedBuilder(builder, self.m), nodes.repeat_interleave(self.m, 0), valid.repeat_interleave(self.m, 0), params)
+        m = self.m
+        repeated = NodeBatch(*(_repeat_rows(t, m) for t in (batch.nodes, batch.valid, batch.tokens, batch.depths, batch.ancestors)))
+        view_logprobs = self.inner.expand(repeated, params)
         view_logprobs = view_logprobs.reshape(b, self.m, k, -1)  # [B, m, k, V]
         self._expanded.append((nodes, valid, view_logprobs))
         return mixture_logprobs(view_logprobs, self.weights)
 
-    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]], target_logprobs: list[torch.Tensor | None] | None = None) -> None:
-        self.inner.end_step(_RepeatedBuilder(builder, self.m), [path for path in accepted_nodes for _ in range(self.m)])
-        if target_logprobs is None:
+    def end_step(self, accepted: AcceptedPaths) -> None:
+        m = self.m
+        self.inner.end_step(
+            AcceptedPaths(
+                nodes=_repeat_rows(accepted.nodes, m),
+                length=_repeat_rows(accepted.length, m),
+                tokens=_repeat_rows(accepted.tokens, m),
+                host_nodes=[p for p in accepted.host_nodes for _ in range(m)],
+                host_tokens=[t for t in accepted.host_tokens for _ in range(m)],
+            )
+        )
+        if accepted.target_logprobs is None:
             return
-        for row, (path, p_log) in enumerate(zip(accepted_nodes, target_logprobs, strict=True)):
+        for row, (path, p_log) in enumerate(zip(accepted.host_nodes, accepted.target_logprobs, strict=True)):
             if p_log is None:
                 continue
             for i, node in enumerate([0, *path]):  # the distributions that decided each committed token

@@ -16,10 +16,9 @@ import torch
 
 from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
-from specdec.tree import path_to
+from specdec.sources.base import AcceptedPaths, NodeBatch
 
 if TYPE_CHECKING:
-    from specdec.drafting.builder import TreeBuilder
     from specdec.stats import StepRecord
 
 
@@ -76,19 +75,19 @@ class LookupDraftSource:
         self._roots = roots.tolist()
         return self._propose([h + [r] for h, r in zip(self.history, self._roots, strict=True)], roots.device)
 
-    def expand(self, builder: TreeBuilder, nodes: torch.Tensor, valid: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        b, k = nodes.shape
+    def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
+        b, k = batch.nodes.shape
+        tokens, nodes, ancestors = batch.tokens.tolist(), batch.nodes.tolist(), batch.ancestors.tolist()  # one read each (a CPU method)
         contexts = []
         for row in range(b):
-            for j in range(k):
-                tokens = builder.tokens[row].tolist()
-                path = [tokens[i] for i in path_to(builder.parents[row].tolist(), int(nodes[row, j]))]
+            for node in nodes[row]:
+                path = [tokens[row][i] for i, on in enumerate(ancestors[row][node]) if on]  # root..node (BFS order)
                 contexts.append(self.history[row] + path)
-        return self._propose(contexts, nodes.device).view(b, k, self.vocab_size)
+        return self._propose(contexts, batch.nodes.device).view(b, k, self.vocab_size)
 
-    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]], target_logprobs=None) -> None:
-        for row, path in enumerate(accepted_nodes):
-            self.history[row] = self.history[row] + [self._roots[row]] + [int(builder.tokens[row, n]) for n in path]
+    def end_step(self, accepted: AcceptedPaths) -> None:
+        for row, tokens in enumerate(accepted.host_tokens):
+            self.history[row] = self.history[row] + [self._roots[row]] + tokens
 
     def feedback(self, record: StepRecord) -> None:
         return None

@@ -13,20 +13,21 @@ from specdec.models.runner import ModelRunner
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.multimodal.views import PromptView, encode_batch
 from specdec.sampling import SamplingParams, logits_to_logprobs
+from specdec.sources.base import AcceptedPaths, NodeBatch
 
 if TYPE_CHECKING:
-    from specdec.drafting.builder import TreeBuilder
     from specdec.stats import StepRecord
 
 
 class ModelDraftSource:
     """Draft distributions from one causal LM sharing the target's tokenizer.
 
-    The draft cache holds every committed token except the ones still "pending": tokens
-    accepted at the end of a path that the draft never forwarded (a leaf). The next step
-    forwards the pending tokens and the new root together, so nothing is re-prefilled.
-    Tree nodes are forwarded level by level; a node sees the committed prefix, the
-    step's pending+root slots, and its ancestors' slots, never its siblings'.
+    The draft cache holds every committed token except at most one "pending" token per
+    row: an accepted leaf, which the draft never forwarded. The next step forwards the
+    pending token and the new root together (two step slots, the first masked out when
+    nothing is pending), so nothing is re-prefilled. Tree nodes are forwarded level by
+    level; a node sees the committed prefix, the step's pending and root slots, and its
+    ancestors' slots, never its siblings'. Everything stays on the device: no host reads.
     """
 
     needs_target_logprobs = False
@@ -37,11 +38,20 @@ class ModelDraftSource:
         self.runner = ModelRunner(model)
         self.view = view
         self.multimodal = is_multimodal(model)
-        self.pending: list[list[int]] = []
-        # per step: builder node -> step slot, and each forwarded node's visible step slots
-        self._node_slot = torch.zeros(0, 0, dtype=torch.long)  # [B, N_alloc], -1 = not forwarded
-        self._node_vis = torch.zeros(0, 0, 0, dtype=torch.bool)  # [B, N_alloc, S_step]
-        self._root_pos = torch.zeros(0, dtype=torch.long)  # [B] position id of the root
+        dev = self.runner.device
+        self.pending_token = torch.zeros(0, dtype=torch.long, device=dev)  # [B]
+        self.pending_valid = torch.zeros(0, dtype=torch.bool, device=dev)  # [B]
+        # per step: the node each step slot holds, whether the slot is visible, and each node's slot
+        self._slot_node = torch.zeros(0, 0, dtype=torch.long, device=dev)  # [B, S_step] (pending slot: node 0)
+        self._slot_ok = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [B, S_step]
+        self._node_slot = torch.zeros(0, 0, dtype=torch.long, device=dev)  # [B, N_alloc], -1 = not forwarded
+        self._root_pos = torch.zeros(0, dtype=torch.long, device=dev)  # [B] position id of the root
+        self._causal2 = torch.tril(torch.ones(2, 2, dtype=torch.bool, device=dev))
+
+    @property
+    def pending(self) -> list[list[int]]:
+        """Per row, the pending tokens (at most one; a host read, for tests and debugging)."""
+        return [[t] if v else [] for t, v in zip(self.pending_token.tolist(), self.pending_valid.tolist(), strict=True)]
 
     def prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None, prompts: Sequence[Sequence[int]] | None = None
@@ -53,89 +63,81 @@ class ModelDraftSource:
             if not self.multimodal:
                 raise SpecDecError("the draft is a text-only model but the prompts have images; give the draft source a view (e.g. TextOnlyView)")
             model_inputs = batch_model_inputs(prompts, self.runner.device)
+        self.prefill_rows(input_ids, attention_mask, rows, model_inputs)
+
+    def prefill_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None, model_inputs: dict[str, Any] | None = None) -> None:
+        """Prefill already-encoded prompts: a new batch (rows None) or into batch rows `rows`."""
+        dev = self.runner.device
         if rows is None:
             self.runner.prefill(input_ids, attention_mask, model_inputs)
-            self.pending = [[] for _ in range(input_ids.shape[0])]
+            b = input_ids.shape[0]
+            self.pending_token = torch.zeros(b, dtype=torch.long, device=dev)
+            self.pending_valid = torch.zeros(b, dtype=torch.bool, device=dev)
             return
         self.runner.replace_rows(rows, input_ids, attention_mask, model_inputs)
-        for row in rows:
-            self.pending[row] = []
+        index = torch.tensor(rows, dtype=torch.long, device=dev)
+        self.pending_valid[index] = False
 
     def keep_rows(self, rows: list[int]) -> None:
-        self.runner.keep_rows(torch.tensor(rows, dtype=torch.long))
-        self.pending = [self.pending[r] for r in rows]
+        index = torch.tensor(rows, dtype=torch.long, device=self.runner.device)
+        self.runner.keep_rows(index)
+        self.pending_token = self.pending_token[index]
+        self.pending_valid = self.pending_valid[index]
 
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         dev = self.runner.device
         b = roots.shape[0]
-        width = 1 + max(len(p) for p in self.pending)
-        # left-pad each row's [pending..., root] to `width`
-        ids = torch.zeros(b, width, dtype=torch.long, device=dev)
-        valid = torch.zeros(b, width, dtype=torch.bool, device=dev)
-        for row, pend in enumerate(self.pending):
-            seq = pend + [int(roots[row])]
-            ids[row, width - len(seq) :] = torch.tensor(seq, device=dev)
-            valid[row, width - len(seq) :] = True
-        base = self.runner.committed_len()
-        positions = base[:, None] + (valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=dev))
-        visibility = causal[None] & valid[:, None, :]
+        ids = torch.stack([self.pending_token, roots], dim=1)  # [B, 2]: pending (maybe masked), root
+        valid = torch.stack([self.pending_valid, torch.ones_like(self.pending_valid)], dim=1)  # [B, 2]
+        base = self.runner.committed_len()  # [B]
+        positions = torch.stack([base, base + self.pending_valid.long()], dim=1)  # [B, 2]
+        visibility = self._causal2 & valid[:, None, :]  # [B, 2, 2]
         logits = self.runner.forward(ids, positions, visibility)[:, -1]  # [B, V]
-        self._root_pos = positions[:, -1]
-        self._node_slot = torch.full((b, 1), -1, dtype=torch.long, device=dev)
-        self._node_slot[:, 0] = width - 1
-        self._node_vis = visibility[:, -1:, :].clone()  # [B, 1, width]: the root sees pending + itself
+        self._root_pos = positions[:, 1]
+        self._slot_node = torch.zeros(b, 2, dtype=torch.long, device=dev)  # both slots stand for the root's path
+        self._slot_ok = valid
+        self._node_slot = torch.full((b, 1), 1, dtype=torch.long, device=dev)  # the root is step slot 1
         return logits_to_logprobs(logits, params)
 
-    def expand(self, builder: TreeBuilder, nodes: torch.Tensor, valid: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
         dev = self.runner.device
+        nodes, valid = batch.nodes, batch.valid
         b, k = nodes.shape
+        n_alloc = batch.tokens.shape[1]
         s_step = self.runner.step_len
-        parents = builder.parents.gather(1, nodes)  # [B, k]
-        if bool(((parents < 0) & valid).any()):
-            raise ValueError("expand: only non-root nodes can be expanded after begin_step")
-        # grow the node maps to cover the builder's nodes
-        n_alloc = builder.num_nodes
-        if self._node_slot.shape[1] < n_alloc:
-            grow = n_alloc - self._node_slot.shape[1]
-            self._node_slot = torch.cat([self._node_slot, torch.full((b, grow), -1, dtype=torch.long, device=dev)], dim=1)
-            self._node_vis = torch.cat([self._node_vis, torch.zeros(b, grow, self._node_vis.shape[2], dtype=torch.bool, device=dev)], dim=1)
-        parent_vis = self._node_vis.gather(1, parents.clamp(min=0)[:, :, None].expand(b, k, s_step))  # [B, k, S_step]
-        parent_vis = parent_vis & valid[:, :, None]
-        own = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
-        visibility = torch.cat([parent_vis, own], dim=2)  # [B, k, S_step + k]
-        positions = self._root_pos[:, None] + builder.depths.gather(1, nodes)
-        logits = self.runner.forward(builder.tokens.gather(1, nodes), positions, visibility)  # [B, k, V]
-        # record slots and visibility rows of the forwarded nodes
-        self._node_vis = torch.cat([self._node_vis, torch.zeros(b, self._node_vis.shape[1], k, dtype=torch.bool, device=dev)], dim=2)
+        if self._node_slot.shape[1] < n_alloc:  # grow the node -> slot map to cover the tree so far
+            grow = torch.full((b, n_alloc - self._node_slot.shape[1]), -1, dtype=torch.long, device=dev)
+            self._node_slot = torch.cat([self._node_slot, grow], dim=1)
+        # a node sees the step slots that hold its ancestors (the pending and root slots for every node)
+        anc_rows = batch.ancestors.gather(1, nodes[:, :, None].expand(b, k, n_alloc))  # [B, k, N]
+        seen = anc_rows.gather(2, self._slot_node[:, None, :].expand(b, k, s_step)) & self._slot_ok[:, None, :]  # [B, k, S_step]
+        visibility = torch.cat([seen & valid[:, :, None], torch.zeros(b, k, k, dtype=torch.bool, device=dev)], dim=2)  # [B, k, S_step + k]
+        positions = self._root_pos[:, None] + batch.depths.gather(1, nodes)
+        logits = self.runner.forward(batch.tokens.gather(1, nodes), positions, visibility)  # [B, k, V]
+        # record the forwarded nodes' slots
         slots = torch.arange(s_step, s_step + k, device=dev).expand(b, k)
+        self._slot_node = torch.cat([self._slot_node, nodes], dim=1)
+        self._slot_ok = torch.cat([self._slot_ok, valid], dim=1)
         self._node_slot.scatter_(1, nodes, torch.where(valid, slots, self._node_slot.gather(1, nodes)))
-        rows = torch.arange(b, device=dev)[:, None].expand(b, k)
-        self._node_vis[rows[valid], nodes[valid]] = visibility[valid]
         return logits_to_logprobs(logits, params)
 
-    def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]], target_logprobs=None) -> None:
+    def end_step(self, accepted: AcceptedPaths) -> None:
+        """Keep the pending and root slots and the accepted nodes the draft forwarded; an
+        accepted leaf it never forwarded becomes the row's pending token."""
         dev = self.runner.device
-        b = len(accepted_nodes)
-        keep_rows: list[list[int]] = []
-        root_vis = self._node_vis[:, 0, :]  # [B, S_step]: pending + root slots of each row
-        for row, path in enumerate(accepted_nodes):
-            slots = root_vis[row].nonzero().flatten().tolist()
-            pending: list[int] = []
-            for node in path:
-                slot = int(self._node_slot[row, node]) if node < self._node_slot.shape[1] else -1
-                if slot >= 0 and not pending:
-                    slots.append(slot)
-                else:  # accepted but never forwarded by the draft: forwarded next step
-                    pending.append(int(builder.tokens[row, node]))
-            keep_rows.append(slots)
-            self.pending[row] = pending
-        width = max(len(s) for s in keep_rows)
-        keep = torch.zeros(b, width, dtype=torch.long, device=dev)
-        keep_valid = torch.zeros(b, width, dtype=torch.bool, device=dev)
-        for row, slots in enumerate(keep_rows):
-            keep[row, : len(slots)] = torch.tensor(slots, dtype=torch.long, device=dev)
-            keep_valid[row, : len(slots)] = True
+        path, length = accepted.nodes, accepted.length  # [B, D], [B]
+        b, d = path.shape
+        if self._node_slot.shape[1] < accepted.tokens.shape[1]:
+            grow = torch.full((b, accepted.tokens.shape[1] - self._node_slot.shape[1]), -1, dtype=torch.long, device=dev)
+            self._node_slot = torch.cat([self._node_slot, grow], dim=1)
+        on_path = torch.arange(d, device=dev)[None, :] < length[:, None]  # [B, D]
+        path_slots = self._node_slot.gather(1, path)  # [B, D], -1 where not forwarded
+        forwarded = on_path & (path_slots >= 0)
+        keep = torch.cat([torch.arange(2, device=dev).expand(b, 2), path_slots.clamp(min=0)], dim=1)  # [B, 2 + D]
+        keep_valid = torch.cat([self._slot_ok[:, :2], forwarded], dim=1)
+        last = path.gather(1, (length - 1).clamp(min=0)[:, None]).squeeze(1)  # [B] the deepest accepted node
+        self.pending_valid = (length > 0) & (self._node_slot.gather(1, last[:, None]).squeeze(1) < 0)
+        self.pending_token = accepted.tokens.gather(1, last[:, None]).squeeze(1)
         self.runner.commit(keep, keep_valid)
 
     def feedback(self, record: StepRecord) -> None:

@@ -24,21 +24,72 @@ from specdec.tree import TokenTree
 
 @dataclass
 class Verdict:
-    """What the accept rule decided for each row of a batch of trees."""
+    """What the accept rule decided for each row of a batch of trees. All tensors, on the
+    trees' device: the engine reads them back once per step (`StepResult`)."""
 
-    accepted_nodes: list[list[int]]
-    """per row: node indices of the accepted path, root excluded, root-to-leaf order"""
+    path: torch.Tensor
+    """[B, D] int64 node indices of the accepted path, root excluded, root-to-leaf order;
+    entries at and past `accepted_len` are padding (0)"""
+    accepted_len: torch.Tensor
+    """[B] int64 accepted draft tokens per row"""
     bonus_tokens: torch.Tensor
     """[B] int64: the bonus token of each row"""
-    relaxed: list[int]
-    """per row: how many accepted tokens were accepted only by a relaxed rule (MARS)"""
-    strict_fallbacks: list[int]
-    """per row: positions where a relaxed rule fell back to strict verification (MARS, z1 <= 0)"""
+    relaxed_count: torch.Tensor
+    """[B] int64: accepted tokens accepted only by a relaxed rule (MARS)"""
+    fallback_count: torch.Tensor
+    """[B] int64: positions where a relaxed rule fell back to strict verification (MARS, z1 <= 0)"""
+
+    @classmethod
+    def from_lists(cls, paths: list[list[int]], bonus: list[int], relaxed: list[int], fallbacks: list[int], device: torch.device) -> Verdict:
+        """A verdict from per-row host lists (rules that decide on the host)."""
+        d = max(1, max((len(p) for p in paths), default=0))
+        padded = [p + [0] * (d - len(p)) for p in paths]
+        return cls(
+            path=torch.tensor(padded, dtype=torch.long, device=device).reshape(len(paths), d),
+            accepted_len=torch.tensor([len(p) for p in paths], dtype=torch.long, device=device),
+            bonus_tokens=torch.tensor(bonus, dtype=torch.long, device=device),
+            relaxed_count=torch.tensor(relaxed, dtype=torch.long, device=device),
+            fallback_count=torch.tensor(fallbacks, dtype=torch.long, device=device),
+        )
+
+    # host views (each a device read: for tests and tools; the engine reads the step at once)
+    @property
+    def accepted_nodes(self) -> list[list[int]]:
+        """per row: node indices of the accepted path, root excluded"""
+        return [p[:n] for p, n in zip(self.path.tolist(), self.accepted_len.tolist(), strict=True)]
 
     @property
-    def accepted_len(self) -> torch.Tensor:
-        """[B] int64 accepted tokens per row."""
-        return torch.tensor([len(p) for p in self.accepted_nodes], dtype=torch.long)
+    def relaxed(self) -> list[int]:
+        return self.relaxed_count.tolist()
+
+    @property
+    def strict_fallbacks(self) -> list[int]:
+        return self.fallback_count.tolist()
+
+
+def deepest_path(tree: TokenTree, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The accepted path of a greedy-style rule: the deepest node whose path is all `ok`.
+
+    ok: [B, N] bool, a node is the child its parent's rule would accept (root True). At most
+    one child per node may be ok, so the deepest all-ok path is unique.
+    Returns (deepest [B] node index, on_path [B, N] bool (root..deepest), path [B, D] node
+    indices root excluded padded with 0, accepted_len [B]), D = max(1, `tree.depth_limit()`).
+    Example: parents [-1, 0, 0, 1], ok [T, T, F, T] -> deepest 3, path [1, 3], accepted_len 2.
+    """
+    b, n = tree.tokens.shape
+    anc = tree.ancestor_mask()  # [B, N, N]
+    path_ok = ~(anc & ~ok[:, None, :]).any(dim=2) & tree.valid  # [B, N]: every node on the way is ok
+    deepest = torch.where(path_ok, tree.depths, -1).argmax(dim=1)  # [B]
+    on_path = anc.gather(1, deepest[:, None, None].expand(b, 1, n)).squeeze(1)  # [B, N] root..deepest
+    accepted_len = tree.depths.gather(1, deepest[:, None]).squeeze(1)  # [B]
+    d = min(tree.depth_limit(), n - 1)
+    if d == 0:  # a root-only tree: one padding column, so every path tensor has a column to gather from
+        return deepest, on_path, torch.zeros(b, 1, dtype=torch.long, device=ok.device), accepted_len
+    cols = torch.arange(n, device=ok.device)
+    # nodes of the path in index order (= root-to-leaf, BFS order), the root first, then the rest
+    order = torch.argsort(torch.where(on_path, cols, cols + n), dim=1)[:, 1 : 1 + d]  # [B, D]
+    path = order.masked_fill(torch.arange(d, device=ok.device)[None, :] >= accepted_len[:, None], 0)
+    return deepest, on_path, path, accepted_len
 
 
 class AcceptRule(Protocol):

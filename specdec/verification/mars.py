@@ -56,7 +56,7 @@ import torch
 from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.tree import TokenTree
-from specdec.verification.base import Verdict
+from specdec.verification.base import Verdict, deepest_path
 from specdec.verification.sampling import RelaxHook, rejection_walk
 
 DEFAULT_THETA = 0.9
@@ -150,18 +150,16 @@ class MarsRule:
         v1_child = zeros.scatter_add(1, par, strict.long()) > 0  # [B, N] node has a child equal to its v1
         has_child = zeros.scatter_add(1, par, non_root.long()) > 0  # [B, N] node has any child
         relaxed = non_root & m.fire.gather(1, par) & (tree.tokens == m.v2.gather(1, par)) & ~v1_child.gather(1, par)
-        ok = strict | relaxed
-        ok[:, 0] = True  # the root is committed already
-        anc = tree.ancestor_mask()  # [B, N, N]
-        path_ok = ~(anc & ~ok[:, None, :]).any(dim=2) & tree.valid  # [B, N]
-        depth_score = torch.where(path_ok, tree.depths, torch.full_like(tree.depths, -1))
-        deepest = depth_score.argmax(dim=1)  # [B]
-        on_path = anc[torch.arange(b, device=anc.device), deepest]  # [B, N] root..deepest
+        ok = strict | relaxed | (tree.parents < 0)  # the root is committed already
+        deepest, on_path, path, accepted_len = deepest_path(tree, ok)
         bonus = m.v1.gather(1, deepest[:, None]).squeeze(1)
-        paths = [tree.path_to(row, int(deepest[row]))[1:] for row in range(b)]
-        relaxed_counts = (relaxed & on_path).sum(dim=1).tolist()
-        fallbacks = (m.fallback & has_child & on_path).sum(dim=1).tolist()
-        return Verdict(accepted_nodes=paths, bonus_tokens=bonus, relaxed=relaxed_counts, strict_fallbacks=fallbacks)
+        return Verdict(
+            path=path,
+            accepted_len=accepted_len,
+            bonus_tokens=bonus,
+            relaxed_count=(relaxed & on_path).sum(dim=1),
+            fallback_count=(m.fallback & has_child & on_path).sum(dim=1),
+        )
 
     def _verify_sampling(
         self, tree: TokenTree, target_logits: torch.Tensor, m: Margins, params: SamplingParams, generator: torch.Generator | None
@@ -177,4 +175,4 @@ class MarsRule:
             bonus.append(bt)
             relaxed.append(r)
             fallbacks.append(f)
-        return Verdict(paths, torch.tensor(bonus, dtype=torch.long, device=target_logits.device), relaxed, fallbacks)
+        return Verdict.from_lists(paths, bonus, relaxed, fallbacks, target_logits.device)

@@ -140,4 +140,4 @@ class SamplingRule:
             bonus.append(bt)
             relaxed.append(r)
             fallbacks.append(f)
-        return Verdict(paths, torch.tensor(bonus, dtype=torch.long, device=target_logits.device), relaxed, fallbacks)
+        return Verdict.from_lists(paths, bonus, relaxed, fallbacks, target_logits.device)
