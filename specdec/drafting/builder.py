@@ -77,6 +77,8 @@ class TreeBuilder:
             self._draft_logprobs = torch.zeros(b, cap, self.root_logprobs.shape[-1], device=dev)
             self._draft_logprobs[:, 0] = self.root_logprobs
         self.draft_forwards = 1
+        self._eyes: dict[int, torch.Tensor] = {}
+        self._cols = torch.arange(cap, device=dev)
 
     # ----- views of the nodes so far ([B, N]) ------------------------------------------
     @property
@@ -144,6 +146,7 @@ class TreeBuilder:
         self._valid = pad(self._valid, False)
         self._sampled = pad(self._sampled, False)
         self._ancestors = pad(self._ancestors, False, dims=2)
+        self._cols = torch.arange(new, device=self.device)
         if self._draft_logprobs is not None:
             self._draft_logprobs = pad(self._draft_logprobs, 0.0)
 
@@ -159,24 +162,31 @@ class TreeBuilder:
         self._reserve(end)
         safe = parents.clamp(min=0)
         valid = valid & self.ctx.active[:, None] & self._valid.gather(1, safe) & (logq > float("-inf"))
+        invalid = ~valid
         self._tokens[:, start:end] = tokens
-        self._parents[:, start:end] = parents.masked_fill(~valid, -1)
+        self._parents[:, start:end] = parents.masked_fill(invalid, -1)
         self._depths[:, start:end] = self._depths.gather(1, safe) + 1
-        self._logq[:, start:end] = logq.masked_fill(~valid, float("-inf"))
-        self._cum_logq[:, start:end] = (self._cum_logq.gather(1, safe) + logq).masked_fill(~valid, float("-inf"))
+        self._logq[:, start:end] = logq.masked_fill(invalid, float("-inf"))
+        torch.add(self._cum_logq.gather(1, safe), logq, out=self._cum_logq[:, start:end]).masked_fill_(invalid, float("-inf"))
         self._valid[:, start:end] = valid
         if isinstance(sampled, torch.Tensor):
-            self._sampled[:, start:end] = sampled & valid
+            torch.logical_and(sampled, valid, out=self._sampled[:, start:end])
         elif sampled:
             self._sampled[:, start:end] = valid
         # ancestor rows: the parent's row (valid nodes only) plus the node itself
         cap = self._ancestors.shape[2]
-        rows = self._ancestors.gather(1, safe[:, :, None].expand(b, k, cap)) & valid[:, :, None]  # [B, k, cap]
-        rows[:, :, start:end] |= torch.eye(k, dtype=torch.bool, device=self.device)
-        self._ancestors[:, start:end] = rows
+        rows = self._ancestors[:, start:end]  # [B, k, cap] written in place
+        torch.logical_and(self._ancestors.gather(1, safe[:, :, None].expand(b, k, cap)), valid[:, :, None], out=rows)
+        rows[:, :, start:end] |= self._eye(k)
         self._n = end
         self.levels += 1
-        return torch.arange(start, end, device=self.device).expand(b, k)
+        return self._cols[start:end].expand(b, k)
+
+    def _eye(self, k: int) -> torch.Tensor:
+        eye = self._eyes.get(k)
+        if eye is None:
+            eye = self._eyes[k] = torch.eye(k, dtype=torch.bool, device=self.device)
+        return eye
 
     def expand(self, nodes: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """One draft forward over `nodes` [B, k] (valid [B, k]); returns their children's

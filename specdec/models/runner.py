@@ -230,8 +230,10 @@ class ModelRunner:
         input_ids:       [B, n] int64
         position_ids:    [B, n] int64
         step_visibility: [B, n, step_len + n] bool: which step slots (earlier ones of this
-                         step, then the n new ones) each new token attends to. Every new
-                         token also attends to all valid committed slots and to itself.
+                         step, then the n new ones) each new token attends to; or
+                         [B, n, step_len]: the new tokens see none of each other (tree
+                         levels). Every new token also attends to all valid committed
+                         slots and to itself.
         model_inputs:    extra model inputs for this forward (prefill of a multimodal
                          prompt: pixel_values and the like).
         Returns logits [B, n, V] float32 (or [B, logits_to_keep, V]).
@@ -239,15 +241,18 @@ class ModelRunner:
         cache = self._cache()
         b, n = input_ids.shape
         s_past, s_step = self.past_len, self.step_len
-        if step_visibility.shape != (b, n, s_step + n):
-            raise ValueError(f"step_visibility shape {tuple(step_visibility.shape)} != {(b, n, s_step + n)}")
+        if step_visibility.shape not in ((b, n, s_step + n), (b, n, s_step)):
+            raise ValueError(f"step_visibility shape {tuple(step_visibility.shape)} != {(b, n, s_step + n)} or {(b, n, s_step)}")
         self.reserve(s_past + s_step + n)
         cache.length = s_past + s_step
         eye = self._eye.get(n)
         if eye is None:
             eye = self._eye[n] = torch.eye(n, dtype=torch.bool, device=self.device)
-        step_visibility = torch.cat([step_visibility[:, :, :s_step], step_visibility[:, :, s_step:] | eye], dim=2) if s_step else step_visibility | eye
-        visible = torch.cat([self.slot_valid[:, None, :].expand(b, n, s_past), step_visibility], dim=2)  # [B, n, S]
+        committed = self.slot_valid[:, None, :].expand(b, n, s_past)
+        if step_visibility.shape[2] == s_step:  # the new block: each token sees only itself
+            visible = torch.cat([committed, step_visibility, eye.expand(b, n, n)], dim=2)  # [B, n, S]
+        else:
+            visible = torch.cat([committed, step_visibility[:, :, :s_step], step_visibility[:, :, s_step:] | eye], dim=2)
         mask = torch.where(visible, *self._mask_values)  # [B, n, S] additive: 0 where visible, dtype min elsewhere
         timer = self._start_timer()
         with model_forward(), _attention_backends(self.device):

@@ -111,7 +111,7 @@ class ModelDraftSource:
         # a node sees the step slots that hold its ancestors (the pending and root slots for every node)
         anc_rows = batch.ancestors.gather(1, nodes[:, :, None].expand(b, k, n_alloc))  # [B, k, N]
         seen = anc_rows.gather(2, self._slot_node[:, None, :].expand(b, k, s_step)) & self._slot_ok[:, None, :]  # [B, k, S_step]
-        visibility = torch.cat([seen & valid[:, :, None], torch.zeros(b, k, k, dtype=torch.bool, device=dev)], dim=2)  # [B, k, S_step + k]
+        visibility = seen & valid[:, :, None]  # [B, k, S_step]; the runner adds each node's own slot
         positions = self._root_pos[:, None] + batch.depths.gather(1, nodes)
         logits = self.runner.forward(batch.tokens.gather(1, nodes), positions, visibility)  # [B, k, V]
         # record the forwarded nodes' slots
