@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from specdec.drafting.base import TreePolicy
 from specdec.drafting.builder import DraftContext
 from specdec.errors import SpecDecError
+from specdec.hostwork import uncounted
 from specdec.models.runner import ModelRunner
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.sampling import SamplingParams, choose_tokens, logits_to_logprobs
@@ -464,6 +465,10 @@ class DecodeSession:
     def _admit(self, incoming: list[DecodeRequest], batch_rows: list[int] | None) -> torch.Tensor:
         """Prefill requests `incoming` (into batch rows `batch_rows`, or as a new batch when None);
         choose and append their first tokens; return those tokens [len(incoming)]."""
+        with uncounted():  # admission is not a decoding step (`specdec.hostwork`)
+            return self._admit_uncounted(incoming, batch_rows)
+
+    def _admit_uncounted(self, incoming: list[DecodeRequest], batch_rows: list[int] | None) -> torch.Tensor:
         engine = self.engine
         prompts = [r.prompt for r in incoming]
         ids, mask = engine._left_pad(prompts)

@@ -12,9 +12,10 @@ so they are counted here, on any device:
 - **host reads**: calls that copy a tensor's value to Python (`item`, `tolist`, `__bool__`,
   `__int__`, `__float__`, `__index__`, `cpu`, `numpy`), outside model forwards.
 
-`ModelRunner` wraps every model call in `model_forward()`, so work inside the model is not
-counted. A `HostWorkCounter` is a context manager; counting is off (and costs one
-ContextVar read per model call) when none is active.
+`ModelRunner` wraps every model call in `uncounted()`, so work inside the model is not
+counted; the engine wraps admission (prefill and the first token) in it too, so the counts
+are per decoding step. A `HostWorkCounter` is a context manager; counting is off (and
+costs one ContextVar read per model call) when none is active.
 
     with HostWorkCounter() as counter:
         engine.generate(...)
@@ -39,8 +40,8 @@ _active: ContextVar[HostWorkCounter | None] = ContextVar("specdec_host_work_coun
 
 
 @contextmanager
-def model_forward() -> Iterator[None]:
-    """Marks a model forward: the active counter (if any) pauses inside it."""
+def uncounted() -> Iterator[None]:
+    """Marks work that is not a decoding step's own (a model forward, a prefill): the active counter (if any) pauses inside it."""
     counter = _active.get()
     if counter is None:
         yield

@@ -28,7 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec.errors import SpecDecError
-from specdec.hostwork import model_forward
+from specdec.hostwork import uncounted
 
 CAPACITY_STEP = 256
 """cache capacity grows in multiples of this many slots"""
@@ -255,7 +255,7 @@ class ModelRunner:
             visible = torch.cat([committed, step_visibility[:, :, :s_step], step_visibility[:, :, s_step:] | eye], dim=2)
         mask = torch.where(visible, *self._mask_values)  # [B, n, S] additive: 0 where visible, dtype min elsewhere
         timer = self._start_timer()
-        with model_forward(), _attention_backends(self.device):
+        with uncounted(), _attention_backends(self.device):
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask[:, None, :, :],  # [B, 1, n, S]
