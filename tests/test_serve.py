@@ -184,41 +184,6 @@ def test_stop_strings_cut_the_text_and_end_the_row(client, decoder):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == full[:3] and events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
-class _CharTokenizer:
-    """Each token id is one character (ord)."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-def test_completion_text_holds_back_possible_stop_strings():
-    text = CompletionText(_CharTokenizer(), ["END"])
-    out = [text.add([ord(c)]) for c in "abcEN"]
-    assert "".join(out) == "abc" and text.text == "abcEN"  # "EN" may start "END": held back
-    assert text.add([ord("X")]) == "ENX"  # it did not
-    assert text.add([ord(c) for c in "yEND tail"]) == "y" and text.stopped and text.text == "abcENXy"
-    assert text.add([ord("z")]) == "" and text.finish() == ""
-    plain = CompletionText(_CharTokenizer())
-    assert plain.add([ord("a"), 0xFFFD]) == "a" and plain.finish() == "\ufffd"  # a trailing U+FFFD waits for the next token
-    # a possible stop-string start before an incomplete character is held back too
-    accented = CompletionText(_CharTokenizer(), ["Eé"])
-    assert accented.add([ord(c) for c in "abcE"] + [0xFFFD]) == "abc"
-    assert accented.add([ord("x")]) == "E\ufffdx"  # the character was not the stop string's é
-
-
-def test_completion_tokens_stop_at_the_stop_string():
-    """A speculative step can commit tokens past a stop string; usage counts only those the text
-    before it needs, so it does not depend on the method."""
-    text = CompletionText(_CharTokenizer(), ["END"])
-    text.add([ord(c) for c in "abcEN"])
-    text.add([ord(c) for c in "D and more"])  # one step: the rest of the stop string and 7 more tokens
-    assert text.stopped and text.text == "abc" and text.token_count == 3
-    assert CompletionText(_CharTokenizer(), ["x"]).token_count == 0
-    running = CompletionText(_CharTokenizer(), ["x"])
-    running.add([ord("a"), ord("b")])
-    assert running.token_count == 2 and not running.stopped
-
-
 def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["object"] == "model"
