@@ -486,3 +486,25 @@ def test_bench_serve_on_the_tiny_pair(tiny_pair_dir, tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "| `chain` | 3 |" in report and "speedup vs AR" in report
     assert (out / "serve.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_bench_serve_trims_long_prompts_for_a_tokenizer_that_adds_a_bos(tiny_pair_dir):
+    """Trimming kept the last `room` tokens of the encoding *with* its BOS, so the re-encoded text
+    (BOS added again) had room + 1 tokens and the prompt was dropped; every long prompt was lost."""
+    from types import SimpleNamespace
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from specdec.bench.serving import _fitting_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    assert tok("x = 1")["input_ids"][0] == bos
+    decoder = SimpleNamespace(max_context=64, tokenizer=tok, encode=lambda text: tok(text)["input_ids"])
+    texts = ["def add(a, b):\n    return a + b\n" * 20, "for i in range(10):\n    print(i)\n" * 20, "x = 1"]
+    fitting = _fitting_prompts(decoder, texts, max_tokens=16)  # room: 48 tokens, BOS included
+    assert len(fitting) == 3 and fitting[2] == "x = 1"
+    for trimmed, original in zip(fitting[:2], texts[:2], strict=True):
+        assert original.endswith(trimmed) and 40 <= len(tok(trimmed)["input_ids"]) <= 48
