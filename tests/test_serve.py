@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.api import SpeculativeDecoder
 from specdec.cli import main
@@ -83,15 +85,31 @@ def sse_payloads(lines) -> list:
     return out
 
 
-def scrape(client: httpx.Client) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}."""
+class Samples(dict):
+    """Prometheus samples keyed 'name{label="value",...}'; a key's labels may come in any order."""
+
+    @staticmethod
+    def canonical(key: str) -> str:
+        name, _, labels = key.partition("{")
+        pairs = sorted(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
+        return name + ("{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}" if pairs else "")
+
+    def __getitem__(self, key: str) -> float:
+        return super().__getitem__(self.canonical(key))
+
+    def get(self, key: str, default: float | None = None) -> float | None:  # type: ignore[override]
+        return super().get(self.canonical(key), default)
+
+
+def scrape(client: httpx.Client) -> Samples:
+    """GET /metrics, parsed by prometheus_client's own parser."""
     response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    samples = {}
-    for line in response.text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
+    samples = Samples()
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            samples[Samples.canonical(f"{sample.name}{{{labels}}}" if labels else sample.name)] = sample.value
     return samples
 
 

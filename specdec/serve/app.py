@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specdec.api import SpeculativeDecoder
 from specdec.errors import SpecDecError
 from specdec.serve.errors import CLIENT_CLOSED_REQUEST, APIError
+from specdec.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.scheduler import (
     Failed,
@@ -518,6 +519,6 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     return app
