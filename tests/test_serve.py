@@ -288,6 +288,8 @@ def test_bad_bodies_and_routes(client):
     assert_error(client.post("/v1/completions", content=b"{not json", headers=headers), 400, "the request body is not valid JSON")
     assert_error(client.post("/v1/completions", content=b"[1, 2]", headers=headers), 400, "the request body must be a JSON object (got list)")
     assert_error(client.post("/v1/completions", content=b'{"prompt": "x"}'), 400, "Content-Type: application/json")
+    assert_error(client.post("/v1/completions", content=b'{"prompt": "x\xff"}', headers=headers), 400, "not valid UTF-8 (byte 0xff at offset 13)")
+    assert_error(client.post("/v1/completions", content=b"[" * 100_000, headers=headers), 400, "nested too deeply")
     assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages: List should have at least 1 item", "messages")
     assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400, "messages[0].role: Input should be", "messages[0].role")
     assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "max_completion_tokens": 5}), 400, "disagree")

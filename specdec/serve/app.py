@@ -271,7 +271,7 @@ def create_app(
             yield
         finally:
             await drain(0.0)
-            tokenizing.pop().shutdown(wait=False, cancel_futures=True)
+            tokenizing.pop().shutdown(wait=False)
 
     app = FastAPI(title="specdec", summary="OpenAI-compatible speculative decoding", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
@@ -297,6 +297,11 @@ def create_app(
             message = f"no such endpoint: {request.method} {request.url.path}; this server serves {', '.join(ENDPOINTS)}"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
+        elif isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            bad = exc.__cause__
+            message = f"the request body is not valid UTF-8 (byte 0x{bad.object[bad.start]:02x} at offset {bad.start}); send JSON encoded as UTF-8"
+        elif isinstance(exc.__cause__, RecursionError):
+            message = "the request body is nested too deeply to parse; send a JSON object of the documented fields"
         else:
             message = str(exc.detail)
         return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None))
