@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.api import SpeculativeDecoder
 from specdec.cli import main
@@ -50,11 +53,17 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def slow_server(tiny_pair_dir):
-    """One row, one waiting request at most, and a target that takes 30 ms per forward."""
+def slow_decoder(tiny_pair_dir) -> SpeculativeDecoder:
+    """The tiny pair with a target that takes 30 ms per forward."""
     slow = load_decoder(tiny_pair_dir)
     slow.target.register_forward_pre_hook(lambda module, args: time.sleep(0.03))
-    with BackgroundServer(create_app(slow, max_batch_size=1, max_queue=1)) as srv:
+    return slow
+
+
+@pytest.fixture(scope="module")
+def slow_server(slow_decoder):
+    """One row and one waiting request at most, over the slow target."""
+    with BackgroundServer(create_app(slow_decoder, max_batch_size=1, max_queue=1)) as srv:
         yield srv
 
 
@@ -76,15 +85,31 @@ def sse_payloads(lines) -> list:
     return out
 
 
-def scrape(client: httpx.Client) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}."""
+class Samples(dict):
+    """Prometheus samples keyed 'name{label="value",...}'; a key's labels may come in any order."""
+
+    @staticmethod
+    def canonical(key: str) -> str:
+        name, _, labels = key.partition("{")
+        pairs = sorted(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
+        return name + ("{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}" if pairs else "")
+
+    def __getitem__(self, key: str) -> float:
+        return super().__getitem__(self.canonical(key))
+
+    def get(self, key: str, default: float | None = None) -> float | None:  # type: ignore[override]
+        return super().get(self.canonical(key), default)
+
+
+def scrape(client: httpx.Client) -> Samples:
+    """GET /metrics, parsed by prometheus_client's own parser."""
     response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    samples = {}
-    for line in response.text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
+    samples = Samples()
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            samples[Samples.canonical(f"{sample.name}{{{labels}}}" if labels else sample.name)] = sample.value
     return samples
 
 
@@ -184,41 +209,6 @@ def test_stop_strings_cut_the_text_and_end_the_row(client, decoder):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == full[:3] and events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
-class _CharTokenizer:
-    """Each token id is one character (ord)."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-def test_completion_text_holds_back_possible_stop_strings():
-    text = CompletionText(_CharTokenizer(), ["END"])
-    out = [text.add([ord(c)]) for c in "abcEN"]
-    assert "".join(out) == "abc" and text.text == "abcEN"  # "EN" may start "END": held back
-    assert text.add([ord("X")]) == "ENX"  # it did not
-    assert text.add([ord(c) for c in "yEND tail"]) == "y" and text.stopped and text.text == "abcENXy"
-    assert text.add([ord("z")]) == "" and text.finish() == ""
-    plain = CompletionText(_CharTokenizer())
-    assert plain.add([ord("a"), 0xFFFD]) == "a" and plain.finish() == "\ufffd"  # a trailing U+FFFD waits for the next token
-    # a possible stop-string start before an incomplete character is held back too
-    accented = CompletionText(_CharTokenizer(), ["Eé"])
-    assert accented.add([ord(c) for c in "abcE"] + [0xFFFD]) == "abc"
-    assert accented.add([ord("x")]) == "E\ufffdx"  # the character was not the stop string's é
-
-
-def test_completion_tokens_stop_at_the_stop_string():
-    """A speculative step can commit tokens past a stop string; usage counts only those the text
-    before it needs, so it does not depend on the method."""
-    text = CompletionText(_CharTokenizer(), ["END"])
-    text.add([ord(c) for c in "abcEN"])
-    text.add([ord(c) for c in "D and more"])  # one step: the rest of the stop string and 7 more tokens
-    assert text.stopped and text.text == "abc" and text.token_count == 3
-    assert CompletionText(_CharTokenizer(), ["x"]).token_count == 0
-    running = CompletionText(_CharTokenizer(), ["x"])
-    running.add([ord("a"), ord("b")])
-    assert running.token_count == 2 and not running.stopped
-
-
 def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["object"] == "model"
@@ -298,12 +288,148 @@ def test_bad_bodies_and_routes(client):
     assert_error(client.post("/v1/completions", content=b"{not json", headers=headers), 400, "the request body is not valid JSON")
     assert_error(client.post("/v1/completions", content=b"[1, 2]", headers=headers), 400, "the request body must be a JSON object (got list)")
     assert_error(client.post("/v1/completions", content=b'{"prompt": "x"}'), 400, "Content-Type: application/json")
+    assert_error(client.post("/v1/completions", content=b'{"prompt": "x\xff"}', headers=headers), 400, "not valid UTF-8 (byte 0xff at offset 13)")
+    assert_error(client.post("/v1/completions", content=b"[" * 100_000, headers=headers), 400, "nested too deeply")
     assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages: List should have at least 1 item", "messages")
     assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400, "messages[0].role: Input should be", "messages[0].role")
     assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "max_completion_tokens": 5}), 400, "disagree")
     assert_error(client.post("/v1/completions", content=b" " * (4 * 2**20 + 1), headers=headers), 413, "more than the 4194304 this server takes")
     assert_error(client.get("/v1/nothing"), 404, "no such endpoint: GET /v1/nothing")
     assert_error(client.get("/v1/completions"), 405, "GET is not allowed on /v1/completions")
+
+
+def _moved(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_a_lone_surrogate_is_a_400_everywhere(client):
+    """JSON can spell a lone UTF-16 surrogate; it is not Unicode (no tokenizer takes it): 400 naming
+    the field, on completions, chat and streams, and /metrics counts them."""
+    headers = {"content-type": "application/json"}
+    before = scrape(client)
+    cases = [
+        ("/v1/completions", b'{"prompt": "ab\\ud800c", "max_tokens": 4}', "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"], "stream": true}', "stop[0]"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\udc00"}]}], "stream": true}',
+         "messages[0].content[0].text"),
+    ]
+    for path, body, param in cases:
+        error = assert_error(client.post(path, content=body, headers=headers), 400, "holds a lone UTF-16 surrogate", param)
+        assert error["code"] == "invalid_unicode" and error["type"] == "invalid_request_error"
+    assert "\\ud800 at character 2" in client.post("/v1/completions", content=cases[0][1], headers=headers).json()["error"]["message"]
+    pair = client.post("/v1/completions", content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2, "temperature": 0}', headers=headers)
+    assert pair.status_code == 200  # a surrogate pair is one character
+    after = scrape(client)
+    assert _moved(before, after, 'specdec_http_requests_total{endpoint="/v1/completions",status="400"}') == 3
+    assert _moved(before, after, 'specdec_http_requests_total{endpoint="/v1/chat/completions",status="400"}') == 2
+
+
+def test_an_unexpected_error_is_an_openai_500_and_counted(client, monkeypatch):
+    from specdec.serve.scheduler import Scheduler
+
+    def broken(self, job):
+        raise RuntimeError("a bug in submit")
+
+    monkeypatch.setattr(Scheduler, "submit", broken)
+    before = scrape(client)
+    error = assert_error(complete(client, prompt="x"), 500, "internal error: RuntimeError('a bug in submit')")
+    assert error["type"] == "server_error"
+    with client.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        assert r.status_code == 500 and json.loads(r.read())["error"]["type"] == "server_error"
+    after = scrape(client)
+    assert _moved(before, after, 'specdec_http_requests_total{endpoint="/v1/completions",status="500"}') == 2
+
+
+def test_a_stopped_worker_answers_503_and_they_are_counted(decoder):
+    app = create_app(decoder, model_name="tiny")
+    with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        app.state.scheduler.stop()
+        assert_error(complete(c, prompt=PROMPTS[0]), 503, "the server is shutting down; retry against a running server")
+        assert c.get("/health").status_code == 503 and c.get("/health").json()["status"] == "unavailable"
+        after = scrape(c)
+    assert after['specdec_http_requests_total{endpoint="/v1/completions",status="503"}'] == 1
+    assert after['specdec_http_requests_total{endpoint="/health",status="503"}'] == 2
+
+
+def _raw_request(port: int, head: bytes, body_parts: list[bytes] = ()) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    sock.sendall(head)
+    for part in body_parts:
+        sock.sendall(part)
+    return sock
+
+
+def _read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """Status and body of the one HTTP response on `sock` (read until the server closes it or the body is complete)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk
+        body += chunk
+    return int(head.split()[1]), body
+
+
+def test_a_chunked_body_over_the_limit_gets_413(server):
+    """Without Content-Length the limit is counted on the body as it streams in (the old check only
+    read the header, so a chunked body of any size went through)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    part = b"x" * 2**16
+    parts = [b"%x\r\n" % len(part) + part + b"\r\n"] * (4 * 2**4 + 1)  # 64 KiB more than 4 MiB, and no last chunk: the server must not wait for it
+    sock = _raw_request(server.port, head, parts)
+    try:
+        status, body = _read_response(sock)
+    finally:
+        sock.close()
+    assert status == 413
+    error = json.loads(body)["error"]
+    assert set(error) == ERROR_KEYS and "so far, more than the 4194304 this server takes" in error["message"]
+
+
+def test_a_flood_of_oversized_prompts_does_not_stall_the_server(client, server):
+    """8 concurrent 1 MiB prompts (completions and chat) for a 256-token context: each is refused by
+    its size without tokenizing, and /health answers within 100 ms meanwhile (tokenizing them on the
+    event loop stalled it for seconds)."""
+    prompt = "def add(a, b):\n    return a + b\n" * (2**20 // 32)
+    bodies = [("/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 4}).encode()) for _ in range(6)]
+    bodies += [("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()) for _ in range(2)]
+    answers: list[tuple[int, bytes]] = []
+
+    def send(path: str, body: bytes) -> None:
+        head = b"POST %s HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (path.encode(), len(body))
+        sock = _raw_request(server.port, head, [body])
+        try:
+            answers.append(_read_response(sock))
+        finally:
+            sock.close()
+
+    baseline = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        assert client.get("/health").status_code == 200
+        baseline.append(time.perf_counter() - t0)
+    senders = [threading.Thread(target=send, args=body) for body in bodies]
+    latencies = []
+    for t in senders:
+        t.start()
+    deadline = time.monotonic() + 60
+    while any(t.is_alive() for t in senders) and time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        assert client.get("/health").status_code == 200
+        latencies.append(time.perf_counter() - t0)
+        time.sleep(0.005)
+    for t in senders:
+        t.join(TIMEOUT)
+    assert len(answers) == 8
+    for status, body in answers:
+        assert status == 400 and "characters, more than can fit in the model's context of 256 tokens" in json.loads(body)["error"]["message"]
+    assert latencies and max(latencies) - min(baseline) < 0.1, f"/health took up to {max(latencies) * 1e3:.0f} ms during the flood"
 
 
 def test_ar_server_answers_400_for_methods_that_need_a_draft(tiny_pair_dir):
@@ -365,6 +491,82 @@ def test_full_queue_answers_429_and_a_disconnect_frees_the_row(slow_server):
         assert after['specdec_http_requests_total{endpoint="/v1/completions",status="429"}'] >= 1
 
 
+def _post_raw(port: int, body: dict) -> socket.socket:
+    """A /v1/completions request on a raw socket (so the test can close the connection itself)."""
+    data = json.dumps(body).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
+    return _raw_request(port, head, [data])
+
+
+def test_a_non_streamed_client_that_closes_frees_its_row_within_a_step(slow_server):
+    """A token arrives every 30 ms step, so the old check (after 0.5 s without a token) never ran:
+    the row decoded all 200 tokens for nobody. The closed connection must cancel it at once."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "specdec": {"method": "ar"}}  # ~6 s at 30 ms per step
+    cancelled = 'specdec_requests_finished_total{method="ar",finish_reason="cancelled"}'
+    with httpx.Client(base_url=slow_server.url, timeout=TIMEOUT) as c:
+        before = scrape(c)
+        sock = _post_raw(slow_server.port, body)
+        wait_for(lambda: c.get("/health").json()["running_rows"] == 1)
+        time.sleep(0.3)  # decoding
+        sock.close()
+        closed = time.monotonic()
+        wait_for(lambda: c.get("/health").json()["running_rows"] == 0, timeout=6)
+        freed_s = time.monotonic() - closed
+        after = scrape(c)
+    assert freed_s < 0.5, f"the row was freed {freed_s:.2f} s after the client closed"
+    assert _moved(before, after, cancelled) == 1
+    assert _moved(before, after, 'specdec_http_requests_total{endpoint="/v1/completions",status="499"}') == 1
+
+
+def test_a_waiting_request_whose_client_closes_leaves_the_queue(slow_server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "specdec": {"method": "ar"}}
+    with httpx.Client(base_url=slow_server.url, timeout=TIMEOUT) as c:
+        before = scrape(c)
+        with httpx.Client(base_url=slow_server.url, timeout=TIMEOUT) as streaming, streaming.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # the one row runs this stream
+            sock = _post_raw(slow_server.port, {**body, "max_tokens": 4})
+            wait_for(lambda: c.get("/health").json()["queue_depth"] == 1)
+            sock.close()
+            wait_for(lambda: c.get("/health").json()["queue_depth"] == 0, timeout=2)
+            health = c.get("/health").json()
+            assert health["running_rows"] == 1  # the stream still runs
+            events = []
+            for line in lines:  # it is not disturbed
+                if line.startswith("data: "):
+                    events.append(line)
+                if len(events) == 3:
+                    break
+        wait_for(lambda: c.get("/health").json()["running_rows"] == 0)  # the stream's client is gone too
+        after = scrape(c)
+    assert _moved(before, after, 'specdec_requests_finished_total{method="ar",finish_reason="cancelled"}') == 2  # the waiting one, then the stream
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_done(client, monkeypatch):
+    """A lane's step fails after the stream has sent text: the client gets an error event (the
+    OpenAI client raises it) and the stream still ends with [DONE]."""
+    original_step = DecodeSession.step
+    calls = {"n": 0}
+
+    def step(self):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("step exploded mid-stream")
+        return original_step(self)
+
+    monkeypatch.setattr(DecodeSession, "step", step)
+    before = scrape(client)
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        events = sse_payloads(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert set(error) == ERROR_KEYS and error["type"] == "server_error" and "step exploded mid-stream" in error["message"]
+    assert any(e["choices"][0]["text"] for e in events[:-2])  # text came before the failure
+    after = scrape(client)
+    assert _moved(before, after, 'specdec_requests_finished_total{method="chain",finish_reason="error"}') == 1
+
+
 def test_a_failing_request_gets_500_and_the_others_are_served(client, decoder, monkeypatch):
     original_add = CompletionText.add
 
@@ -399,6 +601,115 @@ def test_a_failing_request_gets_500_and_the_others_are_served(client, decoder, m
     assert_error(complete(client, prompt=PROMPTS[5]), 500, "step exploded")
     assert complete(client, prompt=PROMPTS[5], max_tokens=30).json()["choices"][0]["text"] == offline(decoder, PROMPTS[5], 30)
     assert client.get("/health").json()["status"] == "ok"
+
+
+# ----- shutdown and the worker's lanes -----------------------------------------------------------
+
+def test_stopping_answers_every_request_in_flight(slow_decoder):
+    """Stopping (SIGTERM, Ctrl-C or `BackgroundServer.stop`) while two requests decode (one streamed)
+    and one waits for a row: the waiting one gets a 503 at once; the running ones get the 1 s grace
+    to finish, then a 503 JSON body, or an error event then [DONE]. (uvicorn used to cancel them
+    after its timeout: a plain-text 500, and a stream cut with neither.)"""
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "specdec": {"method": "ar"}}  # ~6 s at 30 ms per step
+    results: dict[str, tuple] = {}
+    server = BackgroundServer(create_app(slow_decoder, max_batch_size=2, max_queue=4), shutdown_grace_s=1.0).start()
+    try:
+        def post(name: str, request: dict) -> None:
+            response = httpx.post(server.url + "/v1/completions", json=request, timeout=TIMEOUT)
+            results[name] = (response.status_code, response.json(), time.monotonic())
+
+        def stream() -> None:
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+                results["stream"] = (r.status_code, sse_payloads(r.iter_lines()))
+
+        clients = [threading.Thread(target=post, args=("running", body)), threading.Thread(target=stream)]
+        for t in clients:
+            t.start()
+        wait_for(lambda: httpx.get(server.url + "/health").json()["running_rows"] == 2)
+        clients.append(threading.Thread(target=post, args=("waiting", {**body, "max_tokens": 4})))
+        clients[-1].start()
+        wait_for(lambda: httpx.get(server.url + "/health").json()["queue_depth"] == 1)
+        stopping = time.monotonic()
+    finally:
+        server.stop()
+    for t in clients:
+        t.join(TIMEOUT)
+    status, waiting, answered = results["waiting"]
+    assert status == 503 and waiting["error"]["code"] == "unavailable" and "the server is shutting down" in waiting["error"]["message"]
+    assert answered - stopping < 0.9  # at once, not after the grace
+    status, running, answered = results["running"]
+    assert status == 503 and set(running["error"]) == ERROR_KEYS and "shut down before this request finished" in running["error"]["message"]
+    assert answered - stopping >= 0.9  # after the grace
+    status, events = results["stream"]
+    assert status == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "unavailable"
+    assert any(e.get("choices") and e["choices"][0]["text"] for e in events[:-2])
+
+
+def _next_end(job):
+    """The job's Finished or Failed event (text deltas skipped)."""
+    from specdec.serve.scheduler import TextDelta
+
+    async def wait():
+        while isinstance(event := await job.events.get(), TextDelta):
+            pass
+        return event
+
+    return asyncio.wait_for(wait(), TIMEOUT)
+
+
+def test_a_drain_lets_running_work_finish_within_its_grace(decoder):
+    """begin_stop(grace): a job waiting for a row gets 503 at once, a running one that ends within
+    the grace is answered as usual, and the worker then ends."""
+    from specdec.serve.scheduler import Failed, Finished, Job, Scheduler, resolve_lane
+
+    async def run() -> tuple[object, object, bool]:
+        scheduler = Scheduler(decoder, max_batch_size=1, max_queue=4)
+        scheduler.start()
+        lane = resolve_lane(decoder, 0.0, 1.0, None)
+        ids = list(decoder.encode(PROMPTS[0]))
+        running, waiting = Job(ids, 24, lane, decoder.tokenizer), Job(ids, 24, lane, decoder.tokenizer)
+        scheduler.submit(running)
+        scheduler.submit(waiting)
+        while scheduler.running_rows != 1:
+            await asyncio.sleep(0.005)
+        scheduler.begin_stop(grace_s=30)
+        assert not scheduler.alive
+        ends = await _next_end(waiting), await _next_end(running)
+        while not scheduler.stopped:
+            await asyncio.sleep(0.01)
+        return *ends, isinstance(ends[0], Failed) and isinstance(ends[1], Finished)
+
+    waiting, running, kinds = asyncio.run(run())
+    assert kinds, (waiting, running)
+    assert waiting.error.status == 503 and "shutting down" in waiting.error.message
+    assert running.finish_reason == "length" and running.completion_tokens == 24 and running.text == offline(decoder, PROMPTS[0], 24)
+
+
+def test_idle_lanes_beyond_the_kept_ones_are_dropped(decoder):
+    """Six lanes (six temperatures) used one after another: once idle they free their caches, and
+    only the IDLE_LANES_KEPT most recently used are kept."""
+    from specdec.serve.scheduler import IDLE_LANES_KEPT, Finished, Job, Scheduler, resolve_lane
+    from specdec.serve.schemas import SpecDecOptions
+
+    async def run() -> list:
+        scheduler = Scheduler(decoder, max_batch_size=2)
+        scheduler.start()
+        ids = list(decoder.encode(PROMPTS[2]))
+        keys = [resolve_lane(decoder, t, 1.0, SpecDecOptions(method="ar")) for t in (0.3, 0.5, 0.7, 0.9, 1.1, 1.3)]
+        for key in keys:
+            job = Job(ids, 4, key, decoder.tokenizer)
+            scheduler.submit(job)
+            assert isinstance(await _next_end(job), Finished)
+        while scheduler.lane_count or scheduler.running_rows:
+            await asyncio.sleep(0.005)
+        kept = [(key, lane.session.idle, lane.session._holds_cache) for key, lane in scheduler._lanes.items()]
+        scheduler.stop()
+        return [keys, kept]
+
+    keys, kept = asyncio.run(run())
+    assert len(kept) == IDLE_LANES_KEPT == 4
+    assert [key for key, _, _ in kept] == keys[-4:]  # least recently used first
+    assert all(idle and not holds_cache for _, idle, holds_cache in kept)
 
 
 # ----- clients ----------------------------------------------------------------------------------
@@ -483,9 +794,20 @@ def test_specdec_serve_command(tiny_pair_dir):
         wait_for(up, timeout=40)
         response = httpx.post(url + "/v1/completions", json={"model": "cli", "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0}, timeout=TIMEOUT)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+        # SIGTERM with a stream in flight: the server drains it (it ends with [DONE]) and exits cleanly
+        body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.terminate()
+            events = sse_payloads(lines)
+        assert events[-1] == "[DONE]" and (events[-2].get("error") or events[-2]["choices"][0]["finish_reason"])
+        assert proc.wait(20) in (0, -signal.SIGTERM)
+        assert b"Traceback" not in (proc.stderr.read() if proc.stderr else b"")
     finally:
-        proc.terminate()
-        proc.wait(20)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(20)
 
 
 @pytest.mark.parametrize(
@@ -521,3 +843,25 @@ def test_bench_serve_on_the_tiny_pair(tiny_pair_dir, tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "| `chain` | 3 |" in report and "speedup vs AR" in report
     assert (out / "serve.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_bench_serve_trims_long_prompts_for_a_tokenizer_that_adds_a_bos(tiny_pair_dir):
+    """Trimming kept the last `room` tokens of the encoding *with* its BOS, so the re-encoded text
+    (BOS added again) had room + 1 tokens and the prompt was dropped; every long prompt was lost."""
+    from types import SimpleNamespace
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from specdec.bench.serving import _fitting_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    assert tok("x = 1")["input_ids"][0] == bos
+    decoder = SimpleNamespace(max_context=64, tokenizer=tok, encode=lambda text: tok(text)["input_ids"])
+    texts = ["def add(a, b):\n    return a + b\n" * 20, "for i in range(10):\n    print(i)\n" * 20, "x = 1"]
+    fitting = _fitting_prompts(decoder, texts, max_tokens=16)  # room: 48 tokens, BOS included
+    assert len(fitting) == 3 and fitting[2] == "x = 1"
+    for trimmed, original in zip(fitting[:2], texts[:2], strict=True):
+        assert original.endswith(trimmed) and 40 <= len(tok(trimmed)["input_ids"]) <= 48

@@ -233,24 +233,36 @@ def summarize_level(variant: Variant, concurrency: int, records: Sequence[Reques
 
 
 def _fitting_prompts(decoder: SpeculativeDecoder, texts: Sequence[str], max_tokens: int) -> list[str]:
-    """Prompts that fit the context with max_tokens (too long ones keep their last tokens)."""
+    """Prompts that fit the context with max_tokens, counted as the server counts them
+    (`decoder.encode`, so with the special tokens the tokenizer adds, e.g. a BOS); a longer
+    prompt keeps its last tokens."""
     limit = decoder.max_context
     if limit is None:
         return list(texts)
     room = limit - max_tokens
     if room < 1:
         raise SpecDecError(f"--max-tokens {max_tokens} leaves no room for a prompt in the model's context of {limit} tokens; lower it")
-    fitting = []
-    for text in texts:
-        ids = decoder.tokenizer(text)["input_ids"]
-        if len(ids) > room:
-            text = decoder.tokenizer.decode(ids[-room:])
-            if len(decoder.tokenizer(text)["input_ids"]) > room:
-                continue
-        fitting.append(text)
+    fitting = [trimmed for trimmed in (_last_tokens(decoder, text, room) for text in texts) if trimmed is not None]
     if not fitting:
         raise SpecDecError(f"no prompt fits the model's context of {limit} tokens with --max-tokens {max_tokens}; lower --max-tokens")
     return fitting
+
+
+def _last_tokens(decoder: SpeculativeDecoder, text: str, room: int) -> str | None:
+    """`text`, or the end of it that the server counts as at most `room` tokens (None: none does)."""
+    total = len(decoder.encode(text))
+    if total <= room:
+        return text
+    content = decoder.tokenizer(text, add_special_tokens=False)["input_ids"]
+    keep = room - (total - len(content))  # the tokens the tokenizer adds (a BOS) take room too
+    while keep > 0:
+        # a cut inside a character decodes to U+FFFD: drop it; text re-tokenized across the cut may take more tokens
+        trimmed = decoder.tokenizer.decode(content[-keep:]).lstrip("\ufffd")
+        count = len(decoder.encode(trimmed)) if trimmed.strip() else room + 1
+        if count <= room:
+            return trimmed
+        keep -= max(1, count - room)
+    return None
 
 
 def check_config(config: ServeBenchConfig) -> list[Variant]:

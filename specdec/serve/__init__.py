@@ -4,7 +4,7 @@
 - `scheduler`: the decode worker (lanes of rolling batches over `specdec.engine.DecodeSession`);
 - `schemas`: request and response bodies; `errors`: OpenAI-style error bodies;
 - `text`: chat prompts and incremental detokenization with stop strings;
-- `metrics`: Prometheus text metrics; `server`: running it with uvicorn.
+- `metrics`: Prometheus metrics (`prometheus_client`); `server`: running it with uvicorn, draining on shutdown.
 Design and usage: docs/serving.md.
 """
 

@@ -1,24 +1,33 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions over a `SpeculativeDecoder`.
 
 `create_app(decoder)` builds it; its lifespan starts and stops the decode worker
-(`specdec.serve.scheduler.Scheduler`). Handlers validate and tokenize the request, submit a
-`Job`, and await its events: a JSON response, or server-sent events (`data: {...}` chunks,
-then `data: [DONE]`). Every error answers in OpenAI's format (`specdec.serve.errors`).
+(`specdec.serve.scheduler.Scheduler`). Handlers validate the request, check the prompt's size,
+tokenize it in a thread (never on the event loop), submit a `Job`, and await its events: a
+JSON response, or server-sent events (`data: {...}` chunks, then `data: [DONE]`). A client
+that closes its connection cancels its job at once. Every error, and every response's count in
+`/metrics`, goes through one middleware (`_Guard`), so every error answers in OpenAI's format
+(`specdec.serve.errors`), unexpected ones included.
+
+`app.state.drain(grace_s)` stops the app taking requests and answers every request in flight:
+`specdec.serve.server` calls it when the server is told to stop, before connections close.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -26,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specdec.api import SpeculativeDecoder
 from specdec.errors import SpecDecError
 from specdec.serve.errors import CLIENT_CLOSED_REQUEST, APIError
+from specdec.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.scheduler import (
     Failed,
@@ -37,8 +47,10 @@ from specdec.serve.scheduler import (
     SchedulerStoppedError,
     TextDelta,
     resolve_lane,
+    shutting_down,
 )
 from specdec.serve.schemas import (
+    LONE_SURROGATE,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -59,14 +71,23 @@ from specdec.serve.schemas import (
 )
 from specdec.serve.text import chat_prompt
 
+log = logging.getLogger("specdec.serve")
+T = TypeVar("T")
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """max_tokens of a /v1/completions request that gives none (OpenAI's default)"""
 CHAT_DEFAULT_MAX_TOKENS = 512
 """max_tokens of a chat request that gives none, when the model's context length is unknown
 (otherwise: the rest of the context, as OpenAI)"""
-DISCONNECT_POLL_S = 0.5
-"""how often a non-streaming handler checks that its client is still there"""
 MAX_BODY_BYTES = 4 * 2**20
+"""request bodies larger than this get 413, whether announced (Content-Length) or streamed (chunked)"""
+CHARS_PER_TOKEN_MARGIN = 2
+"""a prompt of more than context x (longest vocabulary entry) x this many characters cannot fit in
+the context (a token covers at most its entry's characters; the margin allows for normalizers that
+merge characters): it is rejected without tokenizing"""
+TOKENIZER_THREADS = 1
+"""threads that tokenize prompts (and render chat templates) off the event loop; one keeps
+concurrent calls off a single fast tokenizer"""
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -85,9 +106,20 @@ def default_model_name(decoder: SpeculativeDecoder) -> str:
     return name
 
 
-class _StatusCounter:
-    """ASGI middleware: counts responses by endpoint and status code (streams included), and
-    answers 413 to a body announced (Content-Length) larger than MAX_BODY_BYTES."""
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised while reading a body that has grown past MAX_BODY_BYTES (FastAPI lets HTTP
+    exceptions from the body read through to the app's exception handlers)."""
+
+    def __init__(self, size: int, streamed: bool) -> None:
+        so_far = " so far" if streamed else ""
+        super().__init__(413, f"the request body has {size} bytes{so_far}, more than the {MAX_BODY_BYTES} this server takes; send a shorter prompt")
+
+
+class _Guard:
+    """ASGI middleware around the app: counts every response by endpoint and status code
+    (streams, 413s, 500s and 503s included), answers 413 to a body over MAX_BODY_BYTES, whether
+    announced by Content-Length or found while it streams in, and answers an exception no
+    handler caught with an OpenAI-shaped 500 (logged) instead of a plain-text one."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -99,18 +131,41 @@ class _StatusCounter:
             return
         path = scope.get("path", "")
         endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
+        started = False
 
         async def counting_send(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.count_http(endpoint, int(message["status"]))
             await send(message)
 
         length = dict(scope.get("headers") or []).get(b"content-length", b"0")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            too_large = APIError(413, f"the request body has {int(length)} bytes, more than the {MAX_BODY_BYTES} this server takes; send a shorter prompt")
-            await too_large.response()(scope, receive, counting_send)
+            too_large = _BodyTooLarge(int(length), streamed=False)
+            await APIError(413, str(too_large.detail)).response()(scope, receive, counting_send)
             return
-        await self.app(scope, receive, counting_send)
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    raise _BodyTooLarge(received, streamed=True)
+            return message
+
+        try:
+            await self.app(scope, limited_receive, counting_send)
+        except Exception as err:
+            if isinstance(err, _BodyTooLarge):
+                error = APIError(413, str(err.detail))
+            else:
+                log.exception("unhandled error answering %s %s", scope.get("method"), path)
+                error = APIError(500, f"internal error: {err!r}")
+            if not started:  # else the response is under way: the server closes the connection
+                await error.response()(scope, receive, counting_send)
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -146,6 +201,8 @@ def _validation_error(exc: RequestValidationError, body_model: type[BaseModel] |
     if kind == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON ({detail}); send one JSON object", code="invalid_json")
+    if kind == LONE_SURROGATE:
+        return APIError(400, str(first.get("msg", "")), param=(first.get("ctx") or {}).get("param") or None, code="invalid_unicode")
     if not loc:
         given = first.get("input")
         if kind == "missing" or isinstance(given, bytes | str):
@@ -168,6 +225,18 @@ def _validation_error(exc: RequestValidationError, body_model: type[BaseModel] |
     return APIError(400, f"{param}: {' or '.join(messages)} (got {shown})", param=param, code="invalid_value")
 
 
+def prompt_char_limit(tokenizer: Any, max_context: int | None) -> int | None:
+    """The most characters a prompt can have and still fit in `max_context` tokens (None: no
+    known context): context x the longest vocabulary entry x CHARS_PER_TOKEN_MARGIN."""
+    if max_context is None:
+        return None
+    try:
+        longest = max((len(entry) for entry in tokenizer.get_vocab()), default=1)
+    except (AttributeError, NotImplementedError, TypeError):  # a tokenizer without a vocabulary to read
+        return None
+    return max_context * max(longest, 1) * CHARS_PER_TOKEN_MARGIN
+
+
 def create_app(
     decoder: SpeculativeDecoder,
     model_name: str | None = None,
@@ -183,21 +252,34 @@ def create_app(
     scheduler = Scheduler(decoder, max_batch_size=max_batch_size, max_queue=max_queue, metrics=metrics)
     served = model_name or default_model_name(decoder)
     created = now()
+    char_limit = prompt_char_limit(decoder.tokenizer, decoder.max_context)
+    tokenizing: list[ThreadPoolExecutor] = []
+    """the thread that tokenizes, while the app runs"""
+
+    async def drain(grace_s: float) -> None:
+        """Stop taking requests (503) and answer every one in flight: those waiting for a row
+        now, running ones when they finish or after `grace_s` seconds (503)."""
+        scheduler.begin_stop(grace_s)
+        while not scheduler.stopped:
+            await asyncio.sleep(0.02)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tokenizing.append(ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdec-tokenize"))
         scheduler.start()
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+            await drain(0.0)
+            tokenizing.pop().shutdown(wait=False)
 
     app = FastAPI(title="specdec", summary="OpenAI-compatible speculative decoding", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.state.decoder = decoder
     app.state.model_name = served
-    app.add_middleware(_StatusCounter, metrics=metrics)
+    app.state.drain = drain
+    app.add_middleware(_Guard, metrics=metrics)
     body_models: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
     # ----- errors ----------------------------------------------------------------------------
@@ -215,18 +297,35 @@ def create_app(
             message = f"no such endpoint: {request.method} {request.url.path}; this server serves {', '.join(ENDPOINTS)}"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
+        elif isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            bad = exc.__cause__
+            message = f"the request body is not valid UTF-8 (byte 0x{bad.object[bad.start]:02x} at offset {bad.start}); send JSON encoded as UTF-8"
+        elif isinstance(exc.__cause__, RecursionError):
+            message = "the request body is nested too deeply to parse; send a JSON object of the documented fields"
         else:
             message = str(exc.detail)
         return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        return APIError(500, f"internal error: {exc!r}").response()
 
     # ----- helpers ---------------------------------------------------------------------------
     def check_model(name: str | None) -> None:
         if name is not None and name != served:
             raise APIError(404, f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    def check_size(chars: int, param: str) -> None:
+        """Reject a prompt too long for the context by its characters, before tokenizing it."""
+        if char_limit is not None and chars > char_limit:
+            raise APIError(
+                400,
+                f"the prompt has {chars} characters, more than can fit in the model's context of {decoder.max_context} tokens "
+                f"(at most {char_limit} characters with this tokenizer); shorten the prompt",
+                param=param, code="context_length_exceeded",
+            )
+
+    async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` in the tokenizing thread, so that the event loop keeps serving meanwhile."""
+        if not tokenizing:
+            raise APIError(503, "the server is not running; retry against a running server", code="unavailable")
+        return await asyncio.get_running_loop().run_in_executor(tokenizing[-1], partial(fn, *args, **kwargs))
 
     def check_context(prompt_ids: Sequence[int], max_tokens: int | None, prompt_param: str, default: int | None) -> int:
         """max_tokens (or the default) after checking prompt + max_tokens against the context."""
@@ -251,12 +350,22 @@ def create_app(
         return max_tokens
 
     def encode(text: str, param: str, special_tokens_in_text: bool = False) -> list[int]:
+        """Token ids of a prompt (in the tokenizing thread)."""
         try:
             if special_tokens_in_text:
                 return list(decoder.tokenizer(text, add_special_tokens=False)["input_ids"])
             return list(decoder.encode(text))
         except SpecDecError as err:
             raise APIError(400, f"{param}: {err}", param=param) from None
+
+    def chat_ids(messages: list[tuple[str, str]]) -> list[int]:
+        """Token ids of the chat prompt of `messages` (in the tokenizing thread)."""
+        try:
+            text, templated = chat_prompt(decoder.tokenizer, messages)
+        except SpecDecError as err:
+            raise APIError(400, f"messages: {err}", param="messages") from None
+        check_size(len(text), "messages")
+        return encode(text, "messages", special_tokens_in_text=templated)
 
     def submit(job: Job) -> None:
         try:
@@ -267,19 +376,26 @@ def create_app(
                 code="queue_full",
             ) from None
         except SchedulerStoppedError:
-            raise APIError(503, "the decode worker is not running; retry against a running server", code="unavailable") from None
+            raise shutting_down() from None
+
+    async def until_disconnected(request: Request) -> None:
+        """Return when the client has closed the connection (the ASGI receive channel says so;
+        the body was read before the handler ran)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def cancel_when_gone(job: Job, request: Request) -> None:
+        await until_disconnected(request)
+        scheduler.cancel(job)  # its row is freed at its lane's next step boundary
+        job.events.put_nowait(Failed(APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection")))
 
     async def result(job: Job, request: Request) -> Finished:
-        """Wait for a job's end (cancelling it if the client goes away)."""
+        """Wait for a job's end; a client that closes the connection cancels it at once."""
+        watcher = asyncio.create_task(cancel_when_gone(job, request))
         ended = False
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection") from None
-                    continue
+                event = await job.events.get()
                 if isinstance(event, Finished):
                     ended = True
                     return event
@@ -287,12 +403,15 @@ def create_app(
                     ended = True
                     raise event.error
         finally:
+            watcher.cancel()
             if not ended:
                 scheduler.cancel(job)
 
     async def stream(job: Job, make_chunk: Callable[[str | None, str | None], dict[str, Any]], usage_chunk: Callable[[Usage], dict[str, Any]] | None,
                      opening: dict[str, Any] | None = None) -> AsyncIterator[str]:
-        """Server-sent events of a job: `make_chunk(text, finish_reason)` per delta and at the end."""
+        """Server-sent events of a job: `make_chunk(text, finish_reason)` per delta and at the end,
+        then [DONE]; an error is one `{"error": ...}` event, then [DONE]. A client that goes away
+        cancels the stream (Starlette listens for the disconnect), which cancels the job."""
         ended = False
         try:
             if opening is not None:
@@ -311,9 +430,14 @@ def create_app(
                 else:
                     ended = True
                     yield _sse(event.error.body())
+                    yield SSE_DONE
                     return
+        except Exception as err:  # a bug while streaming: the client still gets an error event
+            log.exception("error while streaming a response")
+            yield _sse(APIError(500, f"internal error while streaming: {err!r}").body())
+            yield SSE_DONE
         finally:
-            if not ended:  # the client went away mid-stream: free its row
+            if not ended:  # the client went away mid-stream (or the stream failed): free its row
                 scheduler.cancel(job)
 
     def report(event: Finished) -> DecodingReport:
@@ -331,7 +455,8 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         lane = resolve_lane(decoder, body.temperature, body.top_p, body.specdec)
-        prompt_ids = encode(body.prompt_text, "prompt")
+        check_size(len(body.prompt_text), "prompt")
+        prompt_ids = await off_loop(encode, body.prompt_text, "prompt")
         max_tokens = check_context(prompt_ids, body.max_tokens, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
         job = make_job(body, prompt_ids, max_tokens, lane)
         submit(job)
@@ -355,11 +480,9 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         lane = resolve_lane(decoder, body.temperature, body.top_p, body.specdec)
-        try:
-            text, templated = chat_prompt(decoder.tokenizer, [(m.role, m.text) for m in body.messages])
-        except SpecDecError as err:
-            raise APIError(400, f"messages: {err}", param="messages") from None
-        prompt_ids = encode(text, "messages", special_tokens_in_text=templated)
+        messages = [(m.role, m.text) for m in body.messages]
+        check_size(sum(len(content) for _, content in messages), "messages")
+        prompt_ids = await off_loop(chat_ids, messages)
         max_tokens = check_context(prompt_ids, body.token_limit, "messages", None)
         job = make_job(body, prompt_ids, max_tokens, lane)
         submit(job)
@@ -401,6 +524,6 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     return app

@@ -16,6 +16,10 @@ join free rows at a step boundary and leave when they finish (the rolling batch 
 Failures stay with their request: an error while admitting a job, or in its text
 handling, fails that job only (500); an error inside a lane's step fails the jobs of that
 lane (they shared the batch) and drops the lane. The worker keeps serving either way.
+
+Stopping drains: `begin_stop(grace_s)` refuses new jobs, answers the jobs still waiting for
+a row with 503 at once, keeps stepping the running ones for up to `grace_s` seconds, then
+answers what is left with 503 and ends the worker.
 """
 
 from __future__ import annotations
@@ -194,6 +198,11 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+def shutting_down() -> APIError:
+    """The answer to a job that came, or still waited for a batch row, when the server began to stop."""
+    return APIError(503, "the server is shutting down; retry against a running server", code="unavailable")
+
+
 class QueueFullError(Exception):
     def __init__(self, waiting: int, limit: int) -> None:
         super().__init__(f"{waiting} requests are waiting (limit {limit})")
@@ -230,6 +239,8 @@ class Scheduler:
         """live rows over all lanes, published by the worker after each round"""
         self._lane_count = 0
         self._stopping = False
+        self._deadline = 0.0
+        """time.monotonic() by which a stopping worker answers whatever still runs"""
         self._thread: threading.Thread | None = None
         # owned by the worker thread
         self._waiting: deque[Job] = deque()
@@ -249,16 +260,30 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="specdec-decode", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def begin_stop(self, grace_s: float = 0.0) -> None:
+        """Stop taking jobs; jobs waiting for a row get 503 now, running ones get up to
+        `grace_s` seconds to finish (then 503). Returns at once (see `stopped`)."""
         with self._cond:
+            deadline = time.monotonic() + max(0.0, grace_s)
+            self._deadline = min(self._deadline, deadline) if self._stopping else deadline
             self._stopping = True
             self._cond.notify_all()
+
+    def stop(self, grace_s: float = 0.0, timeout: float = 30.0) -> None:
+        """`begin_stop(grace_s)`, then wait (at most grace_s + timeout) for the worker to end."""
+        self.begin_stop(grace_s)
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(grace_s + timeout)
 
     @property
     def alive(self) -> bool:
+        """The worker runs and takes jobs."""
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def stopped(self) -> bool:
+        """The worker has ended (or never started): every job it took has had its answer."""
+        return self._thread is None or not self._thread.is_alive()
 
     def submit(self, job: Job) -> None:
         """Queue a job; QueueFullError when `max_queue` jobs already wait for a row."""
@@ -304,7 +329,8 @@ class Scheduler:
             with self._cond:
                 while not self._stopping and not self._inbox and not self._cancels and not self._has_work():
                     self._cond.wait()
-                if self._stopping:
+                stopping = self._stopping
+                if stopping and (time.monotonic() >= self._deadline or not any(not lane.session.idle for lane in self._lanes.values())):
                     break
                 arrived = list(self._inbox)
                 self._inbox.clear()
@@ -314,13 +340,22 @@ class Scheduler:
                 self._waiting.extend(arrived)
                 for job in cancels:
                     self._cancel(job)
-                self._admit()
+                if cancels:
+                    self._publish()  # a cancelled row is free now (its lane retires it before its next step)
+                if stopping:  # draining: what has no row will not get one
+                    for job in self._waiting:
+                        self._fail(job, shutting_down())
+                    self._waiting.clear()
+                else:
+                    self._admit()
                 self._step_next_lane()
             except Exception as err:  # a bug outside any one lane: fail what is in flight, keep serving
                 log.exception("decode worker error")
                 self._fail_everything(APIError(500, f"internal error in the decode worker: {err!r}"))
             self._publish()
-        self._fail_everything(APIError(503, "the server is shutting down; retry against a running server", code="unavailable"))
+        self._fail_everything(
+            APIError(503, "the server shut down before this request finished; retry against a running server", code="unavailable")
+        )
         self._publish()
 
     def _publish(self) -> None:

@@ -2,7 +2,8 @@
 
 Requests forbid unknown fields. Fields of the OpenAI API this server does not implement
 (`logprobs`, `echo`, penalties, ...) are declared so that a non-default value gets an error
-that names it, rather than being silently ignored.
+that names it, rather than being silently ignored. Text must be valid Unicode: JSON can
+spell a lone UTF-16 surrogate (`"\\ud800"`), which no tokenizer or UTF-8 encoder takes.
 """
 
 from __future__ import annotations
@@ -12,12 +13,40 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4
 """at most this many stop strings per request (as OpenAI)"""
 MAX_SEED = 2**63 - 1
 NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "echo", "specdec"})
 """fields for which JSON null means the default value"""
+LONE_SURROGATE = "lone_surrogate"
+"""the validation error type of a string holding a lone UTF-16 surrogate (its ctx names the field)"""
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
+    """The first string of a JSON value (object keys included) that holds a lone UTF-16
+    surrogate: (its field, e.g. messages[0].content, the character's index, the character)."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return path, err.start, value[err.start]
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            field = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and (bad := find_lone_surrogate(key, path)) is not None:
+                return bad
+            if (bad := find_lone_surrogate(item, field)) is not None:
+                return bad
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (bad := find_lone_surrogate(item, f"{path}[{i}]")) is not None:
+                return bad
+    return None
 
 
 class _Strict(BaseModel):
@@ -70,6 +99,20 @@ class _GenerationRequest(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     specdec: SpecDecOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        bad = find_lone_surrogate(data)
+        if bad is not None:
+            field, index, char = bad
+            raise PydanticCustomError(
+                LONE_SURROGATE,
+                "{where} holds a lone UTF-16 surrogate (\\u{code} at character {index}), which is not valid Unicode; "
+                "send the character itself, or both halves of its surrogate pair (e.g. \\ud83d\\ude00)",
+                {"param": field, "where": field or "a field name", "code": f"{ord(char):04x}", "index": index},
+            )
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -36,25 +36,59 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str
 class CompletionText:
     """Turns a request's committed tokens into text deltas, cut at the first stop string.
 
-    Text is decoded from all tokens so far (so multi-token characters come out whole) and
-    released only when it is final: a trailing U+FFFD (an incomplete UTF-8 sequence) or a
-    tail that could be the start of a stop string is held back until the next tokens
-    decide it. `text` is the completion so far; with `stop_strings` the text is cut before
-    the first one found and `stopped` becomes True, and `token_count` counts only the tokens
-    needed to produce the text up to it (a speculative step may commit several tokens past a
-    stop string; how many depends on the method, so usage must not count them).
+    Text is released only when it is final: a trailing U+FFFD (an incomplete UTF-8 sequence)
+    or a tail that could be the start of a stop string is held back until the next tokens
+    decide it. `text` is the completion so far, `tokenizer.decode(tokens, skip_special_tokens=True)`;
+    with `stop_strings` it is cut before the first one found and `stopped` becomes True, and
+    `token_count` counts only the tokens needed to produce the text up to it (a speculative
+    step may commit several tokens past a stop string; how many depends on the method, so
+    usage must not count them).
+
+    Decoding is incremental (as in HF text-generation-inference and vLLM), so a step costs
+    the tokens it added, not the whole completion. A *stable point* is a token index where
+    the decoded text ended in a complete character; the text before it is never decoded
+    again. Each `add` decodes a window from the stable point before the last one, and the
+    new text is the window's text past that of its first part. E.g. with stable points 4
+    and 7, adding t10 decodes t4..t10 and t4..t6: decoders that treat a sequence's first
+    token specially (SentencePiece drops its leading space) see the same first token in
+    both, and the difference is the text of t7..t10 as a full decode gives it.
+
+    A decoder for which this does not hold (a later token rewrites earlier text, e.g. a
+    stray UTF-8 continuation byte after byte-fallback tokens turns them all into U+FFFD) is
+    noticed when a window's text stops extending its first part, or at the end by one full
+    decode; from then on the request's text is decoded in full each step, as a full decode
+    gives it (what was already released cannot be taken back).
     """
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = [s for s in stop_strings if s]
+        self._longest_stop = max((len(s) for s in self.stop_strings), default=0)
         self.token_ids: list[int] = []
-        self.text = ""
-        """the decoded completion, cut at a stop string"""
         self.sent = 0
         """characters of `text` already released as deltas"""
         self.stopped = False
         self._stop_tokens: int | None = None
+        self._deltas: list[str] = []
+        """the text released so far, `text[:sent]`, in pieces"""
+        self._window = ""
+        """`text[_from:]`: the text not released yet, with what stop strings and the stable point still need before it"""
+        self._from = 0
+        self._window_start = 0
+        """token index where the next decode window starts (the stable point before the last one)"""
+        self._stable = 0
+        """token index of the last stable point"""
+        self._stable_chars = 0
+        """len(text) at the last stable point"""
+        self._incremental = True
+        """False once a full decode is needed (see the class docstring)"""
+
+    @property
+    def text(self) -> str:
+        """The decoded completion so far, cut at a stop string."""
+        if not self._incremental:
+            return self._window  # _from is 0: the whole text
+        return "".join(self._deltas) + self._window[self.sent - self._from :]
 
     @property
     def token_count(self) -> int:
@@ -64,42 +98,94 @@ class CompletionText:
 
     def add(self, tokens: Sequence[int]) -> str:
         """Append newly committed tokens; returns the text that became final (maybe "")."""
-        if self.stopped:
+        if self.stopped or not tokens:
             return ""
         self.token_ids.extend(tokens)
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if self._incremental:
+            self._decode_window()
+        else:
+            self._window = self._decode(self.token_ids)
         cut = self._first_stop()
+        if cut is not None and self._incremental and not self._matches_full_decode():
+            cut = self._first_stop()
         if cut is not None:
-            self.text = self.text[:cut]
+            self._window = self._window[: cut - self._from]
             self.stopped = True
             count = len(self.token_ids)  # drop the tokens the cut text does not need (at most one step's)
-            while count > 0 and self.tokenizer.decode(self.token_ids[: count - 1], skip_special_tokens=True).startswith(self.text):
+            text = self.text
+            while count > 0 and self._decode(self.token_ids[: count - 1]).startswith(text):
                 count -= 1
             self._stop_tokens = count
-            return self._release(len(self.text))
-        return self._release(len(self.text) - self._held_back())
+            return self._release(cut)
+        return self._release(self._from + len(self._window) - self._held_back())
 
     def finish(self) -> str:
         """The rest of the text (nothing more will come)."""
-        return self._release(len(self.text))
+        if self.stopped:
+            return ""
+        if self._incremental:
+            self._matches_full_decode()
+        return self._release(self._from + len(self._window))
 
+    # ----- decoding --------------------------------------------------------------------
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def _decode_window(self) -> None:
+        """Decode the tokens past the last stable point (and move it when they end in a complete character)."""
+        ids = self.token_ids
+        known = self._decode(ids[self._window_start : self._stable])
+        window = self._decode(ids[self._window_start :])
+        if not window.startswith(known):
+            self._decode_in_full()
+            return
+        tail = window[len(known) :]  # the text of the tokens past the stable point
+        self._window = self._window[: self._stable_chars - self._from] + tail
+        if tail and not tail.endswith("\ufffd"):
+            self._window_start, self._stable = self._stable, len(ids)
+            self._stable_chars += len(tail)
+
+    def _matches_full_decode(self) -> bool:
+        """Check the text against one full decode; on a difference, switch to full decodes."""
+        if self._decode(self.token_ids) == self.text:
+            return True
+        self._decode_in_full()
+        return False
+
+    def _decode_in_full(self) -> None:
+        self._incremental = False
+        self._from = 0
+        self._window = self._decode(self.token_ids)
+
+    # ----- releasing -------------------------------------------------------------------
     def _release(self, upto: int) -> str:
         if upto <= self.sent:
             return ""
-        delta = self.text[self.sent : upto]
+        delta = self._window[self.sent - self._from : upto - self._from]
         self.sent = upto
+        self._deltas.append(delta)
+        if self._incremental:  # keep only what stop strings and the stable point still need
+            start = min(max(0, self.sent - self._longest_stop), self._stable_chars)
+            self._window = self._window[start - self._from :]
+            self._from = start
         return delta
 
-    def _first_stop(self) -> int | None:
+    def _search_start(self) -> int:
         # a stop string can only appear where new text (or the held-back tail) is
-        start = max(0, self.sent - max((len(s) for s in self.stop_strings), default=0))
-        hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
-        return min(hits) if hits else None
+        return max(0, self.sent - self._longest_stop)
+
+    def _first_stop(self) -> int | None:
+        """Where the first stop string starts in `text`, if one is there."""
+        start = self._search_start()
+        recent = self._window[start - self._from :]
+        hits = [i for i in (recent.find(s) for s in self.stop_strings) if i >= 0]
+        return start + min(hits) if hits else None
 
     def _held_back(self) -> int:
         """Characters at the end of `text` not yet final."""
-        text = self.text.rstrip("\ufffd")  # an incomplete UTF-8 sequence is not final
-        incomplete = len(self.text) - len(text)
+        recent = self._window[self._search_start() - self._from :]
+        text = recent.rstrip("\ufffd")  # an incomplete UTF-8 sequence is not final
+        incomplete = len(recent) - len(text)
         longest = 0  # nor is a tail before it that could start a stop string
         for stop in self.stop_strings:
             for n in range(min(len(stop) - 1, len(text)), longest, -1):
