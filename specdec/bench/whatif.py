@@ -183,16 +183,16 @@ def plot_whatif(runs: Sequence[AgreementRun], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs_all = [r.draft.agreement_achieved for r in runs]
-    for label in _labels(runs):
-        if label == BASELINE:
-            continue
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, label in enumerate(lab for lab in _labels(runs) if lab != BASELINE):
         points = [(r.draft.agreement_achieved, s) for r in runs if (s := _cell(r, label)) is not None]
         peer = any(s.peer for _, s in points)
         style = {"linestyle": "--", "marker": "s"} if peer else {"marker": "o"}
-        ax1.plot([x for x, _ in points], [s.speedup for _, s in points], label=label, **style)
+        color = colors[i % len(colors)]  # the same colour for a method in both panels
+        ax1.plot([x for x, _ in points], [s.speedup for _, s in points], label=label, color=color, **style)
         taus = [(x, s.tau) for x, s in points if s.tau is not None]
         if taus:
-            ax2.plot([x for x, _ in taus], [t for _, t in taus], label=label, **style)
+            ax2.plot([x for x, _ in taus], [t for _, t in taus], label=label, color=color, **style)
     ax1.axhline(1.0, color="grey", lw=1, ls=":", label="AR")
     ax1.set_title("speedup over AR (same run)")
     ax1.set_ylabel("speedup (x)")
@@ -203,6 +203,7 @@ def plot_whatif(runs: Sequence[AgreementRun], path: Path) -> Path:
             ax.set_xticks(xs_all, [f"{x:.2f}" for x in xs_all])
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
     fig.suptitle("Synthetic pair: what-if speedup against draft agreement")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -243,6 +244,14 @@ def render_whatif(
         "(docs/synthetic-pairs.md). The text is meaningless: these figures say how fast each method would be with a draft "
         "this good on a model this size on this machine, not how good any real draft is.",
         "",
+    ]
+    if not device.startswith("cuda"):
+        lines += [
+            f"> **No GPU was measured**: every figure here comes from the {device.upper()}. On a GPU a forward's cost grows far more "
+            "slowly with the tokens verified, so trees and long chains gain more there; run the same command on one to see.",
+            "",
+        ]
+    lines += [
         f"- **Machine**: {machine['cpu']}, {machine['logical_cores']} logical cores, {machine['memory_gb']} GB RAM, torch threads "
         f"{machine['torch_threads']}, device {device}" + (f" ({machine['gpu']})" if "gpu" in machine else " (no GPU)"),
         f"- **Versions**: python {ver['python']}, torch {ver['torch']}, transformers {ver['transformers']}",
@@ -251,8 +260,9 @@ def render_whatif(
         f"- **Draft**: the target's first {whatif.draft_layers} layer(s) + embeddings + head with noise: {draft_params / 1e6:,.1f}M parameters",
         f"- **Target head**: scale {target.head_scale:.3g}{' (auto)' if target.head_scale_auto else ''}; mean top-1 probability {target.target_top1:.2f}",
         f"- **Pairs**: `{root}` (built once, reused)",
-        f"- **Prompts**: `{bench.prompts or 'prompts.jsonl of the pair'}`: {bench.num_prompts or 'all'} prompt(s) of {target.prompt_tokens} random tokens; "
-        f"max_new_tokens {bench.max_new_tokens}, temperature {bench.temperature}, batch size {bench.batch_size}, repeats {bench.repeats}",
+        f"- **Prompts**: `{bench.prompts or root / PROMPTS_FILE}`: {bench.num_prompts or 'all'} prompt(s)"
+        + ("" if bench.prompts else f" of {target.prompt_tokens} random tokens")
+        + f"; max_new_tokens {bench.max_new_tokens}, temperature {bench.temperature}, batch size {bench.batch_size}, repeats {bench.repeats}",
         "",
         "## Agreement",
         "",
@@ -270,6 +280,14 @@ def render_whatif(
             f"| {r.draft.agreement_requested:g} | {r.draft.agreement_achieved:.3f} | {r.draft.noise_std:.4g} | {r.draft.draft_top1:.2f} | "
             f"{_fmt(first_token_acceptance(r), '.3f')} | [{rel}]({rel}) |"
         )
+    loops = [(r, s) for r in runs if (s := _cell(r, BASELINE)) is not None and s.loop_share is not None]
+    if loops:
+        lines += [
+            "",
+            "The target's own greedy completions (AR, `--quality`) ending in a short loop (`specdec.stats.ends_in_loop`): "
+            + ", ".join(f"{100 * s.loop_share:.0f}% of {s.loop_rows} at {r.draft.agreement_requested:g}" for r, s in loops)
+            + "; AR's target NLL: " + ", ".join(f"{s.nll:.2f}" for _, s in loops if s.nll is not None) + " nats/token.",
+        ]
     lines += ["", "## Speedup over AR", "", "Median tokens/s over AR's median tokens/s, both measured in the same run.", ""]
     lines += [f"| method | {heads} |", f"| --- | {rule} |"]
     for label in labels:
@@ -291,7 +309,8 @@ def render_whatif(
         "",
         "- Each column is one full `specdec bench` run on the pair with that draft (its report is linked above); AR, the HF peers "
         "and every method ran on the same prompts in the same process. AR and `hf` do not use the draft: their columns differ only "
-        "by noise between runs.",
+        "by noise between runs, so the spread of `hf` (and of AR's tokens/s) across the columns shows how much a figure moves "
+        "from run to run on this machine.",
         "- **achieved** agreement: the share of held-out decode positions (the target's own greedy continuations of random prompts) "
         "where the draft's argmax equals the target's. A chain's first-token acceptance measures the same thing on the bench's "
         "prompts; deeper tokens of a chain are accepted only if all before them were.",
