@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.api import SpeculativeDecoder
@@ -23,6 +24,7 @@ from specdec.models.synthetic import (
     critical_noise,
     gaussian_rows,
     load_shape,
+    measure_full,
     meta_model,
     noise_for_agreement,
     plan_tensors,
@@ -180,6 +182,19 @@ def test_achieved_agreement_is_the_requested_one(tiny_root, agreement):
         d_arg = draft(seqs).logits[:, 31:-1].argmax(-1)
     measured = (t_arg == d_arg).float().mean().item()
     assert abs(measured - agreement) <= 0.05, measured
+
+
+def test_cheap_measurement_equals_running_the_models(tiny_root, monkeypatch):
+    """The method used for big targets (first-layer hidden states + the two heads, no forward of
+    the target) gives the agreement that running the saved target and draft whole gives."""
+    monkeypatch.setattr(synthetic, "FULL_CHECK_MAX_PARAMS", 0)
+    entry = build_draft(tiny_root, DraftSpec(agreement=0.7), "draft-cheap", device="cpu")
+    assert entry.measured_with == "first layer + heads"
+    calib = load_file(str(tiny_root / synthetic.CALIBRATION_FILE))
+    full = measure_full(tiny_root / "target", tiny_root / "draft-cheap", calib["check_ids"], read_record(tiny_root).target.prompt_tokens, torch.device("cpu"))
+    assert full.positions == entry.check_positions
+    assert abs(full.agreement - entry.agreement_achieved) <= 0.005 and abs(entry.agreement_achieved - 0.7) <= 0.05
+    assert full.draft_top1 == pytest.approx(entry.draft_top1, abs=0.005)
 
 
 def test_target_computes_its_first_layer(tiny_root):

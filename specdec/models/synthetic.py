@@ -34,8 +34,8 @@ Construction (docs/synthetic-pairs.md has the reasons):
 Weights are generated tensor by tensor from seeds derived from (seed, tensor name, block), so
 the target and draft share their common tensors without either being kept in memory, and a
 model is written shard by shard in `save_pretrained`'s format (safetensors shards + index,
-config.json, generation_config.json, tokenizer), never whole: an 8B bfloat16 target needs
-about 2 GiB of RAM to build.
+config.json, generation_config.json, tokenizer), never whole. The peak of memory is the
+float32 reference during calibration (8.8 GiB measured for llama-3-8b, docs/synthetic-pairs.md).
 
 Every saved pair also gets a word-level tokenizer whose tokens are "t1" ... "t{V-1}" (id 0
 is "<unk>"), so `len(tokenizer)` equals the vocabulary and any token id round-trips through
@@ -875,27 +875,31 @@ def build_draft(root: Path, draft: DraftSpec, name: str = "draft", device: str |
 
     params = write_model(folder, draft_config, tensors(), vocab)
     if info.params <= FULL_CHECK_MAX_PARAMS:
-        achieved, draft_top1, positions = measure_full(root / "target", folder, calib["check_ids"], info.prompt_tokens, dev)
-        measured_with = "full models"
+        measured = measure_full(root / "target", folder, calib["check_ids"], info.prompt_tokens, dev)
     else:
         check_hidden = calib["check_hidden"].to(dev)
         target_check, _ = head_argmax(check_hidden, target_rows, vocab, step)
-        draft_rows: Rows = lambda a, b: head_rows(info.seed, head_plan, info.head_scale, sigma, a, b).to(saved).float()  # noqa: E731
+
+        def draft_rows(a: int, b: int) -> torch.Tensor:
+            return head_rows(info.seed, head_plan, info.head_scale, sigma, a, b).to(saved).float()
+
         draft_check, top1 = head_argmax(check_hidden, draft_rows, vocab, step)
-        achieved, draft_top1, positions = float((draft_check == target_check).float().mean()), float(top1.mean()), int(check_hidden.shape[0])
-        measured_with = "first layer + heads"
-    log(f"achieved agreement {achieved:.3f} on {positions} held-out decode positions ({measured_with})")
+        measured = Measured(
+            agreement=float((draft_check == target_check).float().mean()), draft_top1=float(top1.mean()), positions=int(check_hidden.shape[0]),
+            method="first layer + heads",
+        )
+    log(f"achieved agreement {measured.agreement:.3f} on {measured.positions} held-out decode positions ({measured.method})")
     entry = DraftInfo(
         folder=name,
         agreement_requested=float(draft.agreement),
-        agreement_achieved=achieved,
+        agreement_achieved=measured.agreement,
         agreement_fit=fit_agreement,
         noise_std=sigma,
         draft_layers=draft.draft_layers,
         params=params,
-        draft_top1=draft_top1,
-        measured_with=measured_with,
-        check_positions=positions,
+        draft_top1=measured.draft_top1,
+        measured_with=measured.method,
+        check_positions=measured.positions,
     )
     record = read_record(root) or record
     record.drafts[name] = entry
@@ -903,11 +907,23 @@ def build_draft(root: Path, draft: DraftSpec, name: str = "draft", device: str |
     return entry
 
 
-def measure_full(target_dir: Path, draft_dir: Path, ids: torch.Tensor, prompt_tokens: int, device: torch.device, rows: int = 4) -> tuple[float, float, int]:
+@dataclass
+class Measured:
+    """A draft's greedy agreement measured on the held-out decode positions."""
+
+    agreement: float
+    draft_top1: float
+    """the draft's mean top-1 probability (temperature 1)"""
+    positions: int
+    method: str
+    """'full models' (saved target and draft run whole) or 'first layer + heads' (the cheap method)"""
+
+
+def measure_full(target_dir: Path, draft_dir: Path, ids: torch.Tensor, prompt_tokens: int, device: torch.device, rows: int = 4) -> Measured:
     """Agreement of the saved draft with the saved target, both loaded in float32 and run whole
     on the held-out contexts `ids` [S, P + N] (`rows` sequences at a time), at their decode
     positions; also checks that the target follows its first layer's greedy tokens (the
-    construction works for this architecture). Returns (agreement, draft mean top-1, positions)."""
+    construction works for this architecture)."""
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).to(device).eval()
     agree = follow = positions = 0
@@ -927,7 +943,7 @@ def measure_full(target_dir: Path, draft_dir: Path, ids: torch.Tensor, prompt_to
             f"the saved target follows its first layer's greedy tokens at only {follow / positions:.1%} of positions; zeroing "
             f"{', '.join(sorted(OUTPUT_PROJECTIONS))} does not reduce this architecture's later layers to the identity"
         )
-    return agree / positions, top1_sum / positions, positions
+    return Measured(agreement=agree / positions, draft_top1=top1_sum / positions, positions=positions, method="full models")
 
 
 # ----- entry points ----------------------------------------------------------------------
