@@ -482,6 +482,7 @@ def _int_option(text: str | None, flag: str, default: int, minimum: int = 1) -> 
 
 def _cmd_whatif(args: argparse.Namespace, config: BenchConfig) -> int:
     """`specdec bench --synthetic SHAPE`: the what-if study (specdec.bench.whatif)."""
+    from specdec.bench.runner import BASELINE
     from specdec.bench.whatif import DEFAULT_AGREEMENTS, WhatIfConfig, default_cache, parse_agreements, run_whatif
     from specdec.models.synthetic import parse_head_scale
 
@@ -501,7 +502,7 @@ def _cmd_whatif(args: argparse.Namespace, config: BenchConfig) -> int:
     )
     outputs = run_whatif(config, whatif, getattr(args, "argv", ()), log=lambda line: print(line, file=sys.stderr, flush=True))
     for run in outputs.runs:
-        best = max((s for s in run.summaries if s.label != "ar"), key=lambda s: s.speedup, default=None)
+        best = max((s for s in run.summaries if s.label != BASELINE), key=lambda s: s.speedup, default=None)
         if best is not None:
             print(f"agreement {run.draft.agreement_requested:g} (achieved {run.draft.agreement_achieved:.3f}): fastest {best.label} {best.speedup:.2f}x AR")
     print(f"report: {outputs.report}\nresults: {outputs.results}\nplot: {outputs.plot}")
