@@ -1,4 +1,4 @@
-"""The `specdec` command: generate, serve, bench, bench-serve, sweep, train, profile."""
+"""The `specdec` command: generate, serve, bench, bench-serve, sweep, train, profile, synth-pair."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from specdec.parsing import parse_int_list
 
 if TYPE_CHECKING:
     from specdec.api import SpeculativeDecoder
+    from specdec.bench.runner import BenchConfig
 
 EXIT_USAGE = 2
 
@@ -413,7 +414,10 @@ def _add_bench(sub) -> None:
     from specdec.bench.runner import DEFAULT_METHODS
 
     bench = sub.add_parser("bench", help="benchmark methods and Hugging Face peers against plain AR, same prompts, same process")
-    bench.add_argument("--prompts", default="stdlib-heldout", help="'stdlib-heldout' (the bundled set) or a JSONL(.gz) file with 'prompt' or 'turns' lines")
+    bench.add_argument(
+        "--prompts", default=None,
+        help="'stdlib-heldout' (the bundled set; the default) or a JSONL(.gz) file with 'prompt' or 'turns' lines; with --synthetic: the pair's random-token prompts",
+    )
     add_model_args(bench)
     add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS, extra_methods=PEERS)
     add_sampling_args(bench)
@@ -442,7 +446,67 @@ def _add_bench(sub) -> None:
         help="which prompts count as code for the parse share: auto (a 'language: python' line, an id ending in .py or starting with HumanEval), all, none",
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w = bench.add_argument_group(
+        "what-if study on synthetic pairs (docs/synthetic-pairs.md; random weights: for timing, never for text)"
+    )
+    w.add_argument(
+        "--synthetic", metavar="SHAPE", default=None,
+        help="build a synthetic target of this shape (a name from `specdec synth-pair --list`, or a config.json) and one draft per "
+        "--agreements value, run the bench on each pair and compare: OUT/report.md, results.json, speedup_vs_agreement.png",
+    )
+    w.add_argument("--agreements", default=None, help="greedy agreements of the drafts, each in (0, 1] (default 0.5,0.7,0.8,0.9,0.95)")
+    w.add_argument("--synth-cache", default=None, help="folder of the built pairs, reused by later runs (default ~/.cache/specdec/synthetic)")
+    w.add_argument("--draft-layers", default=None, help="layers of each draft, the target's first ones (default 1)")
+    w.add_argument("--head-scale", default=None, help="factor on the target's head, or auto (default: auto, mean top-1 probability 0.75)")
+    w.add_argument("--synth-seed", default=None, help="seed of the pair's weights, prompts and calibration (default 0)")
+    w.add_argument("--prompt-tokens", default=None, help="length of the random-token prompts (default 64)")
     bench.set_defaults(func=_cmd_bench)
+
+
+SYNTH_FLAGS = ("agreements", "synth_cache", "draft_layers", "head_scale", "synth_seed", "prompt_tokens")
+"""`specdec bench` flags that only apply with --synthetic"""
+
+
+def _int_option(text: str | None, flag: str, default: int, minimum: int = 1) -> int:
+    """A command-line integer, or `default` when not given; a SpecDecError names a bad one."""
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise SpecDecError(f"{flag} {text!r} is not an integer; give e.g. {default}") from None
+    if value < minimum:
+        raise SpecDecError(f"{flag} {value} must be {'a positive integer' if minimum == 1 else f'at least {minimum}'}")
+    return value
+
+
+def _cmd_whatif(args: argparse.Namespace, config: BenchConfig) -> int:
+    """`specdec bench --synthetic SHAPE`: the what-if study (specdec.bench.whatif)."""
+    from specdec.bench.runner import BASELINE
+    from specdec.bench.whatif import DEFAULT_AGREEMENTS, WhatIfConfig, default_cache, parse_agreements, run_whatif
+    from specdec.models.synthetic import parse_head_scale
+
+    for name in ("target", "draft", "batch_sizes"):
+        if getattr(args, name) is not None:
+            raise SpecDecError(f"--{name.replace('_', '-')} does not go with --synthetic, which builds its own pair and runs at --batch-size; drop it")
+    if config.prompts == "stdlib-heldout":
+        raise SpecDecError("--prompts stdlib-heldout is text the synthetic pair's tokenizer cannot read (it knows only t1 ... tN); leave --prompts out")
+    whatif = WhatIfConfig(
+        shape=args.synthetic,
+        agreements=parse_agreements(args.agreements or DEFAULT_AGREEMENTS),
+        cache=args.synth_cache or str(default_cache()),
+        draft_layers=_int_option(args.draft_layers, "--draft-layers", 1),
+        head_scale=parse_head_scale(args.head_scale or "auto"),
+        seed=_int_option(args.synth_seed, "--synth-seed", 0, minimum=0),
+        prompt_tokens=_int_option(args.prompt_tokens, "--prompt-tokens", 64),
+    )
+    outputs = run_whatif(config, whatif, getattr(args, "argv", ()), log=lambda line: print(line, file=sys.stderr, flush=True))
+    for run in outputs.runs:
+        best = max((s for s in run.summaries if s.label != BASELINE), key=lambda s: s.speedup, default=None)
+        if best is not None:
+            print(f"agreement {run.draft.agreement_requested:g} (achieved {run.draft.agreement_achieved:.3f}): fastest {best.label} {best.speedup:.2f}x AR")
+    print(f"report: {outputs.report}\nresults: {outputs.results}\nplot: {outputs.plot}")
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -469,8 +533,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise SpecDecError("give either --mars-theta (one theta) or --mars-thetas (a sweep), not both")
     if args.mars_theta is not None and "mars" not in verify and not any(spec.rule == "mars" for spec in specs):
         raise SpecDecError(f"--mars-theta applies only to --verify mars or items METHOD@mars (got --verify {args.verify})")
+    if args.synthetic is None:
+        given = [f"--{name.replace('_', '-')}" for name in SYNTH_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise SpecDecError(f"{', '.join(given)} only apply with --synthetic SHAPE (a what-if study on synthetic pairs); add it or drop them")
     config = BenchConfig(
-        prompts=args.prompts,
+        prompts=args.prompts or ("" if args.synthetic else "stdlib-heldout"),
         out=args.out,
         methods=methods,
         verify=verify,
@@ -495,6 +563,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         draft_source=args.draft_source,
         lookup_ngram=args.lookup_ngram,
     )
+    if args.synthetic is not None:
+        return _cmd_whatif(args, config)
     if args.batch_sizes:
         from specdec.bench.batch_sweep import run_batch_sweep
         sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
@@ -822,6 +892,86 @@ def _cmd_bench_tabed(args: argparse.Namespace) -> int:
     return 0
 
 
+SYNTH_PAIR_DESCRIPTION = """\
+Build a synthetic target/draft pair of a real model's shape, for TIMING AND WHAT-IF STUDIES ONLY:
+the weights are random and the text is meaningless. The target has the shape's architecture and
+size (a full forward's cost) but zeroed output projections in every layer after the first, so it
+computes its first layer's function; the draft is that first layer (plus --draft-layers - 1 zeroed
+ones) with the same embeddings, final norm and a noisy head, the noise calibrated so that the
+draft's greedy choice equals the target's on --agreement of the decode positions. OUT holds
+target/, draft/ (each loadable by --target/--draft of every command), prompts.jsonl (random-token
+prompts) and synth_pair.json (shape, agreement requested and achieved, seed). Details:
+docs/synthetic-pairs.md."""
+
+
+def _add_synth_pair(sub) -> None:
+    sp = sub.add_parser(
+        "synth-pair",
+        help="build a synthetic target/draft pair of a real model's shape with a chosen greedy agreement (timing and what-if studies only, not text)",
+        description=SYNTH_PAIR_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sp.add_argument("--shape", default=None, help="a named shape (see --list: llama-3-8b, llama-3.2-1b, qwen2.5-7b, mistral-7b, tiny-llama, ...) or a config.json path")
+    sp.add_argument("--list", action="store_true", help="list the named shapes and exit")
+    sp.add_argument("--agreement", default="0.8", help="greedy agreement of the draft with the target, in (0, 1] (0.8)")
+    sp.add_argument("--draft-layers", default="1", help="draft layers, the target's first ones; only the first computes, the rest add cost (1)")
+    sp.add_argument("--dtype", default="bfloat16", help="saved dtype: float32, float16 or bfloat16 (bfloat16, the released checkpoints')")
+    sp.add_argument("--seed", default="0", help="seed of every weight, the prompts and the calibration contexts (0)")
+    sp.add_argument("--head-scale", default="auto", help="factor on the target's head (peaked distributions), or auto: mean top-1 probability 0.75 (auto)")
+    sp.add_argument("--prompt-tokens", default="64", help="length of the random-token prompts used to calibrate and written to prompts.jsonl (64)")
+    sp.add_argument("--device", default="auto", help="where the calibration runs: cpu, cuda or auto (weights are built on the CPU)")
+    sp.add_argument("--out", default=None, help="output folder (new or empty): target/, draft/, prompts.jsonl, synth_pair.json")
+    sp.set_defaults(func=_cmd_synth_pair)
+
+
+def _float_option(text: str, flag: str, example: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise SpecDecError(f"{flag} {text!r} is not a number; give e.g. {example}") from None
+
+
+def _cmd_synth_pair(args: argparse.Namespace) -> int:
+    from specdec.models.synthetic import DraftSpec, TargetSpec, load_shape, parse_head_scale, shape_names, synth_pair
+
+    if args.list:
+        for name in shape_names():
+            shape = load_shape(name)
+            c = shape.config
+            print(
+                f"{name:14s} {c.get('model_type')}: hidden {c.get('hidden_size')}, {c.get('num_hidden_layers')} layers, "
+                f"{c.get('num_attention_heads')}/{c.get('num_key_value_heads', c.get('num_attention_heads'))} heads, "
+                f"intermediate {c.get('intermediate_size')}, vocab {c.get('vocab_size')}  [{shape.source or 'no source model'}]"
+            )
+        return 0
+    if args.shape is None:
+        raise SpecDecError("--shape is required: a named shape (see --list) or a config.json path")
+    if args.out is None:
+        raise SpecDecError("--out is required: a new folder for target/, draft/, prompts.jsonl and synth_pair.json")
+    spec = TargetSpec(
+        shape=args.shape,
+        dtype=args.dtype,
+        seed=_int_option(args.seed, "--seed", 0, minimum=0),
+        head_scale=parse_head_scale(args.head_scale),
+        prompt_tokens=_int_option(args.prompt_tokens, "--prompt-tokens", 64),
+    )
+    draft = DraftSpec(agreement=_float_option(args.agreement, "--agreement", "0.8"), draft_layers=_int_option(args.draft_layers, "--draft-layers", 1))
+    record = synth_pair(spec, draft, Path(args.out), device=args.device, log=lambda line: print(line, file=sys.stderr, flush=True))
+    t, d = record.target, record.drafts["draft"]
+    out = Path(args.out)
+    print(
+        f"{t.shape}: target {t.params / 1e6:,.1f}M parameters ({t.dims.get('num_hidden_layers')} layers, {t.dtype}), "
+        f"draft {d.params / 1e6:,.1f}M ({d.draft_layers} layer(s)); head scale {t.head_scale:.3g}, target mean top-1 probability {t.target_top1:.2f}"
+    )
+    print(
+        f"greedy agreement: requested {d.agreement_requested:g}, achieved {d.agreement_achieved:.3f} on {d.check_positions} held-out "
+        f"decode positions ({d.measured_with}); noise std {d.noise_std:.4g}"
+    )
+    print(f"saved: {out / 'target'}, {out / 'draft'}, {out / 'prompts.jsonl'}, {out / 'synth_pair.json'}")
+    print(f"try: specdec bench --target {out / 'target'} --draft {out / 'draft'} --prompts {out / 'prompts.jsonl'} --out runs/synth  (timing only: the text is meaningless)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -834,6 +984,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(sub)
     _add_bench_tabed(sub)
     _add_scenes(sub)
+    _add_synth_pair(sub)
     return parser
 
 

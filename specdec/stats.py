@@ -24,7 +24,10 @@ the plain AR output of the same prompt, turn and repeat:
 - **NLL**: the target's mean negative log-likelihood (nats per token, raw logits, i.e.
   temperature 1 and no top-k/top-p) of the generated tokens given the prompt (`mean_nll`);
 - **parses**: share of code completions for which prompt + completion, cut at the last
-  complete line, is valid Python (`code_parses`, `parse_share`);
+  complete line, is valid Python and the kept completion holds code, not only blank lines
+  and `#` comments (`code_parses`, `parse_share`);
+- **loops** (degeneracy): share of completions whose last half is one unit of at most
+  `LOOP_MAX_PERIOD` tokens repeated (`ends_in_loop`, `loop_share`);
 - **relaxed share**: accepted tokens a lossy rule accepted by relaxation / all accepted
   draft tokens (`relaxed_share`).
 Reports, benchmarks and tests use these functions and properties, nothing else.
@@ -289,15 +292,24 @@ def complete_lines(text: str) -> str:
     return text[: cut + 1] if cut >= 0 else ""
 
 
+def has_code(text: str) -> bool:
+    """Whether `text` holds a line that is neither blank nor a `#` comment."""
+    return any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines())
+
+
 def code_parses(prompt: str, completion: str, finished: bool = False) -> bool:
-    """Whether prompt + completion is valid Python (`ast.parse`).
+    """Whether prompt + completion is valid Python (`ast.parse`) and the completion adds code.
 
     Unless the completion `finished` (ended by EOS), the text is first cut at its last
     complete line, so a completion stopped mid-line by the token limit is not held against
     it; a block header left without its body, an unclosed bracket or string still fails.
+    The part of the completion that is kept must hold code (`has_code`): a completion of
+    blank lines and comments only, or one cut away entirely, does not count as parsing code.
     """
     text = prompt + completion
     source = text if finished else complete_lines(text)
+    if not has_code(source[len(prompt) :]):
+        return False
     try:
         ast.parse(source)
     except (SyntaxError, ValueError):  # ValueError: null bytes in the source
@@ -308,3 +320,32 @@ def code_parses(prompt: str, completion: str, finished: bool = False) -> bool:
 def parse_share(parsed: Sequence[bool]) -> float | None:
     """Share of code completions that parse; None when there is no code completion."""
     return sum(parsed) / len(parsed) if parsed else None
+
+
+LOOP_MAX_PERIOD = 4
+"""longest repeating unit, in tokens, that counts as a short loop (`ends_in_loop`)"""
+
+
+def ends_in_loop(tokens: Sequence[int], max_period: int = LOOP_MAX_PERIOD) -> bool:
+    """Whether the last half of `tokens` is one unit of at most `max_period` tokens repeated.
+
+    The last ceil(n/2) tokens must have a period p <= max_period (each equals the token p
+    before it) and hold at least two whole units (2p <= ceil(n/2)). Examples:
+    [5, 6, 1, 2, 1, 2, 1, 2] -> True (p = 2 over the last 4); [9, 8, 7, 7, 7] -> True (p = 1
+    over the last 3); [1, 2, 3, 4, 5, 6] -> False; [7, 7] -> False (one token of half: too
+    short to show a repeat).
+    """
+    n = len(tokens)
+    half = (n + 1) // 2
+    start = n - half
+    for period in range(1, max_period + 1):
+        if 2 * period > half:
+            break
+        if all(tokens[i] == tokens[i - period] for i in range(start + period, n)):
+            return True
+    return False
+
+
+def loop_share(flags: Sequence[bool]) -> float | None:
+    """Share of completions that end in a short loop (`ends_in_loop`); None without completions."""
+    return sum(flags) / len(flags) if flags else None

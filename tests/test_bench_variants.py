@@ -18,7 +18,10 @@ from specdec.errors import SpecDecError
 from specdec.stats import (
     code_parses,
     common_prefix_len,
+    ends_in_loop,
     exact_match_share,
+    has_code,
+    loop_share,
     mean_nll,
     parse_share,
     position_agreement,
@@ -162,6 +165,52 @@ def test_nll_relaxed_and_parse_definitions():
     assert parse_share([True, False, True, True]) == 0.75 and parse_share([]) is None
 
 
+@pytest.mark.parametrize(
+    ("prompt", "completion", "finished"),
+    [
+        ("def add(a, b):\n", "    # TODO\n\n    # later\n", False),  # comments and blank lines only
+        ("x = 1\n", "# one\n# two", True),  # ended by EOS, still only comments
+        ("x = 1", " # trailing comment\n", False),  # a comment appended to the prompt's last line
+        ("x = 1\n", "y = 2", False),  # cut at the last complete line: nothing of the completion is kept
+        ("x = 1\n", "", True),  # an empty completion
+    ],
+)
+def test_comment_only_completion_is_not_code(prompt, completion, finished):
+    assert not code_parses(prompt, completion, finished=finished)
+
+
+def test_code_after_comments_still_counts():
+    assert code_parses("def add(a, b):\n", "    # sum\n    return a + b\n")
+    assert code_parses("x = 1", " + 2  # three\n")  # completes the prompt's last line
+    assert has_code("# a\n\nb = 1\n") and not has_code("  # a\n\n   \n#b")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "loops"),
+    [
+        ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], False),  # no repeat
+        ([3, 1, 4, 1, 5, 7, 7, 7, 7, 7, 7, 7], True),  # period 1 over the last half
+        ([3, 1, 4, 5, 9, 2, 1, 2, 1, 2, 1, 2], True),  # period 2 over exactly the last half
+        ([3, 1, 4, 5, 9, 2, 6, 1, 2, 1, 2, 1, 2], False),  # the same loop, one token short of the last half
+        ([8, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4], True),  # period 4, two units and more in the last 9
+        ([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5], False),  # period 5: longer than 4
+        ([9, 9, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6], False),  # looped early, not at the end
+        ([1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 7], False),  # the loop broke on the last token
+        ([5, 4, 6, 6], True),  # shortest visible repeat: a unit of 1 twice in a half of 2
+        ([6, 6], False),  # a half of one token cannot show a repeat
+        ([], False),
+    ],
+)
+def test_ends_in_loop_hand_built(tokens, loops):
+    assert ends_in_loop(tokens) is loops
+
+
+def test_loop_share_and_period_limit():
+    assert loop_share([True, False, False, True]) == 0.5 and loop_share([]) is None
+    five = [1, 2, 3, 4, 5] * 4
+    assert not ends_in_loop(five) and ends_in_loop(five, max_period=5)
+
+
 def test_is_code_prompt():
     assert is_code_prompt(BenchPrompt(id="zipfile.py", turns=["import os\n"]))
     assert is_code_prompt(BenchPrompt(id="HumanEval/3", turns=["def f():\n"]))
@@ -213,8 +262,13 @@ def test_bench_variants_with_quality(tiny_pair_dir, tmp_path):
         assert s["parse_share"] == ar["parse_share"], label
     assert results["methods"]["chain[k=2]"]["relaxed_share"] == 0.0 and results["methods"]["hf"]["relaxed_share"] is None
     assert all(r["nll"] is not None and len(r["parses"]) == 1 for r in results["records"])
+    for label in labels:  # the loop share pools every row, by the definition in specdec.stats
+        rows = [r for r in results["records"] if r["label"] == label]
+        flags = [ends_in_loop(out) for r in rows for out in r["outputs"]]
+        assert [f for r in rows for f in r["loops"]] == flags, label
+        assert results["methods"][label]["loop_rows"] == len(flags) and results["methods"][label]["loop_share"] == loop_share(flags), label
     report = (out / "report.md").read_text()
-    assert "## Quality" in report and "| dynatree[phase=0,d0=3] |" in report and "AR prefix agreement" in report
+    assert "## Quality" in report and "| dynatree[phase=0,d0=3] |" in report and "AR prefix agreement" in report and "| loops |" in report
 
 
 @pytest.mark.skipif("mars" not in RULE_OPTIONS, reason="the MARS accept rule (--verify mars) is not available in this checkout")

@@ -6,7 +6,9 @@ After the timed measurement (never inside it) every generated row is scored:
   context + the completion; raw logits, i.e. temperature 1 without top-k/top-p), from which
   `specdec.stats.mean_nll` makes the NLL;
 - for code prompts (`is_code_prompt`), whether prompt + completion parses as Python
-  (`specdec.stats.code_parses`).
+  and the completion holds code, not only comments (`specdec.stats.code_parses`);
+- for every completion, whether it ends in a short loop (`specdec.stats.ends_in_loop`,
+  the degeneracy figure).
 
 Identical (context, completion) pairs, e.g. the repeats of a greedy run, are scored once.
 Agreement with AR needs no model and is computed in `specdec.bench.report.summarize`.
@@ -21,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.bench.prompts import BenchPrompt
 from specdec.errors import SpecDecError
-from specdec.stats import code_parses
+from specdec.stats import code_parses, ends_in_loop
 
 CODE_PROMPT_MODES = ("auto", "all", "none")
 """--code-prompts: which prompts count as code (parse share)"""
@@ -83,6 +85,10 @@ class QualityScorer:
         """prompt text + decoded completion (EOS dropped) parses, cut at the last complete line unless it ended by EOS."""
         text = self.tokenizer.decode([t for t in completion if t not in self.eos], skip_special_tokens=True)
         return code_parses(prompt_text, text, finished=finish_reason == "eos")
+
+    def loops(self, completion: Sequence[int]) -> bool:
+        """The completion (EOS dropped) ends in a short loop: its last half repeats a unit of <= 4 tokens."""
+        return ends_in_loop([t for t in completion if t not in self.eos])
 
     @property
     def scored(self) -> int:

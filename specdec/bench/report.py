@@ -10,7 +10,7 @@ and the GenerationStats properties); this module only aggregates over calls:
   medians over calls; the time split is summed time / summed wall time.
 - quality (`--quality`): AR agreement pools every row against AR's row of the same repeat,
   prompt group and turn; NLL pools every generated token; the parse share pools code rows;
-  the relaxed share pools relaxed / accepted tokens over calls.
+  the loop share pools every row; the relaxed share pools relaxed / accepted tokens over calls.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from specdec.bench.runner import BASELINE, BenchResult, CallRecord
 from specdec.stats import (
     acceptance_rate,
     exact_match_share,
+    loop_share,
     mean_nll,
     parse_share,
     position_agreement,
@@ -121,6 +122,10 @@ class MethodSummary:
     """quality: `specdec.stats.parse_share` over code prompts (None without any)"""
     parse_rows: int = 0
     """quality: code completions checked"""
+    loop_share: float | None = None
+    """quality: `specdec.stats.loop_share`, completions ending in a short loop (degeneracy)"""
+    loop_rows: int = 0
+    """quality: completions checked for loops"""
 
     @property
     def acceptance_by_depth(self) -> list[float]:
@@ -284,6 +289,8 @@ def _add_quality(s: MethodSummary, records: Sequence[CallRecord], ar_outputs: di
         s.nll = mean_nll([lp for r in records for row in r.token_logprobs or [] for lp in row])
     flags = [f for r in records for f in (r.parses or []) if f is not None]
     s.parse_share, s.parse_rows = parse_share(flags), len(flags)
+    loops = [f for r in records for f in (r.loops or [])]
+    s.loop_share, s.loop_rows = loop_share(loops), len(loops)
 
 
 # ----- machine and versions ------------------------------------------------------------
@@ -360,14 +367,15 @@ def _signed(value: float | None) -> str:
 def quality_lines(summaries: Sequence[MethodSummary]) -> list[str]:
     """The `## Quality` table (one row per method)."""
     lines = [
-        "| method | verify | speedup | τ | relaxed share | AR prefix agreement | AR token agreement | exact match | NLL | Δ NLL vs AR | parses |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | verify | speedup | τ | relaxed share | AR prefix agreement | AR token agreement | exact match | NLL | Δ NLL vs AR | parses | loops |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         parses = "n/a" if s.parse_share is None else f"{100 * s.parse_share:.0f}% of {s.parse_rows}"
+        loops = "n/a" if s.loop_share is None else f"{100 * s.loop_share:.0f}% of {s.loop_rows}"
         lines.append(
             f"| {s.label} | {_verify(s)} | {s.speedup:.2f}x | {_fmt(s.tau)} | {_pct1(s.relaxed_share)} | {_pct1(s.ar_prefix_agreement)} | "
-            f"{_pct1(s.ar_token_agreement)} | {_pct1(s.exact_match)} | {_fmt(s.nll, '.3f')} | {_signed(s.nll_delta)} | {parses} |"
+            f"{_pct1(s.ar_token_agreement)} | {_pct1(s.exact_match)} | {_fmt(s.nll, '.3f')} | {_signed(s.nll_delta)} | {parses} | {loops} |"
         )
     return lines
 
@@ -503,7 +511,9 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
             "- **NLL**: the target's mean negative log-likelihood (nats/token, raw logits: temperature 1, no top-k/top-p) of the "
             "generated tokens given the fed context, pooled over tokens; lower = more target-like. **Δ NLL vs AR**: minus AR's.",
             "- **parses**: share of completions of code prompts for which prompt + completion, cut at the last complete line "
-            "(unless it ended with EOS), passes `ast.parse`.",
+            "(unless it ended with EOS), passes `ast.parse` and the kept completion holds code (a completion of blank lines and "
+            "`#` comments only does not count).",
+            "- **loops** (degeneracy): share of completions (EOS dropped) whose last half is one unit of at most 4 tokens repeated.",
             "- At temperature > 0 every method samples, so even lossless methods differ from AR's sample: compare a mars variant "
             "with its strict variant (same method, sampling), not with 100%.",
             "",
@@ -562,12 +572,12 @@ def print_summary(summaries: Sequence[MethodSummary], file: Any = sys.stdout) ->
 
     quality = any(s.nll is not None or s.ar_prefix_agreement is not None for s in summaries)
     table = Table(title="specdec bench")
-    columns = ["method", "tok/s", "speedup", "τ", "acceptance", "= AR"] + (["AR prefix", "NLL", "parses"] if quality else [])
+    columns = ["method", "tok/s", "speedup", "τ", "acceptance", "= AR"] + (["AR prefix", "NLL", "parses", "loops"] if quality else [])
     for col in columns:
         table.add_column(col, justify="left" if col == "method" else "right")
     for s in summaries:
         row = [escape(s.label), f"{s.tokens_per_s_median:.1f}", f"{s.speedup:.2f}x", _fmt(s.tau), _pct(s.acceptance_rate), _equality(s)]
         if quality:
-            row += [_pct1(s.ar_prefix_agreement), _fmt(s.nll, ".3f"), _pct(s.parse_share)]
+            row += [_pct1(s.ar_prefix_agreement), _fmt(s.nll, ".3f"), _pct(s.parse_share), _pct(s.loop_share)]
         table.add_row(*row)
     Console(file=file).print(table)

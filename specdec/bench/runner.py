@@ -147,6 +147,8 @@ class CallRecord:
     """quality runs: per row, the target's log-probability of each generated token"""
     parses: list[bool | None] | None = None
     """quality runs: per row, whether prompt + completion parses as Python (None: not a code prompt)"""
+    loops: list[bool] | None = None
+    """quality runs: per row, whether the completion ends in a short loop (`specdec.stats.ends_in_loop`)"""
 
     @property
     def tokens_per_s(self) -> float:
@@ -178,6 +180,7 @@ class CallRecord:
             "gpu_peak_bytes": self.gpu_peak_bytes,
             "nll": [mean_nll(lp) for lp in self.token_logprobs] if self.token_logprobs is not None else None,
             "parses": self.parses,
+            "loops": self.loops,
         }
 
 
@@ -585,7 +588,8 @@ def _score_quality(
     config: BenchConfig,
 ) -> None:
     """After the measurement: every row's token log-probabilities under the target and, for
-    code prompts, whether it parses (`specdec.bench.quality`); stored on the records."""
+    code prompts, whether it parses, and whether it ends in a short loop (`specdec.bench.quality`);
+    stored on the records."""
     scorer = QualityScorer(models.target, models.tokenizer, eos_token_ids)
     by_id = {p.id: p for p in prompts}
     with _progress(config.progress) as progress:
@@ -598,4 +602,5 @@ def _score_quality(
                 code = is_code_prompt(prompt, config.code_prompts)
                 parses.append(scorer.parses(prompt.turns[0], out, reason) if code else None)
             record.parses = parses
+            record.loops = [scorer.loops(out) for out in record.outputs]
             progress.advance(task)
