@@ -29,6 +29,7 @@ from specdec.models.loading import (
     load_tokenizer,
     resolve_device,
 )
+from specdec.models.vocab import VocabFit, output_width
 from specdec.multimodal.inputs import check_placeholders, count_placeholders, encode_multimodal, is_multimodal, same_image_encoding
 from specdec.multimodal.views import (
     CaptionView,
@@ -172,6 +173,8 @@ class SpeculativeDecoder:
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         self.pad_token_id = pad
+        self.vocab_fit = VocabFit.for_pair(target, draft, len(tokenizer)) if draft is not None else None
+        """the draft's logits brought to the target's width (checkpoints of one family may pad their vocabularies differently)"""
 
     @classmethod
     def from_pretrained(
@@ -253,12 +256,12 @@ class SpeculativeDecoder:
         if not (policy or self.policy).uses_draft:
             return None
         if self.draft_source == "lookup":
-            return LookupDraftSource(vocab_size=self.target.get_output_embeddings().weight.shape[0], max_ngram=self.lookup_ngram)
+            return LookupDraftSource(vocab_size=output_width(self.target), max_ngram=self.lookup_ngram)
         if self.draft is None:
             return None
         if self.draft_source == "tabed":
-            return EnsembleDraftSource(self.draft, self.ensemble_views(), dataclasses.replace(self.ensemble_config), self.ensemble_prior)
-        return ModelDraftSource(self.draft, view=self.draft_view())
+            return EnsembleDraftSource(self.draft, self.ensemble_views(), dataclasses.replace(self.ensemble_config), self.ensemble_prior, vocab=self.vocab_fit)
+        return ModelDraftSource(self.draft, view=self.draft_view(), vocab=self.vocab_fit)
 
     def ensemble_views(self) -> list[PromptView]:
         """The TABED views (built once; the caption view keeps its captions across calls)."""

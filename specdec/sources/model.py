@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from specdec.errors import SpecDecError
 from specdec.models.runner import ModelRunner
+from specdec.models.vocab import VocabFit, fit_draft_inputs, fit_draft_logits
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.multimodal.views import PromptView, encode_batch
 from specdec.sampling import SamplingParams, logits_to_logprobs
@@ -31,10 +32,12 @@ class ModelDraftSource:
 
     needs_target_logprobs = False
 
-    def __init__(self, model: PreTrainedModel, view: PromptView | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, view: PromptView | None = None, vocab: VocabFit | None = None) -> None:
         """view: how the draft sees a prompt (e.g. text only, for a text-only draft of a
-        vision-language target); None = the target's own token ids and image inputs."""
+        vision-language target); None = the target's own token ids and image inputs.
+        vocab: brings the draft's logits to the target's width (`specdec.models.vocab`); None = same width."""
         self.runner = ModelRunner(model)
+        self.vocab = vocab
         self.view = view
         self.multimodal = is_multimodal(model)
         self.pending: list[list[int]] = []
@@ -53,6 +56,7 @@ class ModelDraftSource:
             if not self.multimodal:
                 raise SpecDecError("the draft is a text-only model but the prompts have images; give the draft source a view (e.g. TextOnlyView)")
             model_inputs = batch_model_inputs(prompts, self.runner.device)
+        input_ids = fit_draft_inputs(input_ids, self.vocab)  # ids beyond a narrower draft's rows
         if rows is None:
             self.runner.prefill(input_ids, attention_mask, model_inputs)
             self.pending = [[] for _ in range(input_ids.shape[0])]
@@ -66,6 +70,7 @@ class ModelDraftSource:
         self.pending = [self.pending[r] for r in rows]
 
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        roots = fit_draft_inputs(roots, self.vocab)  # a target-emitted id the draft has no row for
         dev = self.runner.device
         b = roots.shape[0]
         width = 1 + max(len(p) for p in self.pending)
@@ -85,7 +90,7 @@ class ModelDraftSource:
         self._node_slot = torch.full((b, 1), -1, dtype=torch.long, device=dev)
         self._node_slot[:, 0] = width - 1
         self._node_vis = visibility[:, -1:, :].clone()  # [B, 1, width]: the root sees pending + itself
-        return logits_to_logprobs(logits, params)
+        return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
     def expand(self, builder: TreeBuilder, nodes: torch.Tensor, valid: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         dev = self.runner.device
@@ -112,7 +117,7 @@ class ModelDraftSource:
         self._node_slot.scatter_(1, nodes, torch.where(valid, slots, self._node_slot.gather(1, nodes)))
         rows = torch.arange(b, device=dev)[:, None].expand(b, k)
         self._node_vis[rows[valid], nodes[valid]] = visibility[valid]
-        return logits_to_logprobs(logits, params)
+        return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
     def end_step(self, builder: TreeBuilder, accepted_nodes: list[list[int]], target_logprobs=None) -> None:
         dev = self.runner.device
