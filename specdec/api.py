@@ -6,10 +6,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from PIL import Image
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.cost.profile import CostTableResolver
@@ -18,8 +17,10 @@ from specdec.engine import EngineOutput, SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.models.loading import (
+    LoadOptions,
     bundled_draft,
     bundled_target,
+    check_loaded_model,
     check_same_tokenizer,
     context_length,
     eos_token_ids,
@@ -27,8 +28,9 @@ from specdec.models.loading import (
     load_model,
     load_processor,
     load_tokenizer,
-    resolve_device,
+    pair_load_options,
 )
+from specdec.models.vocab import VocabFit, output_width
 from specdec.multimodal.inputs import check_placeholders, count_placeholders, encode_multimodal, is_multimodal, same_image_encoding
 from specdec.multimodal.views import (
     CaptionView,
@@ -41,6 +43,7 @@ from specdec.multimodal.views import (
     TruncatedView,
     parse_views,
 )
+from specdec.parsing import check_seed
 from specdec.sampling import SamplingParams
 from specdec.sources.base import DraftSource
 from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, EnsemblePrior
@@ -48,6 +51,9 @@ from specdec.sources.lookup import LookupDraftSource
 from specdec.sources.model import ModelDraftSource
 from specdec.stats import GenerationStats
 from specdec.verification import make_rule
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 @dataclass
@@ -172,12 +178,14 @@ class SpeculativeDecoder:
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         self.pad_token_id = pad
+        self.vocab_fit = VocabFit.for_pair(target, draft, len(tokenizer)) if draft is not None else None
+        """the draft's logits brought to the target's width (checkpoints of one family may pad their vocabularies differently)"""
 
     @classmethod
     def from_pretrained(
         cls,
-        target: str | None = None,
-        draft: str | None = None,
+        target: str | PreTrainedModel | None = None,
+        draft: str | PreTrainedModel | None = None,
         method: str = "chain",
         verify: str | None = None,
         device: str | None = None,
@@ -188,31 +196,81 @@ class SpeculativeDecoder:
         lookup_ngram: int = 3,
         views: str | Sequence[str] = "M,T",
         ensemble_options: Mapping[str, Any] | None = None,
+        *,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        processor: Any = None,
+        device_map: str | Mapping[str, Any] | None = None,
+        quantization: str | None = None,
+        draft_quantization: str | None = None,
+        attn_implementation: str | None = None,
+        revision: str | None = None,
+        draft_revision: str | None = None,
+        trust_remote_code: bool = False,
         **method_options: Any,
     ) -> SpeculativeDecoder:
-        """Load from local folders or hub ids; with neither given, the bundled pair.
+        """Load from local folders or hub ids, or take models already loaded; with no target,
+        the bundled pair.
 
+        target, draft: a folder, a hub id, or a loaded `PreTrainedModel` (causal LM or
+        LLaVA-family), used as it is (its device, dtype, placement). A loaded target needs
+        `tokenizer=` (and `processor=` for prompts with images); a loaded draft is trusted to
+        share it (a draft loaded here is checked against it). Drafts whose output layer is
+        wider or narrower than the target's (padded vocabularies) work: see `specdec.models.vocab`.
+        device, dtype: where and how plain loads go ('auto': CUDA in bfloat16 when present,
+        else CPU in float32).
+        device_map: accelerate's placement for both models ('auto', 'balanced', 'sequential',
+        a device or a {module: device} dict); instead of `device`; needs accelerate.
+        quantization / draft_quantization: '4bit' or '8bit' (bitsandbytes) for the target /
+        draft; a pre-quantized checkpoint loads quantized without it. Placed models are never
+        moved after loading.
+        attn_implementation: 'eager' or 'sdpa' for both models (tree masks rule out flash attention).
+        revision / draft_revision: hub branch, tag or commit of the target / draft.
+        trust_remote_code: run modelling code shipped with either checkpoint.
         verify="mars" with mars_theta=0.9 (or verify_options={"theta": 0.9}) selects MARS.
         """
         make_policy(method, **method_options)  # fail on bad options before loading anything
         options = rule_options(verify, verify_options, mars_theta)
         check_draft_source(draft_source, lookup_ngram)
         make_ensemble_config(ensemble_options, len(parse_views(views)))
+        target_load, draft_load = pair_load_options(
+            device_map, quantization, draft_quantization, attn_implementation, revision, draft_revision, trust_remote_code
+        )
         if target is None:
             target = bundled_target()
             draft = draft or bundled_draft()
-        dev = resolve_device(device)
-        tokenizer = load_tokenizer(target, "target")
-        processor = load_processor(target, "target") if is_multimodal_source(target, "target") else None
+        needs_draft = method != "ar" and draft_source in ("model", "tabed")
+        target_model: PreTrainedModel | None = None
+        if isinstance(target, str):
+            tokenizer = tokenizer or load_tokenizer(target, "target", target_load)
+            if processor is None and is_multimodal_source(target, "target", target_load):
+                processor = load_processor(target, "target", target_load)
+        else:
+            target_model = check_loaded_model(target, "target")
+            if tokenizer is None:
+                raise SpecDecError("a loaded target model needs its tokenizer: from_pretrained(model, draft, tokenizer=tokenizer)")
+            if not (needs_draft and isinstance(draft, str)) and (device, dtype, target_load, draft_load) != (None, None, LoadOptions(), LoadOptions()):
+                raise SpecDecError(
+                    "device, dtype and the loading options apply to models loaded from a folder or hub id, and none is loaded here; "
+                    "place and convert the loaded models yourself, or drop those arguments"
+                )
+        # where a draft loaded here goes: `device`, else next to a loaded target (a device map places it itself)
+        load_device: str | torch.device | None = device
+        if target_model is not None and device is None and device_map is None:
+            load_device = target_model.device
         draft_model = draft_processor = None
-        if method != "ar" and draft_source in ("model", "tabed"):
+        if needs_draft:
             if draft is None:
                 raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH or use --method ar")
-            check_same_tokenizer(tokenizer, load_tokenizer(draft, "draft"))
-            draft_model = load_model(draft, "draft", dev, dtype)
-            if processor is not None and is_multimodal(draft_model):
-                draft_processor = load_processor(draft, "draft")
-        target_model = load_model(target, "target", dev, dtype)
+            if isinstance(draft, str):
+                check_same_tokenizer(tokenizer, load_tokenizer(draft, "draft", draft_load))
+                draft_model = load_model(draft, "draft", load_device, dtype, draft_load)
+                if processor is not None and is_multimodal(draft_model):
+                    draft_processor = load_processor(draft, "draft", draft_load)
+            else:
+                draft_model = check_loaded_model(draft, "draft")
+        if target_model is None:
+            assert isinstance(target, str)
+            target_model = load_model(target, "target", load_device, dtype, target_load)
         return cls(
             target_model, tokenizer, draft_model, method=method, verify=verify, verify_options=options,
             draft_source=draft_source, lookup_ngram=lookup_ngram, processor=processor, draft_processor=draft_processor,
@@ -253,12 +311,12 @@ class SpeculativeDecoder:
         if not (policy or self.policy).uses_draft:
             return None
         if self.draft_source == "lookup":
-            return LookupDraftSource(vocab_size=self.target.get_output_embeddings().weight.shape[0], max_ngram=self.lookup_ngram)
+            return LookupDraftSource(vocab_size=output_width(self.target), max_ngram=self.lookup_ngram)
         if self.draft is None:
             return None
         if self.draft_source == "tabed":
-            return EnsembleDraftSource(self.draft, self.ensemble_views(), dataclasses.replace(self.ensemble_config), self.ensemble_prior)
-        return ModelDraftSource(self.draft, view=self.draft_view())
+            return EnsembleDraftSource(self.draft, self.ensemble_views(), dataclasses.replace(self.ensemble_config), self.ensemble_prior, vocab=self.vocab_fit)
+        return ModelDraftSource(self.draft, view=self.draft_view(), vocab=self.vocab_fit)
 
     def ensemble_views(self) -> list[PromptView]:
         """The TABED views (built once; the caption view keeps its captions across calls)."""
@@ -318,6 +376,8 @@ class SpeculativeDecoder:
         if not prompt:
             raise SpecDecError("the prompt is empty; give some text to continue")
         if images:
+            if self.processor is None and self.multimodal:
+                raise SpecDecError(f"{len(images)} image(s) were given but the decoder has no processor; pass processor= with a loaded vision-language target")
             if self.processor is None:
                 raise SpecDecError(
                     f"{len(images)} image(s) were given but the target is a text-only model; "
@@ -326,7 +386,10 @@ class SpeculativeDecoder:
             return encode_multimodal(self.processor, prompt, images)
         if self.processor is not None and count_placeholders(prompt):
             check_placeholders(prompt, 0)
-        return self.tokenizer(prompt)["input_ids"]
+        ids = self.tokenizer(prompt)["input_ids"]
+        if not ids:
+            raise SpecDecError(f"the target's tokenizer turned the prompt {prompt[:40]!r} into no tokens; check that the model's tokenizer files are complete")
+        return ids
 
     def generate(
         self,
@@ -342,6 +405,12 @@ class SpeculativeDecoder:
     ) -> GenerationResult | list[GenerationResult]:
         """Continue `prompt`, or each prompt of a list: up to `batch_size` (default: all) rows
         are decoded together; finished rows take the next waiting prompt.
+
+        seed: makes a sampled call reproducible when it is repeated with the same prompts, in
+        the same order, with the same batch_size. Rows of a batch draw from one generator, so
+        a seeded prompt's sampled output depends on the prompts batched with it (with every
+        method, `ar` included): a prompt sampled alone and the same prompt in a batch give
+        different text. Greedy output (temperature 0) never depends on the batch.
 
         images: for a vision-language target, the images of `prompt` (paths or PIL images,
         one per `<image>` placeholder), or for a list of prompts one such list per prompt."""
@@ -372,7 +441,8 @@ class SpeculativeDecoder:
         keep_steps: bool = False,
         batch_size: int | None = None,
     ) -> list[EngineOutput]:
-        """Token-level entry point (benchmarks use it)."""
+        """Token-level entry point (benchmarks use it); `seed` as in `generate`."""
+        check_seed(seed)
         verify = resolve_verify(verify or self.verify, params.temperature)
         return self.engine(verify).generate(prompt_ids, max_new_tokens, params, seed=seed, stream=stream, keep_steps=keep_steps, batch_size=batch_size)
 

@@ -1,4 +1,8 @@
-"""The `specdec` command: generate, serve, bench, bench-serve, sweep, train, profile, synth-pair."""
+"""The `specdec` command: generate, serve, bench, bench-serve, sweep, train, profile, synth-pair.
+
+Building the parser imports nothing heavy (`specdec --help` starts in well under a second);
+torch, transformers and the optional extras are imported inside the commands.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.bundled import bundled_lvlm_draft, bundled_lvlm_target
 from specdec.errors import SpecDecError
-from specdec.models.loading import bundled_lvlm_draft, bundled_lvlm_target
-from specdec.parsing import parse_int_list
+from specdec.extras import require
+from specdec.names import METHOD_NAMES
+from specdec.parsing import check_seed, parse_int_list
 
 if TYPE_CHECKING:
     from specdec.api import SpeculativeDecoder
@@ -26,11 +32,34 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--target/--draft/--device/--dtype (the bundled pair by default)."""
+    """--target/--draft/--device/--dtype (the bundled pair by default) and the loading options."""
     p.add_argument("--target", default=None, help="target model: local folder or hub id (default: the bundled pair's target)")
     p.add_argument("--draft", default=None, help="draft model sharing the target's tokenizer (default: the bundled pair's draft)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto (float32 on CPU)")
+    p.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto (float32 on CPU, bfloat16 on CUDA)")
+    g = p.add_argument_group("loading (from_pretrained options)")
+    g.add_argument(
+        "--device-map", default=None,
+        help="place both models with accelerate instead of --device: auto, balanced, balanced_low_0, sequential or a device such as cuda:1 (needs accelerate)",
+    )
+    g.add_argument(
+        "--quantization", default=None, metavar="4bit|8bit",
+        help="quantize the target with bitsandbytes while loading (needs bitsandbytes, accelerate and a GPU); pre-quantized checkpoints load quantized without it",
+    )
+    g.add_argument("--draft-quantization", default=None, metavar="4bit|8bit", help="quantize the draft with bitsandbytes while loading")
+    g.add_argument("--attn-implementation", default=None, metavar="eager|sdpa", help="attention kernel of both models (default: transformers' choice); flash attention cannot take tree masks")
+    g.add_argument("--revision", default=None, help="hub branch, tag or commit of --target (hub ids only)")
+    g.add_argument("--draft-revision", default=None, help="hub branch, tag or commit of --draft (hub ids only)")
+    g.add_argument("--trust-remote-code", action="store_true", help="run modelling code shipped with a checkpoint (only for checkpoints you trust)")
+
+
+def load_kwargs(args: argparse.Namespace) -> dict:
+    """The loading flags as `SpeculativeDecoder.from_pretrained` keywords."""
+    return {
+        "device_map": args.device_map, "quantization": args.quantization, "draft_quantization": args.draft_quantization,
+        "attn_implementation": args.attn_implementation, "revision": args.revision, "draft_revision": args.draft_revision,
+        "trust_remote_code": args.trust_remote_code,
+    }
 
 
 def _on_off(text: str) -> bool:
@@ -50,14 +79,12 @@ def add_method_args(
 
     multi: --methods LIST (default `methods_default`; `extra_methods` are further accepted names, e.g. bench peers).
     """
-    from specdec.methods import POLICY_CLASSES
-
-    names = ", ".join(POLICY_CLASSES)
+    names = ", ".join(METHOD_NAMES)
     if multi:
         p.add_argument(
             "--methods",
             default=methods_default,
-            help=f"comma-separated methods ({', '.join([*POLICY_CLASSES, *extra_methods])}; default {methods_default}); "
+            help=f"comma-separated methods ({', '.join([*METHOD_NAMES, *extra_methods])}; default {methods_default}); "
             "an item may carry its own options and accept rule: METHOD[@RULE][:NAME=VALUE,...], e.g. "
             "chain:k=3,dynatree:phase=0,static:depth=5,branching=2,chain@mars:theta=0.85 "
             "(option names are the method's fields; an item's options override the global flags below; "
@@ -181,7 +208,40 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k filter (0 = off)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--seed", type=int, default=None,
+        help="seeds sampling (0 to 2**64-1); the same prompts, order and --batch-size reproduce the output, but a prompt's sampled text "
+        "depends on the prompts batched with it",
+    )
+
+
+def read_prompt_file(name: str) -> str:
+    """A --prompt-file's text (UTF-8), with one-line errors for what can go wrong."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        raise SpecDecError(f"--prompt-file {name!r} is a directory; give a text file")
+    if not path.exists():
+        raise SpecDecError(f"--prompt-file {name!r} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecDecError(f"--prompt-file {name!r} is not UTF-8 text (byte {err.start}: {err.reason}); convert it, e.g. iconv -t UTF-8 {name}") from None
+    except OSError as err:
+        raise SpecDecError(f"--prompt-file {name!r} cannot be read ({err.strerror or err}); check its permissions") from None
+
+
+def check_out_dir(out: str, flag: str = "--out") -> None:
+    """An output folder: may exist (files in it are replaced), must not be a file. Checked before any work."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise SpecDecError(f"{flag} {out!r} is an existing file, but it names an output folder; give a folder path")
+
+
+def check_out_file(out: str, flag: str = "--out") -> None:
+    """An output file: must not be a folder. Checked before any work."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise SpecDecError(f"{flag} {out!r} is a directory, but it names an output file; give a file path such as {Path(out) / 'cost_profile.json'}")
 
 
 def ensemble_options(args: argparse.Namespace) -> dict:
@@ -228,7 +288,8 @@ def _decoder_for(args: argparse.Namespace, target: str | None, draft: str | None
         raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
     return SpeculativeDecoder.from_pretrained(
         target, draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta,
-        draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, views=args.views, ensemble_options=ensemble_options(args), **options,
+        draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, views=args.views, ensemble_options=ensemble_options(args),
+        **load_kwargs(args), **options,
     )
 
 
@@ -258,12 +319,10 @@ def _generate_many(args: argparse.Namespace, prompts: list[str]) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt and not args.prompt_file:
         raise SpecDecError("give the text to continue with --prompt TEXT or --prompt-file PATH")
-    prompts = list(args.prompt)
-    for name in args.prompt_file:
-        path = Path(name)
-        if not path.is_file():
-            raise SpecDecError(f"--prompt-file {name!r} does not exist")
-        prompts.append(path.read_text(encoding="utf-8"))
+    prompts = list(args.prompt) + [read_prompt_file(name) for name in args.prompt_file]
+    check_seed(args.seed)
+    if args.image:
+        require("PIL", "vision", "--image")
     if args.batch_size is not None and args.batch_size < 1:
         raise SpecDecError(f"--batch-size {args.batch_size} must be a positive integer")
     if len(prompts) > 1:
@@ -337,10 +396,31 @@ def _check_server_args(args: argparse.Namespace) -> None:
         raise SpecDecError(f"--max-queue {args.max_queue} must be 0 or more")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Bind (host, port) the way uvicorn will (SO_REUSEADDR) and let go, so a port in use is
+    a one-line error before any model is loaded; port 0 (any free port) is always free."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise SpecDecError(f"--host {host!r} cannot be resolved ({err.strerror}); give an address such as 127.0.0.1 or 0.0.0.0") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as err:
+            raise SpecDecError(f"--port {port} on {host} is not free ({err.strerror}); pick another --port or stop the process that listens there") from None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    require(None, "serve", "specdec serve")
+    _check_server_args(args)
+    check_port_free(args.host, args.port)
     from specdec.serve import create_app, serve
 
-    _check_server_args(args)
     decoder = _decoder_for(args, args.target, args.draft)
     app = create_app(decoder, model_name=args.model_name, max_batch_size=args.max_batch_size, max_queue=args.max_queue)
     print(f"specdec: serving {app.state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -349,7 +429,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_bench_serve(sub) -> None:
-    from specdec.bench.serving import DEFAULT_CONCURRENCY, DEFAULT_METHODS
+    from specdec.bench.defaults import DEFAULT_CONCURRENCY
+    from specdec.bench.defaults import SERVE_METHODS as DEFAULT_METHODS
 
     bench = sub.add_parser(
         "bench-serve",
@@ -371,6 +452,9 @@ def _add_bench_serve(sub) -> None:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    require(None, "serve", "specdec bench-serve")
+    require(None, "bench", "specdec bench-serve")
+    check_out_dir(args.out)
     from specdec.bench.serving import ServeBenchConfig, run_serve_bench
     from specdec.bench.variants import parse_method_specs
     from specdec.methods import POLICY_CLASSES
@@ -403,6 +487,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         decoder_options={
             "draft_source": args.draft_source, "lookup_ngram": args.lookup_ngram, "views": args.views, "ensemble_options": ensemble_options(args),
         },
+        load_options=load_kwargs(args),
     )
     outputs = run_serve_bench(config, getattr(args, "argv", ()))
     print(f"report: {outputs.report}\nresults: {outputs.results}\nplot: {outputs.plot}")
@@ -410,8 +495,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from specdec.bench.peers import PEERS
-    from specdec.bench.runner import DEFAULT_METHODS
+    from specdec.bench.defaults import BENCH_METHODS as DEFAULT_METHODS
+    from specdec.bench.defaults import PEERS
 
     bench = sub.add_parser("bench", help="benchmark methods and Hugging Face peers against plain AR, same prompts, same process")
     bench.add_argument(
@@ -510,6 +595,9 @@ def _cmd_whatif(args: argparse.Namespace, config: BenchConfig) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    require(None, "bench", "specdec bench")
+    check_out_dir(args.out)
+    check_seed(args.seed)
     from specdec.bench import BenchConfig, run_and_report
     from specdec.bench.report import print_summary
     from specdec.bench.runner import parse_verify
@@ -562,6 +650,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         draft_source=args.draft_source,
         lookup_ngram=args.lookup_ngram,
+        load_options=load_kwargs(args),
     )
     if args.synthetic is not None:
         return _cmd_whatif(args, config)
@@ -577,7 +666,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_sweep(sub) -> None:
-    from specdec.bench.sweep import DEFAULT_BRANCHINGS, DEFAULT_DEPTHS, DEFAULT_TAUS, estimate_text
+    from specdec.bench.defaults import DEFAULT_BRANCHINGS, DEFAULT_DEPTHS, DEFAULT_TAUS, estimate_text
 
     full = estimate_text(90, 3, 2, 128).replace("%", "%%")
     sweep = sub.add_parser(
@@ -605,6 +694,9 @@ def _add_sweep(sub) -> None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    require(None, "bench", "specdec sweep")
+    check_out_dir(args.out)
+    check_seed(args.seed)
     from specdec.bench.prompts import load_prompts, resolve_prompt_source
     from specdec.bench.sweep import SweepConfig, best_row, estimate_text, grid_points, parse_float_list, run_sweep
 
@@ -625,6 +717,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         progress=not args.no_progress,
+        load_options=load_kwargs(args),
     )
     n_prompts = len(load_prompts(resolve_prompt_source(config.prompts), config.num_prompts))
     print(f"sweep: {estimate_text(len(grid_points(config)), n_prompts, config.repeats, config.max_new_tokens)}", file=sys.stderr)
@@ -730,6 +823,9 @@ def _cmd_train_pair(args: argparse.Namespace) -> int:
 def _cmd_train_lvlm(args: argparse.Namespace) -> int:
     import dataclasses
 
+    require(None, "vision", "specdec train lvlm")
+    check_out_dir(args.out)
+
     from specdec.training.lvlm import DRAFT_SIZE, TARGET_SIZE
     from specdec.training.lvlm_train import LvlmTrainConfig, bundle_lvlm, train_lvlm
 
@@ -757,13 +853,14 @@ def _cmd_train_lvlm(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_evaluate_lvlm(args: argparse.Namespace) -> int:
+    require(None, "vision", "specdec train evaluate-lvlm")
     from specdec.api import SpeculativeDecoder
     from specdec.training.lvlm_eval import evaluate_lvlm
 
     if args.per_task < 1:
         raise SpecDecError(f"--per-task={args.per_task} must be a positive integer")
     target, draft = args.target or bundled_lvlm_target(), args.draft or (None if args.target else bundled_lvlm_draft())
-    decoder = SpeculativeDecoder.from_pretrained(target, draft, method="chain", device=args.device, dtype=args.dtype)
+    decoder = SpeculativeDecoder.from_pretrained(target, draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
     if not decoder.multimodal or decoder.draft is None:
         raise SpecDecError("evaluate-lvlm needs a vision-language target and draft")
     figures = evaluate_lvlm(decoder.target, decoder.draft, decoder.processor, per_task=args.per_task)
@@ -786,7 +883,7 @@ def _cmd_train_evaluate(args: argparse.Namespace) -> int:
     from specdec.api import SpeculativeDecoder
     from specdec.training.evaluate import evaluate_pair
 
-    decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, method="chain", device=args.device, dtype=args.dtype)
+    decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
     figures = evaluate_pair(decoder.target, decoder.draft, decoder.tokenizer, [Path(c) for c in args.corpus] or None, args.max_tokens)
     text = json.dumps(figures, indent=2)
     if args.out:
@@ -809,9 +906,9 @@ def _add_profile(sub) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    check_out_file(args.out)
     from specdec.cost.profile import ProfileGrid, describe, profile_models
-    from specdec.models.loading import bundled_draft, bundled_target, load_model
-    from specdec.parsing import parse_int_list
+    from specdec.models.loading import bundled_draft, bundled_target, context_length, load_model, pair_load_options
 
     grid = ProfileGrid(
         batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
@@ -825,8 +922,17 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     draft_name = args.draft or (bundled_draft() if args.target is None else None)
     if draft_name is None:
         raise SpecDecError("--draft is required with --target: a cost profile covers both models of the pair")
-    target = load_model(target_name, "target", args.device, args.dtype)
-    draft = load_model(draft_name, "draft", args.device, args.dtype)
+    target_load, draft_load = pair_load_options(**load_kwargs(args))
+    target = load_model(target_name, "target", args.device, args.dtype, target_load)
+    draft = load_model(draft_name, "draft", args.device, args.dtype, draft_load)
+    longest = grid.context_step * grid.num_contexts + grid.n_grid[-1]  # positions of the longest measured forward
+    limits = [c for c in (context_length(target), context_length(draft)) if c]
+    if limits and longest > min(limits):
+        step = (min(limits) - grid.n_grid[-1]) // grid.num_contexts
+        raise SpecDecError(
+            f"--context-step {grid.context_step} x --contexts {grid.num_contexts} + {grid.n_grid[-1]} new tokens = {longest} positions, "
+            f"beyond the models' context of {min(limits)}; use --context-step {step} or less (or fewer --contexts, a smaller --n-grid)"
+        )
     print(f"profiling {grid.points()} points per model (batch sizes {list(grid.batch_sizes)}, contexts up to {grid.context_step * grid.num_contexts})", file=sys.stderr)
     table = profile_models(target, draft, grid, progress=lambda line: print(line, file=sys.stderr))
     path = table.save(args.out)
@@ -845,6 +951,8 @@ def _add_scenes(sub) -> None:
 
 
 def _cmd_scenes(args: argparse.Namespace) -> int:
+    require(None, "vision", "specdec scenes")
+    check_out_dir(args.out)
     from specdec.multimodal.scenes import check_scenario, export_scenario
 
     if args.num < 1:
@@ -870,6 +978,10 @@ def _add_bench_tabed(sub) -> None:
 def _cmd_bench_tabed(args: argparse.Namespace) -> int:
     import shlex
 
+    require(None, "bench", "specdec bench-tabed")
+    require(None, "vision", "specdec bench-tabed")
+    check_out_dir(args.out)
+
     from specdec.api import SpeculativeDecoder
     from specdec.bench.tabed import run_tabed_bench
     from specdec.multimodal.scenes import check_scenario
@@ -882,7 +994,7 @@ def _cmd_bench_tabed(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise SpecDecError("--num-prompts and --max-new-tokens must be positive integers")
     target, draft = args.target or bundled_lvlm_target(), args.draft or (None if args.target else bundled_lvlm_draft())
-    decoder = SpeculativeDecoder.from_pretrained(target, draft, method="chain", device=args.device, dtype=args.dtype)
+    decoder = SpeculativeDecoder.from_pretrained(target, draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
     command = "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     run_tabed_bench(
         decoder, Path(args.out), scenarios, gammas, widths, args.num_prompts, args.max_new_tokens, ablations=not args.no_ablations, command=command,
@@ -988,16 +1100,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def quiet_transformers() -> None:
+    """transformers' warnings and weight-loading bars off (specdec reports what matters itself);
+    the hub's download bars on, unless HF_HUB_DISABLE_PROGRESS_BARS says otherwise."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import enable_progress_bars
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # also turns the hub's bars off: they come back just below
     hf_logging.set_verbosity_error()
+    if not constants.HF_HUB_DISABLE_PROGRESS_BARS:
+        enable_progress_bars()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        quiet_transformers()
         return func(args)
     except (SpecDecError, FileNotFoundError) as err:
         print(f"specdec: error: {err}", file=sys.stderr)

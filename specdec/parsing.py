@@ -44,3 +44,17 @@ def parse_float_list(text: str, flag: str, check: Callable[[float], float] | Non
     if not values:
         raise SpecDecError(f"{flag} is empty; give a comma-separated list such as {example}")
     return values
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""the seeds torch.Generator.manual_seed takes (64 bits)"""
+
+
+def check_seed(seed: object, flag: str = "--seed") -> None:
+    """None or an integer torch can seed a generator with; a SpecDecError otherwise."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise SpecDecError(f"{flag} {seed!r} must be an integer")
+    if not SEED_MIN <= seed <= SEED_MAX:
+        raise SpecDecError(f"{flag} {seed} does not fit in 64 bits; give an integer from 0 to {SEED_MAX}")

@@ -25,8 +25,8 @@ class SamplingParams:
     """keep only the k most likely tokens; 0 = no limit"""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
-            raise SpecDecError(f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):  # also refuses nan
+            raise SpecDecError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise SpecDecError(f"top_p={self.top_p!r} must be in (0, 1]; use 1.0 to disable nucleus sampling")
         if self.top_k < 0:

@@ -152,3 +152,16 @@ def test_generate_several_prompts_bad_input(capsys, tiny_pair_dir):
     ):
         code, _, err = run_cli(capsys, "generate", *pair, *extra)
         assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_seeded_sampling_depends_on_the_batch(tiny_pair_dir):
+    """What the README and `generate`'s docstring say: a seed reproduces a call with the same
+    prompts, order and batch size; a prompt's sampled text changes with its batch, even for ar."""
+    decoder = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), method="ar")
+    kwargs = {"max_new_tokens": 16, "temperature": 1.0, "seed": 3}
+    alone = decoder.generate("for i in", **kwargs).token_ids
+    assert decoder.generate("for i in", **kwargs).token_ids == alone
+    first = decoder.generate(["for i in", "class A:"], **kwargs)[0].token_ids
+    second = decoder.generate(["class A:", "for i in"], **kwargs)[1].token_ids
+    assert decoder.generate(["for i in", "class A:"], **kwargs)[0].token_ids == first
+    assert len({tuple(alone), tuple(first), tuple(second)}) > 1

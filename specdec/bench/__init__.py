@@ -8,13 +8,16 @@ and their labels: `variants`; output quality (`--quality`): `quality`; the DynaT
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from specdec.bench.prompts import BenchPrompt, load_prompts, resolve_prompt_source
-from specdec.bench.report import MethodSummary
-from specdec.bench.runner import DEFAULT_METHODS, BenchConfig, BenchResult, run_bench
+if TYPE_CHECKING:
+    from specdec.bench.prompts import BenchPrompt, load_prompts, resolve_prompt_source
+    from specdec.bench.report import MethodSummary
+    from specdec.bench.runner import DEFAULT_METHODS, BenchConfig, BenchResult, run_bench
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -28,6 +31,24 @@ __all__ = [
     "run_and_report",
     "run_bench",
 ]
+
+_LAZY = {
+    "BenchPrompt": "specdec.bench.prompts",
+    "load_prompts": "specdec.bench.prompts",
+    "resolve_prompt_source": "specdec.bench.prompts",
+    "MethodSummary": "specdec.bench.report",
+    "DEFAULT_METHODS": "specdec.bench.runner",
+    "BenchConfig": "specdec.bench.runner",
+    "BenchResult": "specdec.bench.runner",
+    "run_bench": "specdec.bench.runner",
+}
+"""names imported on first use, so `specdec.bench.defaults` (the CLI's help) loads without torch"""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -45,6 +66,7 @@ def run_and_report(config: BenchConfig, argv: Sequence[str] = ()) -> BenchOutput
     """Run the benchmark and write its report, results.json and plots into `config.out`."""
     from specdec.bench.plots import write_plots
     from specdec.bench.report import summarize, write_outputs
+    from specdec.bench.runner import run_bench
 
     result = run_bench(config)
     summaries = summarize(result)

@@ -19,9 +19,6 @@ from transformers import PreTrainedModel
 
 from specdec.sampling import SamplingParams
 
-PEERS: tuple[str, ...] = ("hf", "hf-assisted", "hf-lookup")
-"""peer method names accepted in --methods"""
-
 PROMPT_LOOKUP_TOKENS = 10
 """`prompt_lookup_num_tokens` of the hf-lookup peer"""
 

@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.api import SpeculativeDecoder, resolve_verify
+from specdec.bench.defaults import BENCH_METHODS
 from specdec.bench.peers import PeerOutput, peer_needs_draft, run_peer, sync_device
 from specdec.bench.prompts import BenchPrompt, load_prompts, resolve_prompt_source
 from specdec.bench.quality import CODE_PROMPT_MODES, QualityScorer, is_code_prompt
@@ -44,14 +45,14 @@ from specdec.models.loading import (
     load_model,
     load_processor,
     load_tokenizer,
-    resolve_device,
+    pair_load_options,
 )
 from specdec.multimodal.inputs import MultimodalPrompt, is_multimodal
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats, batch_stats, mean_nll
 from specdec.verification import make_rule
 
-DEFAULT_METHODS = "ar,hf,hf-assisted,hf-lookup,chain,static,eagle2"
+DEFAULT_METHODS = BENCH_METHODS
 """the --methods default of `specdec bench`"""
 
 __all__ = [
@@ -112,6 +113,8 @@ class BenchConfig:
     draft_source: str = "model"
     """where engine methods get drafts: the draft model, or n-gram `lookup` (the HF peers keep the draft model)"""
     lookup_ngram: int = 3
+    load_options: dict[str, Any] = field(default_factory=dict)
+    """loading keywords of `SpeculativeDecoder.from_pretrained` (device_map, quantization, revision, ...)"""
 
 
 @dataclass
@@ -336,14 +339,14 @@ def _load_models(config: BenchConfig, variants: Sequence[Variant]) -> _Models:
         raise SpecDecError(
             f"--methods {', '.join(dict.fromkeys(needs_draft))} need a draft model; pass --draft PATH or drop them from --methods"
         )
-    device = resolve_device(config.device)
-    tokenizer = load_tokenizer(target_path, "target")
+    target_load, draft_load = pair_load_options(**config.load_options)
+    tokenizer = load_tokenizer(target_path, "target", target_load)
     draft = None
     if needs_draft and draft_path is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(draft_path, "draft"))
-        draft = load_model(draft_path, "draft", device, config.dtype)
-    target = load_model(target_path, "target", device, config.dtype)
-    processor = load_processor(target_path, "target") if is_multimodal(target) else None
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_path, "draft", draft_load))
+        draft = load_model(draft_path, "draft", config.device, config.dtype, draft_load)
+    target = load_model(target_path, "target", config.device, config.dtype, target_load)
+    processor = load_processor(target_path, "target", target_load) if is_multimodal(target) else None
     return _Models(
         target=target, draft=draft, tokenizer=tokenizer, target_path=target_path, draft_path=draft_path if draft is not None else None,
         processor=processor,

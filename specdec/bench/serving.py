@@ -29,14 +29,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from specdec.api import SpeculativeDecoder
+from specdec.bench.defaults import DEFAULT_CONCURRENCY as DEFAULT_CONCURRENCY  # re-exported
+from specdec.bench.defaults import SERVE_METHODS
 from specdec.bench.prompts import load_prompts, resolve_prompt_source
 from specdec.bench.variants import BASELINE, Variant, make_variants
 from specdec.errors import SpecDecError
 from specdec.methods import POLICY_CLASSES, make_policy
-from specdec.models.loading import bundled_draft, bundled_target, check_same_tokenizer, load_model, load_tokenizer, resolve_device
+from specdec.models.loading import bundled_draft, bundled_target, check_same_tokenizer, load_model, load_tokenizer, pair_load_options
 
-DEFAULT_METHODS = "ar,chain"
-DEFAULT_CONCURRENCY = "1,2,4,8,16"
+DEFAULT_METHODS = SERVE_METHODS
 WARMUP_TOKENS = 8
 REQUEST_TIMEOUT_S = 600.0
 
@@ -65,6 +66,8 @@ class ServeBenchConfig:
     mars_theta: float | None = None
     verify: str = "auto"
     decoder_options: dict[str, Any] = field(default_factory=dict)
+    load_options: dict[str, Any] = field(default_factory=dict)
+    """loading keywords of `SpeculativeDecoder.from_pretrained` (device_map, quantization, revision, ...)"""
     """further `SpeculativeDecoder` arguments of every method (draft_source, lookup_ngram, ...)"""
 
 
@@ -299,13 +302,14 @@ def run_serve_bench(config: ServeBenchConfig, argv: Sequence[str] = (), progress
     needs_draft = any(make_policy(v.method).uses_draft for v in variants) and config.decoder_options.get("draft_source", "model") != "lookup"
     if needs_draft and draft_path is None:
         raise SpecDecError("--methods include a drafting method but no draft model was given; pass --draft PATH or use --methods ar")
-    device = resolve_device(config.device)
-    tokenizer = load_tokenizer(target_path, "target")
+    target_load, draft_load = pair_load_options(**config.load_options)
+    tokenizer = load_tokenizer(target_path, "target", target_load)
     draft = None
     if needs_draft and draft_path is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(draft_path, "draft"))
-        draft = load_model(draft_path, "draft", device, config.dtype)
-    target = load_model(target_path, "target", device, config.dtype)
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_path, "draft", draft_load))
+        draft = load_model(draft_path, "draft", config.device, config.dtype, draft_load)
+    target = load_model(target_path, "target", config.device, config.dtype, target_load)
+    device = target.device
 
     max_batch = config.max_batch_size or max(config.concurrency)
     body = {"max_tokens": config.max_tokens, "temperature": config.temperature}

@@ -24,20 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.defaults import DEFAULT_BRANCHINGS, DEFAULT_DEPTHS, DEFAULT_TAUS
+from specdec.bench.defaults import estimate_text as estimate_text  # re-exported
+from specdec.bench.defaults import estimate_tokens as estimate_tokens  # re-exported
 from specdec.bench.report import MethodSummary, command_line, machine_info, summarize, versions
 from specdec.bench.runner import BASELINE, BenchConfig, BenchResult, run_bench
 from specdec.bench.variants import Variant
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.parsing import parse_float_list as parse_floats
-
-DEFAULT_DEPTHS = "3,4,5,6,7,8"
-DEFAULT_BRANCHINGS = "2,3,4"
-DEFAULT_TAUS = "0.01,0.02,0.03,0.05,0.1"
-"""the paper's grid (Appendix B): 6 x 3 x 5 = 90 configurations"""
-
-ESTIMATE_AR_TOKENS_PER_S = 25.0
-"""AR throughput assumed by the up-front time estimate (the bundled pair on a loaded 2-core CPU)"""
 
 D_MAX_FLOOR = 8
 """d_max of a grid point is max(D, this) (used by phases 2-3 only)"""
@@ -65,6 +60,8 @@ class SweepConfig:
     device: str = "auto"
     dtype: str = "auto"
     progress: bool = True
+    load_options: dict[str, Any] = field(default_factory=dict)
+    """loading keywords of `SpeculativeDecoder.from_pretrained` (device_map, quantization, revision, ...)"""
 
 
 @dataclass(frozen=True)
@@ -168,21 +165,6 @@ def grid_variants(config: SweepConfig) -> list[Variant]:
     return variants
 
 
-def estimate_tokens(configs: int, prompts: int, repeats: int, max_new_tokens: int) -> int:
-    """Tokens the measurement generates at most: (configs + AR) x prompts x repeats x max_new_tokens."""
-    return (configs + 1) * prompts * repeats * max_new_tokens
-
-
-def estimate_text(configs: int, prompts: int, repeats: int, max_new_tokens: int, ar_tokens_per_s: float = ESTIMATE_AR_TOKENS_PER_S) -> str:
-    """One line: the grid's size and a time estimate at AR speed (a tree at 1x AR)."""
-    tokens = estimate_tokens(configs, prompts, repeats, max_new_tokens)
-    minutes = tokens / ar_tokens_per_s / 60
-    return (
-        f"{configs} configs + AR x {prompts} prompt(s) x {repeats} repeat(s) x {max_new_tokens} tokens = up to {tokens} tokens: "
-        f"about {minutes:.0f} min at {ar_tokens_per_s:g} tok/s (AR speed; faster configs take less), plus loading and warm-up"
-    )
-
-
 def bench_config(config: SweepConfig) -> BenchConfig:
     """The `BenchConfig` the sweep runs under (greedy, batch size 1)."""
     return BenchConfig(
@@ -201,6 +183,7 @@ def bench_config(config: SweepConfig) -> BenchConfig:
         device=config.device,
         dtype=config.dtype,
         progress=config.progress,
+        load_options=dict(config.load_options),
     )
 
 

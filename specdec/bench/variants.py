@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.api import resolve_verify
-from specdec.bench.peers import PEERS
+from specdec.bench.defaults import PEERS
 from specdec.errors import SpecDecError
 from specdec.methods import POLICY_CLASSES, make_policy, method_options
 from specdec.verification import RULE_OPTIONS, make_rule
@@ -213,6 +213,8 @@ def parse_method_item(item: str) -> MethodSpec:
 def parse_method_specs(methods: str | Sequence[str]) -> list[MethodSpec]:
     """A `--methods` value (or a list of items) -> specs, AR first (always run), duplicates dropped."""
     items = split_method_list(methods) if isinstance(methods, str) else [i for m in methods for i in split_method_list(m)]
+    if not items:
+        raise SpecDecError(f"--methods {methods!r} names no method; give a comma-separated list such as ar,chain,eagle2 (ar alone measures the baseline)")
     specs: dict[str, MethodSpec] = {BASELINE: MethodSpec(BASELINE)}
     for item in items:
         spec = parse_method_item(item)

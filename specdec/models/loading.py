@@ -1,8 +1,17 @@
-"""Loading target/draft models and tokenizers from local folders or hub ids."""
+"""Loading target/draft models and tokenizers from local folders or hub ids.
+
+Every failure a user can cause is a `SpecDecError` naming the model and the fix: a path
+that is not a saved model, a folder without tokenizer files, an architecture that is not a
+causal LM (BERT, T5), a checkpoint whose weights do not cover the model (a Llama saved
+without its LM head would otherwise run with random weights), a corrupt weights file, a
+loading option that needs a package that is not installed.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,37 +22,79 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from specdec import extras
+from specdec.bundled import ASSETS, BUNDLED_LVLM, BUNDLED_PAIR, bundled_draft, bundled_lvlm_draft, bundled_lvlm_target, bundled_target  # noqa: F401 (re-exported)
 from specdec.errors import SpecDecError
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-BUNDLED_PAIR = ASSETS / "pair"
-BUNDLED_LVLM = ASSETS / "lvlm"
-"""the bundled tiny LLaVA-style pair (trained by `specdec train lvlm`)"""
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-
-def bundled_target() -> str:
-    """Folder of the bundled GPT-NeoX target (trained by `specdec train pair`)."""
-    return str(BUNDLED_PAIR / "target")
-
-
-def bundled_draft() -> str:
-    """Folder of the bundled GPT-NeoX draft."""
-    return str(BUNDLED_PAIR / "draft")
-
-
-def bundled_lvlm_target() -> str:
-    """Folder of the bundled LLaVA-style target (trained by `specdec train lvlm`)."""
-    return str(BUNDLED_LVLM / "target")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+"""accelerate's placement strategies; a device name (cuda:1) or a {module: device} dict also works"""
+QUANTIZATIONS = ("4bit", "8bit")
+"""bitsandbytes quantization applied while loading"""
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+"""attention kernels that take the arbitrary 4D masks tree verification needs (flash attention does not)"""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+"""any of these in a local folder means a tokenizer was saved there"""
+LISTED_TENSORS = 3
+"""tensor names an error message shows before '... (N in all)'"""
 
 
-def bundled_lvlm_draft() -> str:
-    """Folder of the bundled LLaVA-style draft."""
-    return str(BUNDLED_LVLM / "draft")
+@dataclass(frozen=True)
+class LoadOptions:
+    """How one model is loaded, beyond device and dtype (`from_pretrained` keywords)."""
+
+    device_map: str | Mapping[str, Any] | None = None
+    """accelerate's placement: 'auto', 'balanced', 'balanced_low_0', 'sequential', a device
+    ('cuda:1') or a {module name: device} dict; None: the whole model on `device`"""
+    quantization: str | None = None
+    """'4bit' or '8bit': bitsandbytes quantization while loading; None: as the checkpoint is
+    (a pre-quantized checkpoint, e.g. GPTQ/AWQ/bnb, loads quantized)"""
+    attn_implementation: str | None = None
+    """'eager' or 'sdpa' (the kernels that take tree masks); None: transformers' default"""
+    revision: str | None = None
+    """a hub branch, tag or commit (hub ids only; a local folder is what it is)"""
+    trust_remote_code: bool = False
+    """run modelling code shipped with the checkpoint (architectures transformers does not know)"""
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise SpecDecError(f"quantization={self.quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)} (bitsandbytes) or leave it unset")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise SpecDecError(
+                f"attn_implementation={self.attn_implementation!r} is not supported: speculative decoding verifies trees with 4D attention masks, "
+                f"which only {' and '.join(ATTN_IMPLEMENTATIONS)} take; use one of those"
+            )
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            raise SpecDecError(f"revision={self.revision!r} must be a hub branch, tag or commit hash")
+        if isinstance(self.device_map, str):
+            if self.device_map not in DEVICE_MAPS:
+                try:
+                    torch.device(self.device_map)
+                except RuntimeError:
+                    raise SpecDecError(f"device_map={self.device_map!r} is not known; use one of {', '.join(DEVICE_MAPS)} or a device such as cuda:0") from None
+        elif self.device_map is not None and not isinstance(self.device_map, Mapping):
+            raise SpecDecError(f"device_map={self.device_map!r} must be a strategy name, a device or a {{module: device}} dict")
+
+
+def pair_load_options(
+    device_map: str | Mapping[str, Any] | None = None,
+    quantization: str | None = None,
+    draft_quantization: str | None = None,
+    attn_implementation: str | None = None,
+    revision: str | None = None,
+    draft_revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[LoadOptions, LoadOptions]:
+    """The target's and the draft's LoadOptions from the API's (and CLI's) loading keywords:
+    device map, attention kernel and remote code for both; quantization and revision each."""
+    shared: dict[str, Any] = {"device_map": device_map, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    return LoadOptions(quantization=quantization, revision=revision, **shared), LoadOptions(quantization=draft_quantization, revision=draft_revision, **shared)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -72,62 +123,261 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+def _first_line(err: BaseException) -> str:
+    """An exception's message on one line (transformers' messages span many)."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or os.sep in name and Path(name).parent.exists() or Path(name).exists()
 
 
-def _check_source(name: str, what: str) -> str:
-    if not name:
-        raise SpecDecError(f"the {what} model name is empty; pass a local folder or a hub id")
+def _check_source(name: str, what: str, revision: str | None = None) -> str:
+    """A local folder holding a saved model (config.json), or a hub id; returns what to pass to from_pretrained."""
+    if not isinstance(name, str) or not name:
+        raise SpecDecError(f"the {what} model name {name!r} is empty or not a string; pass a local folder or a hub id")
     expanded = os.path.expanduser(name)
     if _looks_like_path(name) and not Path(expanded).exists():
         raise SpecDecError(f"{what} model path {name!r} does not exist; pass a folder saved with save_pretrained() or a hub id")
-    return expanded if Path(expanded).exists() else name
+    if not Path(expanded).exists():
+        return name
+    folder = Path(expanded)
+    if not folder.is_dir():
+        raise SpecDecError(f"{what} model path {name!r} is a file; pass the folder that holds its config.json (saved with save_pretrained())")
+    if not (folder / "config.json").is_file():
+        raise SpecDecError(f"{what} model folder {name!r} has no config.json, so it is not a saved model; pass a folder saved with save_pretrained() or a hub id")
+    if revision is not None:
+        raise SpecDecError(f"revision {revision!r} applies to hub ids, but {what} model {name!r} is a local folder; check that revision out into the folder or drop --revision")
+    return expanded
 
 
-def is_multimodal_source(name: str, what: str = "target") -> bool:
+def _hub_kwargs(options: LoadOptions) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
+    if options.revision is not None:
+        kwargs["revision"] = options.revision
+    return kwargs
+
+
+def _load_error(what: str, name: str, part: str, err: BaseException, options: LoadOptions) -> SpecDecError:
+    """A SpecDecError for a from_pretrained failure, with the likely fix."""
+    text = _first_line(err)
+    if "trust_remote_code" in text and not options.trust_remote_code:
+        fix = "the checkpoint ships its own modelling code: pass --trust-remote-code (trust_remote_code=True) if you trust it"
+    elif "safetensors" in type(err).__module__ or "deserializ" in text:
+        fix = "the weights file is corrupt or truncated: download or save the model again"
+    elif options.revision is not None and ("revision" in text.lower() or "not found" in text.lower()):
+        fix = f"check that revision {options.revision!r} exists in the repository"
+    else:
+        fix = "check the name, your network or hub login for hub ids, and that the folder was saved with save_pretrained()"
+    return SpecDecError(f"could not load the {part} of {what} model {name!r} ({text}); {fix}")
+
+
+def load_config(name: str, what: str = "target", options: LoadOptions | None = None) -> PretrainedConfig:
+    """The model's config, with clear errors (`AutoConfig.from_pretrained`)."""
+    options = options or LoadOptions()
+    source = _check_source(name, what, options.revision)
+    try:
+        return AutoConfig.from_pretrained(source, **_hub_kwargs(options))
+    except (OSError, ValueError, KeyError, ImportError) as err:
+        raise _load_error(what, name, "config", err, options) from err
+
+
+def is_multimodal_source(name: str, what: str = "target", options: LoadOptions | None = None) -> bool:
     """True when the model at `name` is a vision-language (LLaVA-family) model."""
-    source = _check_source(name, what)
-    try:
-        config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise SpecDecError(f"could not read the config of {what} model {name!r}: {err}".strip()) from err
-    return getattr(config, "vision_config", None) is not None
+    return getattr(load_config(name, what, options), "vision_config", None) is not None
 
 
-def load_model(name: str, what: str = "target", device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> PreTrainedModel:
+def _auto_class_names(mapping_name: str) -> dict[str, str]:
+    from transformers.models.auto import modeling_auto
+
+    return dict(getattr(modeling_auto, mapping_name))
+
+
+def check_causal_lm(config: PretrainedConfig, name: str, what: str = "target") -> type:
+    """The Auto class that loads `config` as a decoder-only LM; a SpecDecError for anything else
+    (encoders such as BERT, encoder-decoders such as T5, architectures transformers does not know)."""
+    model_type = getattr(config, "model_type", None) or "unknown"
+    auto_map = getattr(config, "auto_map", None) or {}
+    fix = "specdec needs a decoder-only causal LM (Llama, Qwen2, Mistral, GPT-2, GPT-NeoX, ...) or a LLaVA-family vision-language model"
+    if getattr(config, "vision_config", None) is not None:
+        if model_type not in _auto_class_names("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES") and "AutoModelForImageTextToText" not in auto_map:
+            raise SpecDecError(f"{what} model {name!r} ({model_type}) is not an image-text-to-text model transformers knows; {fix}")
+        return AutoModelForImageTextToText
+    if getattr(config, "is_encoder_decoder", False):
+        raise SpecDecError(f"{what} model {name!r} is an encoder-decoder model ({model_type}), not a causal LM; {fix}")
+    if model_type in _auto_class_names("MODEL_FOR_MASKED_LM_MAPPING_NAMES") and not getattr(config, "is_decoder", False):
+        raise SpecDecError(f"{what} model {name!r} is an encoder ({model_type}, a masked LM that reads both ways), not a causal LM; {fix}")
+    if model_type not in _auto_class_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") and "AutoModelForCausalLM" not in auto_map:
+        raise SpecDecError(f"{what} model {name!r} ({model_type}) is not a causal LM transformers knows; {fix}")
+    return AutoModelForCausalLM
+
+
+def _check_packages(options: LoadOptions, prequantized: bool, what: str) -> None:
+    """accelerate places models (device maps, quantized models), bitsandbytes quantizes them."""
+    if options.quantization:
+        reason = f"{'--draft-quantization' if what == 'draft' else '--quantization'} {options.quantization}"
+        needed = ["accelerate", "bitsandbytes"]
+    elif options.device_map is not None:
+        reason, needed = f"--device-map {options.device_map}", ["accelerate"]
+    elif prequantized:
+        reason, needed = f"the pre-quantized {what} checkpoint", ["accelerate"]
+    else:
+        return
+    missing = extras.missing(*needed)
+    if missing:
+        raise SpecDecError(
+            f"{reason} needs {' and '.join(missing)}, not installed here; install with pip install {' '.join(missing)} (or pip install 'specdec[gpu]')"
+        )
+
+
+def _list_tensors(names: set[str] | list[str]) -> str:
+    ordered = sorted(names)
+    shown = ", ".join(ordered[:LISTED_TENSORS])
+    return shown + (f", ... ({len(ordered)} in all)" if len(ordered) > LISTED_TENSORS else "")
+
+
+def check_loading_info(info: Mapping[str, Any], model: PreTrainedModel, name: str, what: str = "target") -> None:
+    """Refuse a checkpoint whose weights do not cover the model: missing weights would be
+    random (a Llama saved without its LM head, a base model with no head at all) and
+    unexpected ones mean the checkpoint is another architecture. Tied weights are not missing."""
+    missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
+    mismatched = [str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys") or ()]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} weight(s) missing from the checkpoint ({_list_tensors(missing)}) would be random")
+    if unexpected:
+        problems.append(f"{len(unexpected)} weight(s) in the checkpoint are not in the model ({_list_tensors(unexpected)})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} weight(s) have the wrong shape ({_list_tensors(mismatched)})")
+    if problems:
+        raise SpecDecError(
+            f"{what} model {name!r} does not match its {type(model).__name__} checkpoint: {'; '.join(problems)}; "
+            "pass the folder or hub id of the complete causal LM (e.g. saved with AutoModelForCausalLM...save_pretrained(), LM head included)"
+        )
+
+
+def _quantization_kwargs(config: PretrainedConfig, options: LoadOptions, dtype: torch.dtype, name: str, what: str) -> dict[str, Any]:
+    """quantization_config for bitsandbytes; nothing for a pre-quantized checkpoint (it loads as it is)."""
+    existing = getattr(config, "quantization_config", None)
+    if existing is not None and options.quantization:
+        method = existing.get("quant_method") if isinstance(existing, Mapping) else getattr(existing, "quant_method", "?")
+        raise SpecDecError(f"{what} model {name!r} is already quantized ({method}); drop --quantization {options.quantization}, it loads quantized as it is")
+    if not options.quantization:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    if options.quantization == "4bit":
+        return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)}
+    return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}
+
+
+def load_model(
+    name: str,
+    what: str = "target",
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    options: LoadOptions | None = None,
+) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for LLaVA-family
-    models) with clear errors; returns the model in eval mode."""
-    source = _check_source(name, what)
+    models) with clear errors; returns the model in eval mode.
+
+    Plain loads go to `device` in `dtype` (float32 on CPU, bfloat16 on CUDA by default).
+    With a device map or quantization (requested, or a pre-quantized checkpoint) the model is
+    placed while loading (a quantized model with no device map goes whole onto `device`)
+    and never moved afterwards. `dtype` is then the compute dtype ('auto': the checkpoint's
+    for a pre-quantized one)."""
+    options = options or LoadOptions()
+    config = load_config(name, what, options)
+    source = _check_source(name, what, options.revision)
+    auto = check_causal_lm(config, name, what)
+    if options.device_map is not None and device not in (None, "auto"):
+        raise SpecDecError(f"give --device {device} or --device-map {options.device_map}, not both: a device map places the model itself")
+    prequantized = getattr(config, "quantization_config", None) is not None
     dev = device if isinstance(device, torch.device) else resolve_device(device)
+    if isinstance(options.device_map, str) and options.device_map not in DEVICE_MAPS:
+        dev = torch.device(options.device_map)
     torch_dtype = resolve_dtype(dtype, dev)
-    auto = AutoModelForImageTextToText if is_multimodal_source(name, what) else AutoModelForCausalLM
+    kwargs: dict[str, Any] = {"dtype": "auto" if prequantized and dtype in (None, "auto") else torch_dtype, **_hub_kwargs(options)}
+    kwargs.update(_quantization_kwargs(config, options, torch_dtype, name, what))
+    if options.attn_implementation is not None:
+        kwargs["attn_implementation"] = options.attn_implementation
+    placed = options.device_map is not None or options.quantization is not None or prequantized
+    if placed:
+        _check_packages(options, prequantized, what)
+        kwargs["device_map"] = dict(options.device_map) if isinstance(options.device_map, Mapping) else options.device_map or {"": str(dev)}
     try:
-        model = auto.from_pretrained(source, dtype=torch_dtype)
-    except (OSError, ValueError) as err:
-        raise SpecDecError(f"could not load {what} model {name!r}: {err}".strip()) from err
-    return model.to(dev).eval()
+        model, info = auto.from_pretrained(source, output_loading_info=True, **kwargs)
+    except Exception as err:  # OSError, ValueError, ImportError, safetensors' SafetensorError (an Exception), torch's RuntimeError
+        if isinstance(err, SpecDecError):
+            raise
+        raise _load_error(what, name, "weights", err, options) from err
+    check_loading_info(info, model, name, what)
+    if not placed:
+        model = model.to(dev)
+    return model.eval()
 
 
-def load_tokenizer(name: str, what: str = "target") -> PreTrainedTokenizerBase:
-    source = _check_source(name, what)
+def _check_tokenizer_files(source: str, name: str, what: str) -> None:
+    folder = Path(source)
+    if not folder.is_dir():
+        return  # a hub id
+    if any((folder / f).is_file() for f in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
+        return
+    raise SpecDecError(
+        f"{what} model folder {name!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); "
+        "save the tokenizer there with tokenizer.save_pretrained(folder), or pass a folder or hub id that has one"
+    )
+
+
+def load_tokenizer(name: str, what: str = "target", options: LoadOptions | None = None) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained` with clear errors; refuses a tokenizer that holds only
+    special tokens (what transformers builds for a folder that has none saved)."""
+    options = options or LoadOptions()
+    source = _check_source(name, what, options.revision)
+    _check_tokenizer_files(source, name, what)
     try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise SpecDecError(f"could not load the tokenizer of {what} model {name!r}: {err}") from err
+        tokenizer = AutoTokenizer.from_pretrained(source, **_hub_kwargs(options))
+    except (OSError, ValueError, KeyError, ImportError, TypeError) as err:
+        raise _load_error(what, name, "tokenizer", err, options) from err
+    vocab = tokenizer.get_vocab()
+    if set(vocab) <= set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()):
+        raise SpecDecError(
+            f"the tokenizer of {what} model {name!r} holds only its {len(vocab)} special tokens: its vocabulary files are missing; "
+            "save the full tokenizer there with tokenizer.save_pretrained(folder)"
+        )
+    return tokenizer
 
 
-def load_processor(name: str, what: str = "target") -> Any:
+def load_processor(name: str, what: str = "target", options: LoadOptions | None = None) -> Any:
     """The image+text processor of a LLaVA-family model (`AutoProcessor`)."""
-    source = _check_source(name, what)
+    options = options or LoadOptions()
+    source = _check_source(name, what, options.revision)
     try:
-        return AutoProcessor.from_pretrained(source)
-    except (OSError, ValueError, TypeError) as err:
-        raise SpecDecError(f"could not load the processor of {what} model {name!r}: {err}; a vision-language model needs its processor files") from err
+        return AutoProcessor.from_pretrained(source, **_hub_kwargs(options))
+    except (OSError, ValueError, TypeError, ImportError) as err:
+        raise SpecDecError(
+            f"could not load the processor of {what} model {name!r}: {_first_line(err)}; a vision-language model needs its processor files"
+        ) from err
+
+
+def check_loaded_model(model: Any, what: str = "target") -> PreTrainedModel:
+    """An already-loaded model given to the API: a transformers causal LM (or LLaVA-family
+    model), put in eval mode; anything else is a SpecDecError."""
+    if not isinstance(model, PreTrainedModel):
+        raise SpecDecError(f"the {what} must be a folder, a hub id or a loaded transformers PreTrainedModel, got {type(model).__name__}")
+    check_causal_lm(model.config, type(model).__name__, what)
+    if model.get_output_embeddings() is None:
+        raise SpecDecError(f"the {what} {type(model).__name__} has no LM head; pass the causal LM (e.g. AutoModelForCausalLM), not the base model")
+    return model.eval()
 
 
 def check_same_tokenizer(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
-    """Refuse a pair whose tokenizers map text to different ids."""
+    """Refuse a pair whose tokenizers map text to different ids.
+
+    Only the vocabularies are compared: the target's EOS ids decide when a row stops, so a
+    draft whose tokenizer names another EOS token (a base draft for an instruct target) is
+    fine, and so are output layers of different widths (`specdec.models.vocab`)."""
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
     if t_vocab != d_vocab:
         only_t = len(set(t_vocab.items()) - set(d_vocab.items()))
@@ -135,8 +385,6 @@ def check_same_tokenizer(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrai
             f"the target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens, {only_t} target entries "
             "missing or mapped differently in the draft); speculative decoding needs a draft that shares the target's tokenizer"
         )
-    if target_tok.eos_token_id != draft_tok.eos_token_id:
-        raise SpecDecError(f"the target's EOS id {target_tok.eos_token_id} differs from the draft's {draft_tok.eos_token_id}; use a draft with the same tokenizer")
 
 
 def context_length(model: PreTrainedModel) -> int | None:

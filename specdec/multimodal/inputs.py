@@ -16,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from PIL import Image, UnidentifiedImageError
 
 from specdec.errors import SpecDecError
+from specdec.extras import require
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 IMAGE_PLACEHOLDER = "<image>"
 """the placeholder a prompt's text uses for each image (LLaVA convention)"""
@@ -67,6 +70,9 @@ def image_token_id(model_or_config: Any) -> int | None:
 
 def load_images(images: Sequence[str | Path | Image.Image]) -> list[Image.Image]:
     """Open file paths (or pass PIL images through) as RGB images; errors name the file."""
+    require("PIL", "vision", "prompts with images")
+    from PIL import Image, UnidentifiedImageError
+
     loaded = []
     for item in images:
         if isinstance(item, Image.Image):

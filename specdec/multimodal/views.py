@@ -17,14 +17,16 @@ models. For a `MultimodalPrompt`:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from PIL import Image
 from transformers import PreTrainedModel
 
 from specdec.errors import SpecDecError
 from specdec.multimodal.inputs import IMAGE_PLACEHOLDER, MultimodalPrompt, batch_model_inputs, encode_multimodal, image_token_id
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 Encoded = tuple[list[int], dict[str, Any]]
 """(token ids, extra prefill inputs) of one prompt"""
@@ -129,7 +131,7 @@ class TextOnlyView:
         return self.tokenizer(text)["input_ids"], {}
 
 
-Captioner = Callable[[Image.Image], str]
+Captioner = Callable[["Image.Image"], str]
 
 
 class CaptionView:

@@ -32,6 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.errors import SpecDecError
+from specdec.models.vocab import VocabFit, fit_draft_inputs
 from specdec.multimodal.views import PromptView, left_pad, merge_inputs
 from specdec.sampling import SamplingParams
 from specdec.sources.base import AcceptedPaths, NodeBatch
@@ -179,7 +180,8 @@ class EnsembleDraftSource:
     needs_target_logprobs = True
 
     def __init__(
-        self, model: PreTrainedModel, views: Sequence[PromptView], config: EnsembleConfig | None = None, prior: EnsemblePrior | None = None
+        self, model: PreTrainedModel, views: Sequence[PromptView], config: EnsembleConfig | None = None, prior: EnsemblePrior | None = None,
+        vocab: VocabFit | None = None,
     ) -> None:
         if len(views) < 1:
             raise SpecDecError("the ensemble needs at least one view")
@@ -187,7 +189,7 @@ class EnsembleDraftSource:
         self.m = len(self.views)
         self.config = config or EnsembleConfig()
         self.config.validate(self.m)
-        self.inner = ModelDraftSource(model)
+        self.inner = ModelDraftSource(model, vocab=vocab)  # vocab: the draft's logits at the target's width
         self.device = self.inner.runner.device
         self.prior = prior if prior is not None else EnsemblePrior()
         # [C, m] weight candidates (the grid policy only)
@@ -215,6 +217,7 @@ class EnsembleDraftSource:
         view_prompts = [(view, prompt) for prompt in prompts for view in self.views]  # row i*m + j: prompt i, view j
         encoded = [view.encode(prompt) for view, prompt in view_prompts]
         ids, mask = left_pad([enc_ids for enc_ids, _ in encoded], self.device)
+        ids = fit_draft_inputs(ids, self.inner.vocab)  # ids beyond a narrower draft's rows
         extra = merge_inputs([enc_extra for _, enc_extra in encoded], self.device, self.inner.runner.model)
         if rows is None:
             self.inner.prefill_rows(ids, mask, None, extra)

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from specdec.errors import SpecDecError
 from specdec.models.runner import ModelRunner
+from specdec.models.vocab import VocabFit, fit_draft_inputs, fit_draft_logits
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.multimodal.views import PromptView, encode_batch
 from specdec.sampling import SamplingParams, logits_to_logprobs
@@ -32,10 +33,12 @@ class ModelDraftSource:
 
     needs_target_logprobs = False
 
-    def __init__(self, model: PreTrainedModel, view: PromptView | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, view: PromptView | None = None, vocab: VocabFit | None = None) -> None:
         """view: how the draft sees a prompt (e.g. text only, for a text-only draft of a
-        vision-language target); None = the target's own token ids and image inputs."""
+        vision-language target); None = the target's own token ids and image inputs.
+        vocab: brings the draft's logits to the target's width (`specdec.models.vocab`); None = same width."""
         self.runner = ModelRunner(model)
+        self.vocab = vocab
         self.view = view
         self.multimodal = is_multimodal(model)
         dev = self.runner.device
@@ -68,6 +71,7 @@ class ModelDraftSource:
     def prefill_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None, model_inputs: dict[str, Any] | None = None) -> None:
         """Prefill already-encoded prompts: a new batch (rows None) or into batch rows `rows`."""
         dev = self.runner.device
+        input_ids = fit_draft_inputs(input_ids, self.vocab)  # ids beyond a narrower draft's rows
         if rows is None:
             self.runner.prefill(input_ids, attention_mask, model_inputs)
             b = input_ids.shape[0]
@@ -85,6 +89,7 @@ class ModelDraftSource:
         self.pending_valid = self.pending_valid[index]
 
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        roots = fit_draft_inputs(roots, self.vocab)  # a target-emitted id the draft has no row for
         dev = self.runner.device
         b = roots.shape[0]
         ids = torch.stack([self.pending_token, roots], dim=1)  # [B, 2]: pending (maybe masked), root
@@ -97,7 +102,7 @@ class ModelDraftSource:
         self._slot_node = torch.zeros(b, 2, dtype=torch.long, device=dev)  # both slots stand for the root's path
         self._slot_ok = valid
         self._node_slot = torch.full((b, 1), 1, dtype=torch.long, device=dev)  # the root is step slot 1
-        return logits_to_logprobs(logits, params)
+        return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
     def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
         dev = self.runner.device
@@ -119,7 +124,7 @@ class ModelDraftSource:
         self._slot_node = torch.cat([self._slot_node, nodes], dim=1)
         self._slot_ok = torch.cat([self._slot_ok, valid], dim=1)
         self._node_slot.scatter_(1, nodes, torch.where(valid, slots, self._node_slot.gather(1, nodes)))
-        return logits_to_logprobs(logits, params)
+        return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
     def end_step(self, accepted: AcceptedPaths) -> None:
         """Keep the pending and root slots and the accepted nodes the draft forwarded; an
@@ -137,7 +142,7 @@ class ModelDraftSource:
         keep_valid = torch.cat([self._slot_ok[:, :2], forwarded], dim=1)
         last = path.gather(1, (length - 1).clamp(min=0)[:, None]).squeeze(1)  # [B] the deepest accepted node
         self.pending_valid = (length > 0) & (self._node_slot.gather(1, last[:, None]).squeeze(1) < 0)
-        self.pending_token = accepted.tokens.gather(1, last[:, None]).squeeze(1)
+        self.pending_token = accepted.tokens.gather(1, last[:, None]).squeeze(1).masked_fill(~self.pending_valid, 0)  # 0: a safe id when nothing is pending
         self.runner.commit(keep, keep_valid)
 
     def feedback(self, record: StepRecord) -> None:
