@@ -32,11 +32,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.api import SpeculativeDecoder, resolve_verify
 from specdec.bench.defaults import BENCH_METHODS
+from specdec.bench.divergence import classify
 from specdec.bench.peers import PeerOutput, peer_needs_draft, run_peer, sync_device
 from specdec.bench.prompts import BenchPrompt, load_prompts, resolve_prompt_source
 from specdec.bench.quality import CODE_PROMPT_MODES, QualityScorer, is_code_prompt
 from specdec.bench.variants import BASELINE, Variant, make_variants, parse_method_specs
 from specdec.errors import SpecDecError
+from specdec.hostwork import HostWorkCounter
 from specdec.methods import make_policy
 from specdec.models.loading import (
     bundled_draft,
@@ -150,6 +152,8 @@ class CallRecord:
     """quality runs: per row, the target's log-probability of each generated token"""
     parses: list[bool | None] | None = None
     """quality runs: per row, whether prompt + completion parses as Python (None: not a code prompt)"""
+    divergences: list[dict[str, Any] | None] | None = None
+    """greedy runs: per row, the first divergence from AR's output classified (`specdec.bench.divergence`), None where equal"""
     loops: list[bool] | None = None
     """quality runs: per row, whether the completion ends in a short loop (`specdec.stats.ends_in_loop`)"""
 
@@ -203,6 +207,9 @@ class BenchResult:
     dtype: str
     max_context: int | None
     wall_s: float
+    host_work: dict[str, dict[str, float]] = field(default_factory=dict)
+    """per engine method: ops, ops_all and host_reads per decoding step outside model forwards
+    (`specdec.hostwork`), from one extra, untimed call on the first prompt group"""
 
 
 # ----- configuration -----------------------------------------------------------------
@@ -421,6 +428,21 @@ class _Runner:
             records.append(record)
         return records
 
+    def count_host_work(self, variant: Variant, prompts: Sequence[BenchPrompt]) -> dict[str, float]:
+        """Ops and host reads per decoding step outside model forwards (`specdec.hostwork`) on the
+        first turn of `prompts`, in one untimed call (the counting itself is slow)."""
+        contexts = []
+        for p in prompts:
+            if p.images:
+                contexts.append(image_prompt(self.probe, p, self.max_context, self.config.max_new_tokens))
+            else:
+                ids = turn_context(self.models.tokenizer, p, 0, None, [], self.eos_token_ids)
+                contexts.append(fit_context(ids, self.max_context, self.config.max_new_tokens)[0])
+        with HostWorkCounter() as counter:
+            outs = self.decoders[variant.label].generate_ids(contexts, self.config.max_new_tokens, self.params, verify=variant.verify, seed=self.seed(0, 0, 0))
+        steps = max(1, max(o.stats.steps for o in outs))
+        return {"ops": counter.ops / steps, "ops_all": counter.ops_all / steps, "host_reads": counter.host_reads / steps, "steps": float(steps)}
+
     def _call(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
         """One timed generation; the process RSS (and on CUDA the peak GPU memory) is read right after."""
         device = next(self.models.target.parameters()).device
@@ -559,6 +581,9 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
                     progress.update(task, description=f"repeat {repeat + 1}/{config.repeats} prompt group {g + 1}/{len(groups)} {escape(v.label)}")
                     records.extend(runner.run_group(v, group, repeat, g))
                     progress.advance(task)
+    host_work = {v.label: runner.count_host_work(v, groups[0]) for v in variants if not v.peer}
+    if config.temperature == 0:
+        _classify_divergences(records, models.target)
     if config.quality or config.mars_thetas:
         _score_quality(records, prompts, models, runner.eos_token_ids, config)
     if runner.truncated:
@@ -580,7 +605,23 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         dtype=str(dev.dtype).replace("torch.", ""),
         max_context=runner.max_context,
         wall_s=time.perf_counter() - t_start,
+        host_work=host_work,
     )
+
+
+def _classify_divergences(records: Sequence[CallRecord], target: PreTrainedModel) -> None:
+    """Greedy runs: every output that differs from AR's on the same call gets its first
+    divergence classified as a numerical tie or a mismatch (`specdec.bench.divergence`)."""
+    reference = {(r.repeat, r.group, r.turn): r for r in records if r.label == BASELINE}
+    for record in records:
+        ar = reference.get((record.repeat, record.group, record.turn))
+        if ar is None or record.label == BASELINE:
+            continue
+        found: list[dict[str, Any] | None] = []
+        for context, out, ref in zip(record.contexts, record.outputs, ar.outputs, strict=True):
+            div = classify(target, context, out, ref) if out != ref and isinstance(context, list) else None  # image prompts: not classified
+            found.append(div.to_dict() if div is not None else None)
+        record.divergences = found
 
 
 def _score_quality(

@@ -1,0 +1,118 @@
+"""Host work outside model forwards: the counter itself, the engine's per-step budget of
+host reads, and the half-precision divergence classifier of the benchmark."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import sharpen, tiny_model
+
+from specdec.bench.divergence import TIE_ULPS, classify, first_difference, ulp
+from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy
+from specdec.engine import SpeculativeEngine
+from specdec.hostwork import HostWorkCounter, uncounted
+from specdec.methods import make_policy
+from specdec.models.runner import ModelRunner
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule
+
+
+def test_counter_counts_ops_and_reads_outside_uncounted_regions():
+    x = torch.arange(6.0)
+    with HostWorkCounter(keep_names=True) as counter:
+        y = x * 2 + 1  # two ops
+        _ = y.view(2, 3)  # a view: not a working op
+        _ = float(y.sum())  # one op, one read
+        with uncounted():
+            _ = (x @ x).item()  # neither counted
+        _ = y.tolist()  # one read
+    assert counter.ops == 3
+    assert counter.ops_all == 5  # plus the view and the scalar read's own aten op
+    assert counter.host_reads == 2
+    assert counter.read_names == {"__float__": 1, "tolist": 1}
+
+
+def test_counter_is_inactive_outside_its_block():
+    with HostWorkCounter() as counter:
+        pass
+    _ = torch.ones(3).sum().item()
+    assert (counter.ops, counter.host_reads) == (0, 0)
+
+
+def test_model_forwards_are_not_counted():
+    runner = ModelRunner(tiny_model("llama", seed=0))
+    ids = torch.tensor([[5, 6, 7]])
+    with HostWorkCounter() as counter:
+        runner.prefill(ids, torch.ones_like(ids))
+    # prefill's own bookkeeping only: the dozens of ops inside the two-layer model are excluded
+    assert counter.ops < 30
+    assert counter.host_reads == 0
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [make_policy("ar"), ChainPolicy(k=4), StaticTreePolicy(depth=3, branching=2, max_nodes=10), Eagle2Policy(depth=4, top_k=3, total_tokens=10)],
+    ids=lambda p: p.name,
+)
+def test_one_host_read_per_decoding_step(policy):
+    """The hot path reads the device once per step (the verdict); admission is not a step."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=1, layers=1))
+    source = ModelDraftSource(draft) if policy.uses_draft else None
+    engine = SpeculativeEngine(target, policy, GreedyRule(), source, eos_token_ids=[])
+    engine.generate([[5, 6, 7, 8]], 4)  # warm-up
+    with HostWorkCounter(keep_names=True) as counter:
+        out = engine.generate([[5, 6, 7, 8], [9, 10, 11]], 24)
+    steps = max(o.stats.steps for o in out)
+    reads = counter.read_names
+    assert reads["tolist"] <= steps, reads  # the verdict, once per step
+    # plus each cache's (target and draft) compaction check, once per 64 committed slots (a step commits at most 1 + depth per row)
+    assert reads["item"] <= 2 * (steps * (1 + 4) // 64 + 1), reads
+    assert sum(reads.values()) == counter.host_reads
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_ulp_follows_the_dtype():
+    assert ulp(1.0, torch.bfloat16) == pytest.approx(2**-7)
+    assert ulp(10.0, torch.bfloat16) == pytest.approx(2**-7 * 8)
+    assert ulp(10.0, torch.float32) == pytest.approx(2**-23 * 8)
+
+
+class _FixedLogits(torch.nn.Module):
+    """A stand-in causal LM whose last-position logits are fixed."""
+
+    def __init__(self, logits: list[float], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.z = torch.nn.Parameter(torch.tensor(logits, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids, logits_to_keep=1):
+        class Out:
+            logits = self.z.expand(input_ids.shape[0], 1, -1)
+
+        return Out()
+
+
+@pytest.mark.parametrize(
+    ("logits", "dtype", "kind"),
+    [
+        ([0.0, 12.0, 12.0 - 2**-7 * 8, -3.0], torch.bfloat16, "numerical tie"),  # one bf16 ulp apart at 12
+        ([0.0, 12.0, 11.0, -3.0], torch.bfloat16, "mismatch"),
+        ([0.0, 12.0, 12.0 - 2**-7 * 8, -3.0], torch.float32, "mismatch"),  # float32 resolves the same gap easily
+    ],
+)
+def test_divergence_classification(logits, dtype, kind):
+    model = _FixedLogits(logits, dtype)
+    div = classify(model, [4, 5], output=[7, 2, 0], reference=[7, 1, 0])  # AR chose 1, the method 2, at position 1
+    assert div is not None
+    assert (div.position, div.ar_token, div.method_token) == (1, 1, 2)
+    assert div.kind == kind
+    assert div.tolerance == pytest.approx(TIE_ULPS * ulp(12.0, dtype))
+
+
+def test_no_divergence_when_one_output_only_stops_earlier():
+    assert classify(_FixedLogits([0.0, 1.0], torch.float32), [1], output=[1, 1], reference=[1, 1, 0]) is None
