@@ -99,6 +99,13 @@ def compact(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]
     return order, mask.gather(1, order)
 
 
+def _count_cap(threshold: float, cap: int) -> int:
+    """How many nodes of one level can have path probability >= threshold: the path
+    probabilities of a level sum to at most 1, so at most floor(1 / threshold) (+1 for
+    rounding), and never more than `cap`."""
+    return cap if threshold <= 0 else max(1, min(cap, int(1.0 / threshold) + 1))
+
+
 def _log(p: float) -> float:
     return math.log(p) if p > 0 else float("-inf")
 
@@ -296,43 +303,41 @@ class DynaTreePolicy:
         return dynamic_depth_expandable(depth, cum_logq, self.cur_d0, limit, self.rho_stop, self.cur_rho_deep)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
+        limit = self.depth_limit(ctx)
+        level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False, capacity=1 + level_cap * max(1, limit))
         b = roots.shape[0]
         dev = roots.device
         active = ctx.active.to(dev)
-        limit = self.depth_limit(ctx)
         log_tau = _log(self.prune_tau)
         budget = torch.where(active, self.max_nodes, 0)  # [B] draft tokens each row may still add
         frontier = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, m] builder indices to expand
         frontier_valid = active[:, None].clone()  # [B, m]
         logprobs = builder.root_logprobs[:, None, :]  # [B, m, V] children distributions of the frontier
         vocab = logprobs.shape[-1]
+        tree_width = 1  # nodes of the largest row so far (read once per level)
+        k = min(self.b_mid if self.phase == 0 else self.b_max, vocab)  # children proposed per node (B(u) <= k masks the rest)
+        frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
         for depth in range(limit):  # the frontier sits at `depth`, its children at depth + 1
             branch = self.branching(logprobs).masked_fill(~frontier_valid, 0)  # [B, m]
-            k = min(int(branch.max()), vocab)
-            if k <= 0:
-                break
             parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
             rank = torch.arange(k, device=dev).repeat(frontier.shape[1])  # [m*k] child rank under its parent
-            valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1)) & torch.isfinite(logq)
+            valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1))
             cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
-            valid = valid & (cum >= log_tau)  # probability-threshold pruning
+            valid = valid & (cum >= log_tau)  # probability-threshold pruning (-inf logq fails too)
             valid = keep_within_budget(cum, valid, budget)  # strict node budget
-            width = int(valid.sum(dim=1).max())
-            if width == 0:
-                break
-            order, kept = compact(valid, width)  # [B, w]
+            order, kept = compact(valid, min(valid.shape[1], level_cap))  # [B, w]: a static width, no read
             nodes = builder.add(parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept)  # [B, w]
             node_valid = builder.valid.gather(1, nodes)  # [B, w]
             budget = budget - node_valid.sum(dim=1)
-            if depth + 1 >= limit:
-                break
             grow = node_valid & self.expandable(depth + 1, builder.cum_logq.gather(1, nodes), limit) & (budget > 0)[:, None]  # [B, w]
-            width = int(grow.sum(dim=1).max())
-            if width == 0:
+            order, frontier_valid = compact(grow, min(grow.shape[1], frontier_cap))  # [B, m']
+            # the level's one host read: the largest row's node count (the tree's width) and whether anything grows
+            tree_width, growing = torch.stack([builder.valid.sum(dim=1).max(), frontier_valid.any().long()]).tolist()
+            if depth + 1 >= limit or not growing:
                 break
-            order, frontier_valid = compact(grow, width)  # [B, m']
             frontier = nodes.gather(1, order)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, m', V]: one draft forward per level
-        tree, origin = builder.finish()
+        # the valid nodes only (levels are padded to a static width): `tree_width` columns
+        tree, origin = builder.finish(builder.valid, width=tree_width)
         return Draft(tree, builder, origin)
