@@ -397,6 +397,8 @@ class DecodeSession:
             max_depth=max(0, remaining - 1),
             active=torch.tensor(was_active, dtype=torch.bool).to(dev, non_blocking=True),
             context_len=context_len,
+            host_active=was_active,
+            host_context_len=self._host_context_lens(),
         )
         t0 = time.perf_counter()
         draft = engine.policy.draft(engine.source, self.roots, ctx)
@@ -461,6 +463,14 @@ class DecodeSession:
         self.roots = verdict.bonus_tokens
         self.steps += 1
         return record
+
+    def _host_context_lens(self) -> list[int] | None:
+        """Committed target tokens per row, known on the host for text prompts: the prompt and
+        every generated token but the last (the next root, not cached yet). None when a row's
+        prompt has images (the model may expand them)."""
+        if any(isinstance(r.prompt, MultimodalPrompt) for r in self.rows):
+            return None
+        return [len(r.prompt) + len(r.token_ids) - 1 for r in self.rows]
 
     def _admit(self, incoming: list[DecodeRequest], batch_rows: list[int] | None) -> torch.Tensor:
         """Prefill requests `incoming` (into batch rows `batch_rows`, or as a new batch when None);

@@ -10,7 +10,9 @@ so they are counted here, on any device:
   metadata-only operators such as `view`, `slice`, `expand`, `select` are excluded: they
   launch no kernel). `ops_all` counts views too.
 - **host reads**: calls that copy a tensor's value to Python (`item`, `tolist`, `__bool__`,
-  `__int__`, `__float__`, `__index__`, `cpu`, `numpy`), outside model forwards.
+  `__int__`, `__float__`, `__index__`, `cpu`, `numpy`), and ops whose output shape depends
+  on tensor values (`nonzero`, boolean-mask indexing, `masked_select`, `unique`): on a GPU
+  each waits for the device as a read does. Outside model forwards.
 
 `ModelRunner` wraps every model call in `uncounted()`, so work inside the model is not
 counted; the engine wraps admission (prefill and the first token) in it too, so the counts
@@ -61,6 +63,10 @@ class _OpMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         counter = self.counter
         if not counter._inside:
+            if func in _DATA_DEPENDENT_OPS or (func is torch.ops.aten.index.Tensor and _has_bool_index(args)):
+                counter.host_reads += 1
+                if counter.keep_names:
+                    counter.read_names[str(func.overloadpacket.__name__)] += 1
             counter.ops_all += 1
             if not func.is_view and func not in _METADATA_OPS:
                 counter.ops += 1
@@ -82,6 +88,22 @@ class _ReadMode(TorchFunctionMode):
                 counter.read_names[func.__name__] += 1
         return func(*args, **(kwargs or {}))
 
+
+def _has_bool_index(args: Any) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
+_DATA_DEPENDENT_OPS = frozenset(
+    {
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten._unique2.default,
+        torch.ops.aten.unique_consecutive.default,
+        torch.ops.aten.unique_dim.default,
+    }
+)
+"""ops whose output size depends on tensor values (the host must wait for the device to size the output)"""
 
 _METADATA_OPS = frozenset(
     {

@@ -116,3 +116,20 @@ def test_divergence_classification(logits, dtype, kind):
 
 def test_no_divergence_when_one_output_only_stops_earlier():
     assert classify(_FixedLogits([0.0, 1.0], torch.float32), [1], output=[1, 1], reference=[1, 1, 0]) is None
+
+
+def test_host_context_lengths_match_the_cache():
+    """Policies read committed lengths from the host (`DraftContext.host_context_len`); they must equal the cache's."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=1, layers=1))
+    engine = SpeculativeEngine(target, ChainPolicy(k=3), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+    session = engine.session(max_rows=2)
+    for prompt, budget in (([5, 6, 7, 8], 20), ([9, 10], 7), ([11, 12, 13], 15)):
+        session.submit(prompt, budget)
+    while not session.idle:
+        session.step()
+        if session.rows:
+            live = [r for r, req in enumerate(session.rows) if not req.done]
+            host = session._host_context_lens()
+            device = engine.target.committed_len().tolist()
+            assert [host[r] for r in live] == [device[r] for r in live]

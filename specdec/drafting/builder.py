@@ -29,6 +29,10 @@ class DraftContext:
     """[B] bool: rows still generating (finished rows get a root-only tree)"""
     context_len: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     """[B] committed tokens per row (cost-aware policies bucket on it)"""
+    host_active: list[bool] | None = None
+    """`active` on the host, when the caller knows it (policies then need no device read for it)"""
+    host_context_len: list[int] | None = None
+    """`context_len` on the host, when the caller knows it"""
 
 
 @dataclass

@@ -128,8 +128,13 @@ def batch_utility(score: torch.Tensor, rows: torch.Tensor, k: int | None = None,
 def _utility(score: torch.Tensor, weights: torch.Tensor, n: int, presorted: bool) -> list[float]:
     """`batch_utility` with the row weights given ([B, 1] float64: 1 / active rows, 0 for the
     others) and n >= 1: a handful of tensor ops and one transfer, as it runs several times a step."""
+    return _utility_tensor(score, weights, n, presorted).tolist()
+
+
+def _utility_tensor(score: torch.Tensor, weights: torch.Tensor, n: int, presorted: bool) -> torch.Tensor:
+    """`_utility` on the device: [n] float64 (read it together with others in one transfer)."""
     top = score[:, :n] if presorted else torch.topk(score, n, dim=1).values  # [B, n] descending
-    return (top.double().exp() * weights).sum(dim=0).cumsum(dim=0).tolist()
+    return (top.double().exp() * weights).sum(dim=0).cumsum(dim=0)
 
 
 def _trim_flat(utility: list[float]) -> list[float]:
@@ -528,14 +533,18 @@ class CastPolicy:
         self.last_widths = []
         self.last_verified = 0
         self._last_tree = None
-        if depth == 0 or not bool(rows.any()):
+        active_rows = [r for r, a in enumerate(ctx.host_active) if a] if ctx.host_active is not None else rows.nonzero().flatten().tolist()
+        if depth == 0 or not active_rows:
             tree, origin = builder.finish()
             return Draft(tree, builder, origin)
         table = self.table_for(b)
         c1, c2, c3 = self.thresholds_for(b)
         break_even = self.prune_rule == "break-even"
         lens = ctx.context_len.to(dev)
-        n0 = int(lens[rows].max().item()) if lens.numel() == b else 0  # padded context of the batch
+        if ctx.host_context_len is not None:  # known on the host: no device read
+            n0 = max(ctx.host_context_len[r] for r in active_rows)
+        else:
+            n0 = int(lens[rows].max().item()) if lens.numel() == b else 0  # padded context of the batch
         k = min(self.top_k, builder.root_logprobs.shape[-1])
         # break-even rules work in ms: the tables' forward costs plus the engine's measured overheads
         t_verify = table.target_costs(b, n0, self.total_tokens + 1)  # f_T(B, n0, n) for n = 0..m+1 (ms)
@@ -551,7 +560,7 @@ class CastPolicy:
         expanded = 0  # nodes expanded by this step's draft forwards (row-padded widths)
         drafted_ms = forward_ms + o_step  # the step's draft time so far
 
-        self._weights = rows.to(torch.float64)[:, None] / int(rows.sum())  # [B, 1]: utilities average the active rows
+        self._weights = rows.to(torch.float64)[:, None] / len(active_rows)  # [B, 1]: utilities average the active rows
         # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's path
         self._value = torch.zeros(b, 1, device=dev)  # [B, N]
         self._rank = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, N] rank among siblings (1 = draft's favourite)
@@ -565,7 +574,14 @@ class CastPolicy:
         prev_utility: float | None = None
         for level in range(1, depth + 1):
             score = self._value.gather(1, candidates)  # [B, m], rows descending, -inf where missing
-            utility = _trim_flat(_utility(score, self._weights, score.shape[1], presorted=True))  # u_1..u_m
+            # the layer's candidates' utilities and (break-even) the pool's, in one transfer
+            layer_u = _utility_tensor(score, self._weights, score.shape[1], presorted=True)
+            pool_n = min(builder.num_nodes - 1, self.total_tokens) if break_even else 0
+            if pool_n > 0:
+                both = torch.cat([layer_u, _utility_tensor(self._value[:, 1:], self._weights, pool_n, presorted=False)]).tolist()
+                utility, pool = _trim_flat(both[: layer_u.shape[0]]), _trim_flat(both[layer_u.shape[0] :])
+            else:
+                utility, pool = _trim_flat(layer_u.tolist()), []
             ctx_i = n0 + 1 + kept_before  # the draft cache: committed tokens, the root, kept layers
             f_draft = table.draft_costs(b, ctx_i, len(utility))[1:]  # f_D(B, ctx_i, j) for j = 1..m
             cost: list[float] = []  # the paper's c_1..c_m (threshold rules), in plain decoding steps
@@ -577,7 +593,7 @@ class CastPolicy:
             # buffer of layer gain ratios), or with calibration under break-even pruning the learned
             # P(best child accepted | node reached), observed at every verification
             alpha = self._calibrator.child_rate() if (break_even and self.calibrate) else self._buffers.alpha(level)
-            plan = self._step_plan(builder, rows, verify_ms, drafted_ms) if break_even else None
+            plan = self._step_plan(builder, rows, verify_ms, drafted_ms, pool) if break_even else None
             width = len(utility)
             if self.breadth_pruning:
                 most = len(utility)  # candidates present in some row
@@ -655,10 +671,11 @@ class CastPolicy:
         n = min(builder.num_nodes - 1, self.total_tokens)
         return _trim_flat(_utility(self._value[:, 1:], self._weights, n, presorted=False)) if n > 0 else []
 
-    def _step_plan(self, builder: TreeBuilder, rows: torch.Tensor, verify_ms: list[float], drafted_ms: float) -> StepPlan:
+    def _step_plan(self, builder: TreeBuilder, rows: torch.Tensor, verify_ms: list[float], drafted_ms: float, pool: list[float] | None = None) -> StepPlan:
         """The best the step can do with the nodes drafted so far: the k that maximises the
-        expected rate (1 + u_k) / (d + v_k), as break-even reranking picks it."""
-        utility = self._pool_utility(builder, rows)
+        expected rate (1 + u_k) / (d + v_k), as break-even reranking picks it.
+        pool: the pool's utilities when already read (`_pool_utility`)."""
+        utility = self._pool_utility(builder, rows) if pool is None else pool
         k = break_even_count(utility, verify_ms[: len(utility) + 1], drafted_ms)
         return StepPlan(utility=([0.0, *utility])[k], verified=k, drafted=drafted_ms, verify_cost=verify_ms)
 
