@@ -87,7 +87,8 @@ def test_text_only_draft_of_a_vision_target(lvlm):
 def test_text_only_view_replaces_each_image_by_a_newline(lvlm):
     ids, extra = TextOnlyView(lvlm["tok"]).encode(lvlm["prompts"][1])
     assert extra == {}
-    assert ids == lvlm["tok"]("USER: \n\nWhat changed between the two images? ASSISTANT:")["input_ids"]
+    # the paper (TABED, Section I.2) replaces the placeholder alone: its own newline stays
+    assert ids == lvlm["tok"]("USER: \n\n\n\nWhat changed between the two images? ASSISTANT:")["input_ids"]
     assert TextOnlyView(lvlm["tok"]).encode([5, 6, 7]) == ([5, 6, 7], {})
 
 

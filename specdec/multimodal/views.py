@@ -116,7 +116,9 @@ class FullView:
 
 
 class TextOnlyView:
-    """T: every `<image>` replaced by `replacement` (a newline, as in the TABED paper)."""
+    """T: every `<image>` replaced by `replacement` (a newline, as in the TABED paper, Section
+    I.2: the placeholder alone is replaced, so `<image>\\n` becomes two newlines and the prompt
+    keeps its length in tokens)."""
 
     name = "T"
 
@@ -127,7 +129,7 @@ class TextOnlyView:
     def encode(self, prompt: Sequence[int]) -> Encoded:
         if not isinstance(prompt, MultimodalPrompt):
             return list(prompt), {}
-        text = prompt.text.replace(IMAGE_PLACEHOLDER + "\n", self.replacement).replace(IMAGE_PLACEHOLDER, self.replacement)
+        text = prompt.text.replace(IMAGE_PLACEHOLDER, self.replacement)
         return self.tokenizer(text)["input_ids"], {}
 
 
