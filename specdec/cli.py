@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from specdec.bundled import bundled_lvlm_draft, bundled_lvlm_target
 from specdec.errors import SpecDecError
 from specdec.extras import require
+from specdec.method_flags import method_flags
 from specdec.names import METHOD_NAMES
 from specdec.parsing import check_seed, parse_int_list
 
@@ -108,81 +109,10 @@ def add_method_args(
     p.add_argument("--tabed-window", default="all", help="tabed: past positions scored (a positive integer, or all)")
     p.add_argument("--tabed-prior", type=_on_off, default=True, metavar="on|off", help="tabed: start each prompt from earlier prompts' evidence (on)")
     g = p.add_argument_group("method options (defaults: each method's own)")
-    g.add_argument("--k", type=int, default=None, help="chain: draft tokens per step (5)")
-    g.add_argument("--depth", type=int, default=None, help="static/eagle2/cast: tree depth (4 / 6 / 13 at batch 1 ... 9 at batch >= 8)")
-    g.add_argument("--branching", type=int, default=None, help="static: children per node (2)")
-    g.add_argument("--max-nodes", type=int, default=None, help="static/dynatree: node budget, draft tokens per step (64 / 256)")
-    g.add_argument("--expand-top-k", dest="top_k_expand", type=int, default=None, help="eagle2/cast: frontier width and children per node (8 / 12)")
-    g.add_argument("--total-tokens", type=int, default=None, help="eagle2/cast: draft tokens kept after reranking (32 / at most 72)")
-    g.add_argument("--d0", type=int, default=None, help="dynatree: base depth D_0; deeper nodes need p >= rho_deep (5)")
-    g.add_argument("--d-max", type=int, default=None, help="dynatree: hard maximum depth D_max (8)")
-    g.add_argument("--b-min", type=int, default=None, help="dynatree: children of a confident node, c >= tau_high (1)")
-    g.add_argument("--b-mid", type=int, default=None, help="dynatree: children of a middling node; phase 0: of every node (2)")
-    g.add_argument("--b-max", type=int, default=None, help="dynatree: children of an uncertain node, c < tau_low (3)")
-    g.add_argument("--tau-high", type=float, default=None, help="dynatree: high-confidence threshold tau_h (0.9)")
-    g.add_argument("--tau-low", type=float, default=None, help="dynatree: low-confidence threshold tau_l (0.4)")
-    g.add_argument("--prune-tau", type=float, default=None, help="dynatree: drop children with path probability < tau; 0 = off (0.03)")
-    g.add_argument("--rho-stop", type=float, default=None, help="dynatree: early stop below this path probability (0.1)")
-    g.add_argument("--rho-deep", type=float, default=None, help="dynatree: path probability needed beyond D_0 (0.5)")
-    g.add_argument("--history-window", type=int, default=None, help="dynatree: steps in the acceptance window W (10)")
-    g.add_argument("--accept-high", type=float, default=None, help="dynatree: windowed acceptance above it -> more aggressive (0.4)")
-    g.add_argument("--accept-low", type=float, default=None, help="dynatree: windowed acceptance below it -> more conservative (0.15)")
-    g.add_argument("--adjust-step", type=float, default=None, help="dynatree: per-step move of tau_high and rho_deep (0.05)")
-    g.add_argument("--dynatree-phase", type=int, default=None, help="dynatree: 0 fixed tree, 1 +adaptive branching, 2 +dynamic depth, 3 +history adjustment (3)")
-    g.add_argument("--cast-c1", type=float, default=None, help="cast: breadth-pruning threshold C1 with --prune-rule threshold (3.0 at batch 1 ... 2.5 at batch >= 8)")
-    g.add_argument("--cast-c2", type=float, default=None, help="cast: depth-pruning threshold C2 with --prune-rule threshold (3.0 at batch 1 ... 2.5 at batch >= 8)")
-    g.add_argument("--cast-c3", type=float, default=None, help="cast: dynamic-reranking threshold C3 with --rerank-rule threshold (3.0 at batch 1 ... 2.5 at batch >= 8)")
-    g.add_argument("--rerank-rule", default=None, help="cast: break-even (most expected tokens per unit time; default) or threshold (the paper's Algorithm 1 with C3)")
-    g.add_argument(
-        "--prune-rule", default=None, help="cast: break-even (a node or layer is drafted when it is predicted to raise the step's rate; default) or threshold (the paper's C1, C2)"
-    )
-    g.add_argument("--cast-lookahead", type=int, default=None, help="cast: layers past the next one that break-even depth pruning may count (0)")
-    g.add_argument(
-        "--calibrate", type=_on_off, default=None, metavar="on|off", help="cast: value nodes by acceptance rates learned from the verifier's verdicts; off: raw draft confidence (on)"
-    )
-    g.add_argument("--cast-buffer", type=int, default=None, help="cast: length R of each depth-pruning FIFO buffer (8)")
-    g.add_argument("--breadth-pruning", type=_on_off, default=None, metavar="on|off", help="cast: breadth pruning (on)")
-    g.add_argument("--depth-pruning", type=_on_off, default=None, metavar="on|off", help="cast: depth pruning (on)")
-    g.add_argument("--dynamic-rerank", type=_on_off, default=None, metavar="on|off", help="cast: cost-aware reranking; off keeps --total-tokens (on)")
-    g.add_argument("--cost-profile", default=None, help="cast: cost profile JSON from `specdec profile` (default: the bundled pair's, else measured on first use)")
-
-
-OPTION_FIELDS = {
-    "k": "k",
-    "depth": "depth",
-    "branching": "branching",
-    "max_nodes": "max_nodes",
-    "top_k_expand": "top_k",
-    "total_tokens": "total_tokens",
-    "d0": "d0",
-    "d_max": "d_max",
-    "b_min": "b_min",
-    "b_mid": "b_mid",
-    "b_max": "b_max",
-    "tau_high": "tau_high",
-    "tau_low": "tau_low",
-    "prune_tau": "prune_tau",
-    "rho_stop": "rho_stop",
-    "rho_deep": "rho_deep",
-    "history_window": "history_window",
-    "accept_high": "accept_high",
-    "accept_low": "accept_low",
-    "adjust_step": "adjust_step",
-    "dynatree_phase": "phase",
-    "cast_c1": "c1",
-    "cast_c2": "c2",
-    "cast_c3": "c3",
-    "cast_buffer": "buffer",
-    "breadth_pruning": "breadth_pruning",
-    "depth_pruning": "depth_pruning",
-    "dynamic_rerank": "dynamic_rerank",
-    "rerank_rule": "rerank_rule",
-    "prune_rule": "prune_rule",
-    "calibrate": "calibrate",
-    "cast_lookahead": "lookahead",
-    "cost_profile": "cost_profile",
-}
-"""CLI dest -> policy field"""
+    for spec in method_flags():
+        kind = {"int": int, "float": float, "str": str, "bool": _on_off}[spec.type]
+        extra = {"metavar": "on|off"} if spec.type == "bool" else {}
+        g.add_argument(spec.flag, dest=spec.dest, type=kind, default=None, help=spec.help(), **extra)
 
 
 def collect_method_options(args: argparse.Namespace, method: str, strict: bool = True) -> dict:
@@ -191,15 +121,14 @@ def collect_method_options(args: argparse.Namespace, method: str, strict: bool =
 
     allowed = set(method_options(method))
     chosen = {}
-    for dest, field_name in OPTION_FIELDS.items():
-        value = getattr(args, dest, None)
+    for spec in method_flags():
+        value = getattr(args, spec.dest, None)
         if value is None:
             continue
-        if field_name in allowed:
-            chosen[field_name] = value
+        if spec.field in allowed:
+            chosen[spec.field] = value
         elif strict:
-            flag = "--" + ("expand-top-k" if dest == "top_k_expand" else dest.replace("_", "-"))
-            raise SpecDecError(f"{flag} does not apply to --method {method}; it takes {', '.join(sorted(allowed)) or 'no options'}")
+            raise SpecDecError(f"{spec.flag} does not apply to --method {method}; it takes {', '.join(sorted(allowed)) or 'no options'}")
     return chosen
 
 
@@ -610,10 +539,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     engine_methods = list(dict.fromkeys(spec.method for spec in specs if spec.method in POLICY_CLASSES))
     options = {m: collect_method_options(args, m, strict=False) for m in engine_methods}
     allowed = {f for m in engine_methods for f in method_options(m)}
-    for dest, field_name in OPTION_FIELDS.items():
-        if getattr(args, dest, None) is not None and field_name not in allowed:
-            flag = "--" + ("expand-top-k" if dest == "top_k_expand" else dest.replace("_", "-"))
-            raise SpecDecError(f"{flag} applies to none of --methods {','.join(methods)}; drop it or add a method that takes it")
+    for flag in method_flags():
+        if getattr(args, flag.dest, None) is not None and flag.field not in allowed:
+            raise SpecDecError(f"{flag.flag} applies to none of --methods {','.join(methods)}; drop it or add a method that takes it")
     thetas = parse_thetas(args.mars_thetas) if args.mars_thetas is not None else None
     if thetas is not None and args.verify != "auto":
         raise SpecDecError(f"--mars-thetas runs every method strictly and with mars at each theta; drop --verify {args.verify}")

@@ -630,3 +630,29 @@ def test_trimmed_utilities_drop_missing_candidates():
     assert _trim_flat([0.0]) == [0.0] and _trim_flat([0.3, 0.3]) == [0.3]
     score = torch.tensor([[0.0, -1.0, float("-inf")], [-0.5, float("-inf"), float("-inf")]])
     assert _trim_flat(batch_utility(score, torch.tensor([True, True]))) == pytest.approx([(1 + math.exp(-0.5)) / 2, (1 + math.exp(-0.5) + math.exp(-1)) / 2])
+
+
+def test_shared_isotonic_matches_brute_force():
+    """The one pool-adjacent-violators (specdec.isotonic, used by the calibrator and the cost
+    tables) against the known example and a brute-force least-squares search over a grid."""
+    import itertools
+    import random
+
+    from specdec.isotonic import isotonic as pava
+
+    assert pava([5, 4, 6, 5.5]) == [4.5, 4.5, 5.75, 5.75]
+    assert pava([]) == [] and pava([3.0]) == [3.0]
+    assert pava([2.0, 1.0], [0.0, 0.0]) == [1.5, 1.5]  # zero weight: the plain mean
+    rng = random.Random(0)
+    grid = [i / 4 for i in range(9)]  # candidate levels 0, 0.25, ..., 2
+    for _ in range(30):
+        values = [rng.choice(grid) for _ in range(4)]
+        weights = [rng.choice([0.5, 1.0, 2.0]) for _ in range(4)]
+        fit = pava(values, weights)
+        assert all(a <= b + 1e-12 for a, b in itertools.pairwise(fit))
+        loss = sum(w * (f - v) ** 2 for f, v, w in zip(fit, values, weights, strict=True))
+        best = min(
+            sum(w * (f - v) ** 2 for f, v, w in zip(cand, values, weights, strict=True))
+            for cand in itertools.combinations_with_replacement(grid, 4)  # every non-decreasing grid sequence
+        )
+        assert loss <= best + 1e-9, (values, weights, fit)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdec.api import SpeculativeDecoder
-from specdec.cli import main
+from specdec.cli import build_parser, collect_method_options, main
 from specdec.errors import SpecDecError
 
 
@@ -165,3 +165,43 @@ def test_seeded_sampling_depends_on_the_batch(tiny_pair_dir):
     second = decoder.generate(["class A:", "for i in"], **kwargs)[1].token_ids
     assert decoder.generate(["for i in", "class A:"], **kwargs)[0].token_ids == first
     assert len({tuple(alone), tuple(first), tuple(second)}) > 1
+
+
+def test_method_flags_are_the_policy_fields():
+    """The flags read from the policy sources with ast are exactly the dataclasses' init fields
+    (names, types, defaults), each flag parses into the field it names, and none is hand-kept."""
+    import dataclasses
+    import inspect
+
+    from specdec.method_flags import NOT_OPTIONS, POLICY_SOURCES, SCALARS, method_flags, policy_fields
+    from specdec.methods import POLICY_CLASSES, method_options
+
+    assert tuple(POLICY_SOURCES) == tuple(POLICY_CLASSES)
+    for method, cls in POLICY_CLASSES.items():
+        path, name = POLICY_SOURCES[method]
+        assert cls.__name__ == name and inspect.getsourcefile(cls).endswith(path)
+        read = {f.name: f for f in policy_fields()[method]}
+        expected = {}
+        if dataclasses.is_dataclass(cls):
+            for f in dataclasses.fields(cls):
+                kinds = [k.strip() for k in str(f.type).split("|") if k.strip() != "None"]  # annotations are strings here
+                if f.init and f.name not in NOT_OPTIONS and len(kinds) == 1 and kinds[0] in SCALARS:
+                    expected[f.name] = (kinds[0], f.default)
+        assert {n: (f.type, f.default) for n, f in read.items()} == expected, method
+        assert set(read) <= set(method_options(method))
+    assert policy_fields()["dynatree"][0].doc.startswith("D_0, base depth")
+    parser = build_parser()
+    for flag in method_flags():
+        method = next(iter(flag.methods))
+        value = {"int": "3", "float": "0.5", "str": "x", "bool": "off"}[flag.type]
+        args = parser.parse_args(["generate", "--method", method, flag.flag, value])
+        assert collect_method_options(args, method) == {flag.field: {"int": 3, "float": 0.5, "str": "x", "bool": False}[flag.type]}
+
+
+def test_method_flag_help_names_each_method_and_default():
+    from specdec.method_flags import method_flags
+
+    helps = {f.flag: f.help() for f in method_flags()}
+    assert helps["--depth"].startswith("static/eagle2: levels below the root (4 / 6); cast: maximum tree depth H")
+    assert helps["--expand-top-k"] == "eagle2/cast: K: children per expanded node and candidates per layer (8 / 12)"
+    assert helps["--breadth-pruning"] == "cast: breadth pruning (on)"

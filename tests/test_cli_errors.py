@@ -4,6 +4,7 @@ traceback, and checked before any model is loaded or anything measured."""
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +33,15 @@ def no_loading(monkeypatch):
     import specdec.api
     import specdec.models.loading
 
+    real = specdec.models.loading.load_model
     monkeypatch.setattr(specdec.models.loading, "load_model", refuse)
     monkeypatch.setattr(specdec.api.SpeculativeDecoder, "from_pretrained", refuse)
+    yield
+    # a module that imported load_model by name while it was patched (e.g. specdec.bench.runner,
+    # first imported by a test here) would keep `refuse` for every later test: put the real one back
+    for module in [m for name, m in sys.modules.items() if name.startswith("specdec")]:
+        if getattr(module, "load_model", None) is refuse:
+            module.load_model = real
 
 
 def pair_args(pair: Path) -> list[str]:

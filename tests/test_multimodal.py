@@ -87,7 +87,8 @@ def test_text_only_draft_of_a_vision_target(lvlm):
 def test_text_only_view_replaces_each_image_by_a_newline(lvlm):
     ids, extra = TextOnlyView(lvlm["tok"]).encode(lvlm["prompts"][1])
     assert extra == {}
-    assert ids == lvlm["tok"]("USER: \n\nWhat changed between the two images? ASSISTANT:")["input_ids"]
+    # the paper (TABED, Section I.2) replaces the placeholder alone: its own newline stays
+    assert ids == lvlm["tok"]("USER: \n\n\n\nWhat changed between the two images? ASSISTANT:")["input_ids"]
     assert TextOnlyView(lvlm["tok"]).encode([5, 6, 7]) == ([5, 6, 7], {})
 
 
@@ -155,3 +156,12 @@ def test_bench_runs_scenario_prompts_with_images(lvlm, tmp_path):
     text = json.dumps(results)
     assert "hf" in text and "eagle2" in text
     assert (tmp_path / "report.md").read_text().count("yes") >= 3
+
+
+def test_pad_rows_left_and_right():
+    from specdec.padding import pad_rows
+
+    ids, mask = pad_rows([[1, 2, 3], [4]], 0)
+    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    ids, mask = pad_rows([[1, 2, 3], [4]], -100, side="right")
+    assert ids.tolist() == [[1, 2, 3], [4, -100, -100]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]

@@ -64,7 +64,16 @@ def test_mixture_and_distances():
     kl = distances(p, cand, label, "kl")
     assert kl[0, 0].abs() < 1e-6 and kl[1, 0] > 0.1
     assert distances(p, cand, label, "tv")[:, 0].tolist() == pytest.approx([0.0, 0.3])
-    assert distances(p, cand, label, "hard")[:, 0].tolist() == [0.0, 1.0]
+    assert distances(p, cand, label, "hard")[:, 0].tolist() == [0.0, 1.0]  # no draw given: argmax q
+    # the paper's hard labels: a token sampled from each mixture (one shared uniform) against the label
+    assert distances(p, cand, label, "hard", torch.tensor([0.3]))[:, 0].tolist() == [0.0, 1.0]
+    assert distances(p, cand, label, "hard", torch.tensor([0.1]))[:, 0].tolist() == [0.0, 0.0]
+    assert distances(p, cand, label, "hard", torch.tensor([0.7]))[:, 0].tolist() == [1.0, 1.0]
+    short = torch.tensor([[[0.5, 0.2, 0.1]]])  # 0.2 of q's mass lies outside the support: a draw there mismatches
+    assert distances(p, short, label, "hard", torch.tensor([0.9]))[:, 0].tolist() == [1.0]
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    rate = distances(p.expand(len(u), 3), cand.expand(2, len(u), 3), label.expand(len(u)), "hard", u).mean(-1)
+    assert rate.tolist() == pytest.approx([0.5, 0.8], abs=0.02)  # 1 - q(label): the expected mismatch
 
 
 def test_estimated_speedup():

@@ -9,7 +9,7 @@ counts are measured on a sparse grid (e.g. 1, 2, 4, ..., 128) and linearly inter
 Batch sizes between two profiled ones are interpolated linearly; below the smallest the
 smallest is used; above the largest the last two are extrapolated linearly (never below
 the largest's cost). Costs are made non-decreasing in `n` when a table is built (a longer
-forward cannot be cheaper; measured dips are noise; see `_monotone`), which CAST's
+forward cannot be cheaper; measured dips are noise; isotonic regression, `specdec.isotonic`), which CAST's
 selection rule needs.
 
 The JSON file (`CostTable.save` / `CostTable.load`) also records what the numbers were
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from specdec.errors import SpecDecError
+from specdec.isotonic import isotonic
 
 FORMAT = "specdec-cost-profile"
 VERSION = 1
@@ -99,22 +100,6 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def _monotone(values: Sequence[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool-adjacent-violators): a forward
-    over more tokens is never cheaper than one over fewer, so a measured dip is noise. Unlike a
-    running maximum, one slow outlier is averaged with its neighbours instead of lifting every
-    later point. Example: [5, 4, 6, 5.5] -> [4.5, 4.5, 5.75, 5.75]."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, count = blocks.pop()
-            prev = blocks[-1]
-            prev[0] = (prev[0] * prev[1] + mean * count) / (prev[1] + count)
-            prev[1] += count
-    return [mean for mean, count in blocks for _ in range(int(count))]
-
-
 @dataclass
 class CostTable:
     """Forward latencies in milliseconds, indexed [batch size][context bucket][n grid point].
@@ -158,7 +143,9 @@ class CostTable:
                 f"cost table {which} entry for batch {batch} must be {self.num_contexts} contexts x {len(self.n_grid)} n values; "
                 "re-run `specdec profile`"
             )
-        out = [_monotone(r) for r in rows]
+        # the closest non-decreasing rows in least squares: unlike a running maximum, one slow
+        # outlier is averaged with its neighbours instead of lifting every later point
+        out = [isotonic(r) for r in rows]
         if any(not math.isfinite(v) or v < 0 for r in out for v in r):
             raise SpecDecError(
                 f"cost table {which} entry for batch {batch} holds a negative or non-finite latency; re-run `specdec profile`"

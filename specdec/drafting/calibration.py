@@ -29,28 +29,14 @@ import math
 import numpy as np
 import torch
 
+from specdec.isotonic import isotonic
+
 RANK_PRIOR = 10.0
 """pseudo-observations before a rank's pooled rate replaces the identity as its bins' prior"""
 REFIT_EVERY = 4
 """the calibrated table is refitted after each of the first REFIT_EVERY updates, then every REFIT_EVERY-th"""
 LOG_FLOOR = math.log(1e-6)
 """calibrated local log-rates are clamped to [LOG_FLOOR, log(1 - 1e-6)]"""
-
-
-def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Weighted least-squares non-decreasing fit of `values` (pool-adjacent-violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, w in zip(values.tolist(), weights.tolist(), strict=True):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, n2 = blocks.pop()
-            m1, w1, n1 = blocks.pop()
-            w = w1 + w2
-            blocks.append([(m1 * w1 + m2 * w2) / w if w > 0 else (m1 + m2) / 2, w, n1 + n2])
-    out: list[float] = []
-    for mean, _, count in blocks:
-        out.extend([mean] * int(count))
-    return np.asarray(out)
 
 
 class AcceptanceCalibrator:
@@ -82,7 +68,7 @@ class AcceptanceCalibrator:
         w = RANK_PRIOR / (RANK_PRIOR + seen_rank)
         prior_mean = w * self.centers + (1 - w) * pooled  # [R, bins]
         raw = (self.hits + self.prior * prior_mean) / (self.seen + self.prior)
-        return np.stack([isotonic(raw[r], self.seen[r] + self.prior) for r in range(self.ranks)])
+        return np.array([isotonic(raw[r], self.seen[r] + self.prior) for r in range(self.ranks)])
 
     def _cells(self, logq: torch.Tensor, rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = logq.exp().nan_to_num(0.0)

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from specdec.errors import SpecDecError
 from specdec.multimodal.inputs import IMAGE_PLACEHOLDER, MultimodalPrompt, batch_model_inputs, encode_multimodal, image_token_id
+from specdec.padding import pad_rows
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -49,14 +50,11 @@ def encode_batch(
 
 
 def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    """Left-padded ids [B, L] and mask of the views' encodings; an empty one is an error."""
     for row, seq in enumerate(seqs):
         if len(seq) == 0:
             raise SpecDecError(f"a drafting view produced an empty prompt for row {row}")
-        ids[row, width - len(seq) :] = torch.tensor(list(seq), dtype=torch.long)
-        mask[row, width - len(seq) :] = 1
+    ids, mask = pad_rows(seqs, pad_id, side="left")
     return ids.to(device), mask.to(device)
 
 
@@ -116,7 +114,9 @@ class FullView:
 
 
 class TextOnlyView:
-    """T: every `<image>` replaced by `replacement` (a newline, as in the TABED paper)."""
+    """T: every `<image>` replaced by `replacement` (a newline, as in the TABED paper, Section
+    I.2: the placeholder alone is replaced, so `<image>\\n` becomes two newlines and the prompt
+    keeps its length in tokens)."""
 
     name = "T"
 
@@ -127,7 +127,7 @@ class TextOnlyView:
     def encode(self, prompt: Sequence[int]) -> Encoded:
         if not isinstance(prompt, MultimodalPrompt):
             return list(prompt), {}
-        text = prompt.text.replace(IMAGE_PLACEHOLDER + "\n", self.replacement).replace(IMAGE_PLACEHOLDER, self.replacement)
+        text = prompt.text.replace(IMAGE_PLACEHOLDER, self.replacement)
         return self.tokenizer(text)["input_ids"], {}
 
 

@@ -55,7 +55,8 @@ class EnsembleConfig:
     softmax: w = softmax((1/e_1, ..., 1/e_m) / temperature) from each view's own error e_j;
     static: equal weights; random: Dirichlet(1) weights each block; fixed: one view only"""
     distance: str = "kl"
-    """kl: KL(p || q); tv: total variation; hard: mismatches of argmax q against argmax p"""
+    """kl: KL(p || q); tv: total variation; hard: mismatches of a token sampled from q against
+    argmax p (the paper's hard labels; one uniform per observation shared by all candidates)"""
     window: int | None = None
     """h: observed positions scored (None: all kept, up to max_history)"""
     grid_n: int = 10
@@ -131,11 +132,14 @@ def mixture_logprobs(view_logprobs: torch.Tensor, weights: torch.Tensor) -> torc
     return torch.logsumexp(view_logprobs + log_w, dim=1)
 
 
-def distances(p: torch.Tensor, q: torch.Tensor, label: torch.Tensor, kind: str) -> torch.Tensor:
+def distances(p: torch.Tensor, q: torch.Tensor, label: torch.Tensor, kind: str, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """Distance of each candidate mixture to p at each observation.
 
     p: [P, K] target probabilities on the support; q: [C, P, K] candidate mixtures on the
     same support; label: [P] index of argmax p in the support. Returns [C, P].
+    hard: 1 where the token drawn from q by inverse CDF at `uniform` ([P] in [0, 1), the same
+    for every candidate so that they are compared on one draw) is not the label; a draw past
+    the support (its tail mass) is a mismatch. Without `uniform`, q's argmax is the draw.
     """
     if kind == "kl":  # sum_k p log(p / q); tokens outside the support are left out
         terms = p * (p.clamp_min(_EPS).log() - q.clamp_min(_EPS).log())
@@ -143,7 +147,10 @@ def distances(p: torch.Tensor, q: torch.Tensor, label: torch.Tensor, kind: str) 
     if kind == "tv":  # the mass outside the support counts as one lump
         tail = ((1 - p.sum(-1)) - (1 - q.sum(-1))).abs()
         return 0.5 * ((p - q).abs().sum(-1) + tail)
-    return (q.argmax(-1) != label).float()
+    if uniform is None:
+        return (q.argmax(-1) != label).float()
+    drawn = (q.cumsum(-1) <= uniform.to(q.dtype)[None, :, None]).sum(-1)  # [C, P]; K: past the support
+    return (drawn != label).float()
 
 
 class EnsemblePrior:
@@ -195,6 +202,9 @@ class EnsembleDraftSource:
         # [C, m] weight candidates (the grid policy only)
         self.candidates = grid_weights(self.m, self.config.grid_n).to(self.device) if self.config.policy == "grid" else torch.zeros(0, self.m)
         self.generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
+        self._hard_draws = torch.Generator(device="cpu").manual_seed(self.config.seed + 1)
+        """the `hard` distance's draws from the candidate mixtures (apart from `generator`, so
+        the random policy's weights do not depend on the distance)"""
         self.weights = torch.zeros(0, self.m, device=self.device)  # [B, m] of the current block
         self._cand_err: list[list[torch.Tensor]] = []  # per row: observations' [C] distances
         self._view_err: list[list[torch.Tensor]] = []  # per row: observations' [m] distances
@@ -303,12 +313,13 @@ class EnsembleDraftSource:
         p_s, q_s = p[support], q[:, support]  # [K], [m, K]
         label = (support == top).nonzero()[0]  # [1]
         cand_err = view_err = None
+        uniform = torch.rand(1, generator=self._hard_draws).to(p_s.device) if cfg.distance == "hard" else None
         if cfg.policy == "grid":
             mixed = self.candidates @ q_s  # [C, K]
-            cand_err = distances(p_s[None], mixed[:, None], label, cfg.distance)[:, 0]
+            cand_err = distances(p_s[None], mixed[:, None], label, cfg.distance, uniform)[:, 0]
             self._cand_err[row].append(cand_err)
         if cfg.policy == "softmax":
-            view_err = distances(p_s[None], q_s[:, None], label, cfg.distance)[:, 0]
+            view_err = distances(p_s[None], q_s[:, None], label, cfg.distance, uniform)[:, 0]
             self._view_err[row].append(view_err)
         if cfg.prior:
             self.prior.update(cand_err, view_err, cfg.prior_decay)

@@ -26,6 +26,7 @@ from transformers import LlavaForConditionalGeneration, PreTrainedTokenizerFast
 from specdec.errors import SpecDecError
 from specdec.multimodal.inputs import IMAGE_PLACEHOLDER
 from specdec.multimodal.scenes import TASKS, Example, format_conversation, generate_examples, make_example
+from specdec.padding import pad_rows
 from specdec.training.lvlm import DRAFT_SIZE, EOS, TARGET_SIZE, LvlmSize, lvlm_config, make_processor, size_dict, train_lvlm_tokenizer
 
 IGNORE = -100
@@ -78,15 +79,8 @@ def encode_example(example: Example, tokenizer: PreTrainedTokenizerFast, image_t
 
 def _batch(examples: list[Example], tokenizer, processor, image_tokens: int) -> dict[str, torch.Tensor]:
     encoded = [encode_example(ex, tokenizer, image_tokens) for ex in examples]
-    width = max(len(ids) for ids, _ in encoded)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-    labels = torch.full((len(encoded), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros(len(encoded), width, dtype=torch.long)
-    for row, (ids, lab) in enumerate(encoded):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, : len(lab)] = torch.tensor(lab)
-        mask[row, : len(ids)] = 1
+    input_ids, mask = pad_rows([ids for ids, _ in encoded], tokenizer.pad_token_id, side="right")
+    labels, _ = pad_rows([lab for _, lab in encoded], IGNORE, side="right")
     images = [img for ex in examples for img in ex.images()]
     batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
     if images:
