@@ -10,7 +10,7 @@ so they are counted here, on any device:
   metadata-only operators such as `view`, `slice`, `expand`, `select` are excluded: they
   launch no kernel). `ops_all` counts views too.
 - **host reads**: calls that copy a tensor's value to Python (`item`, `tolist`, `__bool__`,
-  `__int__`, `__float__`, `__index__`, `cpu`, `numpy`), and ops whose output shape depends
+  `__int__`, `__float__`, `__index__`, `cpu`), and ops whose output shape depends
   on tensor values (`nonzero`, boolean-mask indexing, `masked_select`, `unique`): on a GPU
   each waits for the device as a read does. Outside model forwards.
 
@@ -36,7 +36,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"})
+_HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu"})
+"""(`numpy()` is left out: it only works on a tensor already on the host, after `cpu()`)"""
 
 _active: ContextVar[HostWorkCounter | None] = ContextVar("specdec_host_work_counter", default=None)
 

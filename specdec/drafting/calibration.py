@@ -85,15 +85,18 @@ class AcceptanceCalibrator:
             self._flat_log_rate = self._flat_log_rate.to(logq.device)
         return self._flat_log_rate[cell].masked_fill_(~torch.isfinite(logq), float("-inf"))
 
-    def observe(self, logq: torch.Tensor, rank: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Record verdicts: logq, rank, accepted are 1-D, one entry per verified node whose
-        parent was reached."""
+    def observe(self, logq: torch.Tensor, rank: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Record verdicts: logq, rank, accepted (and mask) have one shape; the entries where
+        mask is True (all when None) are verified nodes whose parent was reached. One
+        transfer to the host."""
         if logq.numel() == 0:
             return
-        finite = torch.isfinite(logq)
-        r, b = self._cells(logq[finite], rank[finite])
-        cell = (r * self.bins + b).cpu().numpy()
-        hit = accepted[finite].cpu().numpy().astype(float)
+        use = torch.isfinite(logq) if mask is None else (mask & torch.isfinite(logq))
+        r, b = self._cells(logq, rank)
+        # [2, M]: each entry's cell (-1 where not observed) and whether it was accepted, read at once
+        packed = torch.stack([torch.where(use, r * self.bins + b, -1).flatten(), accepted.long().flatten()]).cpu().numpy()
+        keep = packed[0] >= 0
+        cell, hit = packed[0][keep], packed[1][keep].astype(float)
         n = cell.size
         factor = self.decay**n
         self.seen *= factor

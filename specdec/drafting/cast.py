@@ -638,7 +638,7 @@ class CastPolicy:
         # the loop always ends right after planning at its last level (no node added since): reuse that plan
         count = self._verify_count(builder, rows, table, b, n0, c3, verify_ms, drafted_ms, plan)
         keep = builder.top_by_score(self._value, count)
-        tree, origin = builder.finish(keep)
+        tree, origin = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
         if self.calibrate:
             self._last_tree = (origin, builder.logq.gather(1, origin), self._rank.gather(1, origin), tree.parents, tree.valid)
         if self._learns_costs:
@@ -742,7 +742,7 @@ class CastPolicy:
         parent_reached = reached.gather(1, parents.clamp(min=0)) & (parents >= 0)
         observed = valid & parent_reached & active  # [B, N]
         observed[:, 0] = False
-        self._calibrator.observe(logq[observed], rank[observed], on_path[observed])
+        self._calibrator.observe(logq, rank, on_path, mask=observed)
 
     def state(self) -> dict[str, Any]:
         """Introspection: the last step's layer widths and verified count, and the buffers."""
