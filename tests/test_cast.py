@@ -35,7 +35,7 @@ from specdec.methods import make_policy
 from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
 from specdec.stats import StepRecord
-from specdec.verification import GreedyRule
+from specdec.verification import GreedyRule, make_rule
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
 
@@ -656,3 +656,18 @@ def test_shared_isotonic_matches_brute_force():
             for cand in itertools.combinations_with_replacement(grid, 4)  # every non-decreasing grid sequence
         )
         assert loss <= best + 1e-9, (values, weights, fit)
+
+
+def test_deterministic_cast_gives_the_same_sampled_tokens_for_a_seed():
+    """Same seed, same output at T = 1: with `deterministic` the break-even rules use the cost
+    table alone (no wall-clock step times), so tree shapes, and so the random draws, repeat."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=1, layers=1))
+    outputs = []
+    for _ in range(2):
+        engine = SpeculativeEngine(
+            target, CastPolicy(deterministic=True, cost_table=linear_table()), make_rule("sampling"), ModelDraftSource(draft), eos_token_ids=[]
+        )
+        outs = engine.generate([[5, 6, 7, 8], [9, 10, 11]], 24, SamplingParams(temperature=1.0), seed=123)
+        outputs.append([o.token_ids for o in outs])
+    assert outputs[0] == outputs[1]

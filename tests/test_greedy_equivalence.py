@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import ARCHS, EOS, sharpen, tiny_model
 
+from specdec.cost import CostTable
 from specdec.engine import SpeculativeEngine
 from specdec.methods import make_policy
 from specdec.sources import ModelDraftSource
@@ -117,3 +118,26 @@ def test_rolling_batch_retires_and_admits(batch_size):
         for i, prompt in enumerate(prompts):
             assert outs[i].token_ids == reference(target, prompt, 16, eos), (method, batch_size, i)
             assert streamed[i] == outs[i].token_ids
+
+
+SMALL_BUDGETS = {
+    "static": {"depth": 5, "branching": 3, "max_nodes": 25},  # 3 + 9 + 13 of 27: the budget runs out inside level 3
+    "eagle2": {"depth": 5, "top_k": 3, "total_tokens": 5},
+    "dynatree": {"max_nodes": 4, "phase": 0},
+    "cast": {"total_tokens": 5, "top_k": 3, "prune_rule": "threshold", "rerank_rule": "threshold"},  # cost table set below
+}
+
+
+@pytest.mark.parametrize("method", sorted(SMALL_BUDGETS))
+def test_node_budgets_that_end_inside_a_level(method):
+    """A node budget running out part-way through a level (the old static tree crashed there)
+    still gives the target's own greedy output, at batch sizes 1 and 2."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=0))  # agrees: deep trees, budgets bind
+    options = dict(SMALL_BUDGETS[method])
+    if method == "cast":  # a GPU-like table: verification nearly flat in tokens, so budgets bind
+        options["cost_table"] = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)
+    engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+    outs = engine.generate(PROMPTS[:2], 20)
+    for prompt, out in zip(PROMPTS[:2], outs, strict=True):
+        assert out.token_ids == reference(target, prompt, 20, EOS)

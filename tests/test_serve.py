@@ -865,3 +865,10 @@ def test_bench_serve_trims_long_prompts_for_a_tokenizer_that_adds_a_bos(tiny_pai
     assert len(fitting) == 3 and fitting[2] == "x = 1"
     for trimmed, original in zip(fitting[:2], texts[:2], strict=True):
         assert original.endswith(trimmed) and 40 <= len(tok(trimmed)["input_ids"]) <= 48
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_boolean_is_not_a_number(client, field):
+    """JSON `true` must not be read as 1.0 (pydantic's lax mode would)."""
+    response = complete(client, prompt="def f(x):", max_tokens=4, **{field: True})
+    assert_error(response, 400, "boolean", param=field)

@@ -410,6 +410,10 @@ class CastPolicy:
     """break-even (default): breadth and depth pruning keep a node or a layer while its predicted
     tokens per unit of cost beat the step's own expected rate, and a layer skipped `buffer`
     steps in a row is drafted once to refresh its buffer; threshold: the paper's C1 and C2"""
+    deterministic: bool = False
+    """freeze the step times learned from the wall clock (break-even rules then use the cost
+    tables alone), so tree shapes depend only on the tables and the verdicts: with a fixed
+    cost profile and a seed, sampled output is the same on every run"""
     cost_profile: str | None = None
     """path of a cost profile JSON (see `specdec profile`)"""
     cost_table: CostTable | None = field(default=None, repr=False)
@@ -707,8 +711,8 @@ class CastPolicy:
 
     @property
     def _learns_costs(self) -> bool:
-        """Break-even rules correct the tables with the engine's measured step times."""
-        return self.prune_rule == "break-even" or self.rerank_rule == "break-even"
+        """Break-even rules correct the tables with the engine's measured step times (unless `deterministic`)."""
+        return (self.prune_rule == "break-even" or self.rerank_rule == "break-even") and not self.deterministic
 
     def feedback(self, record: StepRecord) -> None:
         """Calibration: every verified node whose parent was reached (the root, or a node on the

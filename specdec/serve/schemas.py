@@ -122,6 +122,14 @@ class _GenerationRequest(_Strict):
             return {k: v for k, v in data.items() if not (v is None and k in NULL_IS_DEFAULT)}
         return data
 
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _number_not_bool(cls, value: Any) -> Any:
+        """JSON true/false is not a number (pydantic's lax mode would read true as 1.0)."""
+        if isinstance(value, bool):
+            raise ValueError(f"{str(value).lower()} is a boolean; give a number")
+        return value
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, n: int) -> int:
