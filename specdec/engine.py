@@ -409,11 +409,15 @@ class DecodeSession:
         t2 = time.perf_counter()
         # keep the root and the accepted path in the target cache (their KV from the verify forward)
         path, accepted_len = verdict.path, verdict.accepted_len  # [B, D], [B]
-        d = path.shape[1]
-        keep = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # [B, 1 + D]
-        keep_valid = torch.arange(1 + d, device=dev)[None, :] <= accepted_len[:, None]
-        engine.target.commit(keep, keep_valid)
         result = StepResult.read(tree, verdict, draft.origin)  # the step's one host read
+        # keep the root and the accepted path; the path's columns trimmed to the longest accepted
+        # path (known now), so rows that accept alike leave no holes in the cache
+        lengths = [len(p) for p in result.accepted_nodes]
+        d = max(1, max(lengths))
+        path = path[:, :d]
+        keep = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)[:, : 1 + max(lengths)]  # [B, 1 + longest]
+        keep_valid = torch.arange(keep.shape[1], device=dev)[None, :] <= accepted_len[:, None]
+        engine.target.commit(keep, keep_valid, dense=len(set(lengths)) == 1)
         if draft.builder is not None and engine.source is not None:
             target_logprobs = None
             if engine.source.needs_target_logprobs:  # adaptive sources learn from the target's distributions on the path
@@ -492,7 +496,7 @@ class DecodeSession:
         model_inputs = batch_model_inputs(prompts, engine.device)  # pixel values of multimodal prompts
         if batch_rows is None:
             self._holds_cache = True
-            target_logits = engine.target.prefill(ids, mask, model_inputs)
+            target_logits = engine.target.prefill(ids, mask, model_inputs, dense=len({len(p) for p in prompts}) == 1)
         else:
             target_logits = engine.target.replace_rows(batch_rows, ids, mask, model_inputs)
         if engine.source is not None:

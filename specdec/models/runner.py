@@ -194,6 +194,8 @@ class ModelRunner:
         self.slot_valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
         self.step_len = 0
         self._compact_checked_at = 0
+        self.dense = False
+        """True while the host knows every committed slot is valid (set by `prefill(dense=True)`, kept by dense commits)"""
 
     def reserve(self, slots: int) -> None:
         """Make room for `slots` slots per row in total (grows the storage; rare)."""
@@ -248,17 +250,19 @@ class ModelRunner:
         eye = self._eye.get(n)
         if eye is None:
             eye = self._eye[n] = torch.eye(n, dtype=torch.bool, device=self.device)
-        committed = self.slot_valid[:, None, :].expand(b, n, s_past)
-        if step_visibility.shape[2] == s_step:  # the new block: each token sees only itself
-            visible = torch.cat([committed, step_visibility, eye.expand(b, n, n)], dim=2)  # [B, n, S]
-        else:
-            visible = torch.cat([committed, step_visibility[:, :, :s_step], step_visibility[:, :, s_step:] | eye], dim=2)
-        mask = torch.where(visible, *self._mask_values)  # [B, n, S] additive: 0 where visible, dtype min elsewhere
+        mask = None  # a single token over a cache without holes sees everything: no mask (SDPA's fastest path)
+        if not (n == 1 and s_step == 0 and self.dense):
+            committed = self.slot_valid[:, None, :].expand(b, n, s_past)
+            if step_visibility.shape[2] == s_step:  # the new block: each token sees only itself
+                visible = torch.cat([committed, step_visibility, eye.expand(b, n, n)], dim=2)  # [B, n, S]
+            else:
+                visible = torch.cat([committed, step_visibility[:, :, :s_step], step_visibility[:, :, s_step:] | eye], dim=2)
+            mask = torch.where(visible, *self._mask_values)[:, None]  # [B, 1, n, S] additive: 0 where visible, dtype min elsewhere
         timer = self._start_timer()
         with uncounted(), _attention_backends(self.device):
             out = self.model(
                 input_ids=input_ids,
-                attention_mask=mask[:, None, :, :],  # [B, 1, n, S]
+                attention_mask=mask,
                 position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
@@ -288,11 +292,12 @@ class ModelRunner:
         else:
             self._forward_s += time.perf_counter() - timer
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None = None, dense: bool = False) -> torch.Tensor:
         """Run left-padded prompts and commit them; return the logits of the last position.
 
         input_ids: [B, L] int64 (left-padded); attention_mask: [B, L] (1 = real token);
         model_inputs: the batch's other inputs (pixel_values of its images, in row order).
+        dense: the caller knows no row is padded (every attention_mask entry is 1).
         Returns [B, V] float32: the distribution of each row's first new token.
         """
         self.reset(input_ids.shape[0], capacity=input_ids.shape[1] + CAPACITY_STEP)
@@ -302,6 +307,7 @@ class ModelRunner:
         visibility = causal[None] & real[:, None, :]  # [B, L, L]
         logits = self.forward(input_ids, positions, visibility, logits_to_keep=1, model_inputs=model_inputs)[:, -1]
         self.commit_prefix(real)
+        self.dense = dense and not model_inputs
         return logits
 
     # ----- commit / rollback -------------------------------------------------------
@@ -312,13 +318,15 @@ class ModelRunner:
         self._cache().length = self.past_len
 
     @torch.inference_mode()
-    def commit(self, keep: torch.Tensor, keep_valid: torch.Tensor) -> None:
+    def commit(self, keep: torch.Tensor, keep_valid: torch.Tensor, dense: bool = False) -> None:
         """Keep step slots `keep` (in order) after the committed prefix; drop the others.
 
         keep:       [B, K] int64 step-slot indices (0 = first slot appended this step)
         keep_valid: [B, K] bool; False entries are padding and become invalid slots.
         Example: step slots [r, a, b, c] with keep [[0, 1, 3]] -> the cache ends in r, a, c.
         One gather and one in-place copy for all layers (a few more for odd-shaped layers).
+        dense: the caller knows keep_valid is all True (no new holes), so a cache without
+        holes stays one (then a single-token forward needs no attention mask).
         """
         cache = self._cache()
         s_past, k = self.past_len, keep.shape[1]
@@ -333,6 +341,7 @@ class ModelRunner:
                 t.narrow(slot_dim, s_past, k).copy_(kept)
         self.slot_valid = torch.cat([self.slot_valid, keep_valid.to(self.device).bool()], dim=1)
         self.step_len = 0
+        self.dense = self.dense and dense
         cache.length = self.past_len
         self.compact_if_wasteful()
 
@@ -374,6 +383,7 @@ class ModelRunner:
             block = torch.zeros_like(t.index_select(batch_dim, index).narrow(slot_dim, 0, s))
             block.narrow(slot_dim, s - s_new, s_new).copy_(new.narrow(slot_dim, 0, s_new))
             t.narrow(slot_dim, 0, s).index_copy_(batch_dim, index, block)
+        self.dense = False
         valid = torch.zeros(len(rows), s, dtype=torch.bool, device=self.device)
         valid[:, s - s_new :] = fresh.slot_valid
         self.slot_valid[index] = valid
@@ -393,6 +403,7 @@ class ModelRunner:
             return t
 
         cache.map_tensors(shift)
+        self.dense = False
         pad_valid = torch.zeros(self.batch_size, extra, dtype=torch.bool, device=self.device)
         self.slot_valid = torch.cat([pad_valid, self.slot_valid], dim=1)
         cache.length = self.past_len
@@ -450,6 +461,7 @@ class ModelRunner:
             return out
 
         cache.map_tensors(gather)
+        self.dense = False
         self.slot_valid = new_valid
         self._compact_checked_at = width
         cache.length = width
