@@ -117,6 +117,11 @@ def add_method_args(
     g.add_argument("--depth-pruning", type=_on_off, default=None, metavar="on|off", help="cast: depth pruning (on)")
     g.add_argument("--dynamic-rerank", type=_on_off, default=None, metavar="on|off", help="cast: cost-aware reranking; off keeps --total-tokens (on)")
     g.add_argument("--cost-profile", default=None, help="cast: cost profile JSON from `specdec profile` (default: the bundled pair's, else measured on first use)")
+    g.add_argument(
+        "--tree-sampling", choices=("sampled", "topk"), default=None,
+        help="static/eagle2/dynatree/cast at temperature > 0: children drawn without replacement from the draft distribution "
+        "(sampled, default) or the draft's top-k tokens (topk, the older rule); greedy decoding always takes the top-k",
+    )  # fmt: skip
 
 
 OPTION_FIELDS = {
@@ -153,6 +158,7 @@ OPTION_FIELDS = {
     "calibrate": "calibrate",
     "cast_lookahead": "lookahead",
     "cost_profile": "cost_profile",
+    "tree_sampling": "tree_sampling",
 }
 """CLI dest -> policy field"""
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
 from specdec.errors import SpecDecError
 
 if TYPE_CHECKING:
@@ -176,6 +176,9 @@ class DynaTreePolicy:
     """how far tau_h and rho_deep move per adjustment (phase 3)"""
     phase: int = 3
     """ablation preset: 0 fixed tree, 1 +adaptive branching, 2 +dynamic depth, 3 +history"""
+    tree_sampling: str = "sampled"
+    """when sampling: 'sampled' children drawn from the draft distribution, pruned and cut to the
+    budget by their Gumbel keys instead of p(child), or 'topk' (`TREE_SAMPLING`)"""
     name: str = "dynatree"
     uses_draft: bool = True
 
@@ -232,6 +235,7 @@ class DynaTreePolicy:
             )
         if not 0 < self.adjust_step <= 0.5:
             raise SpecDecError(f"dynatree adjust_step={self.adjust_step} must be in (0, 0.5]; fix --adjust-step")
+        check_tree_sampling(self.tree_sampling)
 
     # ----- adaptive state ----------------------------------------------------------------
     def reset_history(self) -> None:
@@ -296,7 +300,8 @@ class DynaTreePolicy:
         return dynamic_depth_expandable(depth, cum_logq, self.cur_d0, limit, self.rho_stop, self.cur_rho_deep)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
+        sampled = ctx.samples_children(self.tree_sampling)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled)
         b = roots.shape[0]
         dev = roots.device
         active = ctx.active.to(dev)
@@ -312,17 +317,23 @@ class DynaTreePolicy:
             k = min(int(branch.max()), vocab)
             if k <= 0:
                 break
-            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+            if sampled:  # drawn children are pruned and cut by their Gumbel keys, never by their own logq
+                parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+            else:
+                parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
             rank = torch.arange(k, device=dev).repeat(frontier.shape[1])  # [m*k] child rank under its parent
             valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1)) & torch.isfinite(logq)
-            cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
+            if not sampled:
+                cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
             valid = valid & (cum >= log_tau)  # probability-threshold pruning
             valid = keep_within_budget(cum, valid, budget)  # strict node budget
             width = int(valid.sum(dim=1).max())
             if width == 0:
                 break
             order, kept = compact(valid, width)  # [B, w]
-            nodes = builder.add(parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept)  # [B, w]
+            nodes = builder.add(
+                parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept, sampled=sampled, score=cum.gather(1, order) if sampled else None
+            )  # [B, w]
             node_valid = builder.valid.gather(1, nodes)  # [B, w]
             budget = budget - node_valid.sum(dim=1)
             if depth + 1 >= limit:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
 from specdec.errors import SpecDecError
 from specdec.sampling import sample_from_probs
 from specdec.tree import TokenTree
@@ -82,15 +82,19 @@ class StaticTreePolicy(_Stateless):
     """children per node"""
     max_nodes: int = 64
     """node budget (draft tokens per step)"""
+    tree_sampling: str = "sampled"
+    """when sampling: 'sampled' children drawn from the draft distribution, or 'topk' (`TREE_SAMPLING`)"""
     name: str = "static"
     uses_draft: bool = True
 
     def __post_init__(self) -> None:
         for name in ("depth", "branching", "max_nodes"):
             _positive(name, getattr(self, name))
+        check_tree_sampling(self.tree_sampling)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False, capacity=1 + self.max_nodes)
+        sampled = ctx.samples_children(self.tree_sampling)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + self.max_nodes)
         b = roots.shape[0]
         frontier = torch.zeros(b, 1, dtype=torch.long, device=roots.device)
         frontier_valid = torch.ones(b, 1, dtype=torch.bool, device=roots.device)
@@ -99,9 +103,12 @@ class StaticTreePolicy(_Stateless):
         depth = min(self.depth, ctx.max_depth)
         for level in range(1, depth + 1):
             k = min(self.branching, logprobs.shape[-1])
-            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+            if sampled:
+                parents, tokens, logq, valid, _ = builder.sample_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+            else:
+                parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
             take = min(parents.shape[1], budget)  # a partial last level: the first children in BFS order
-            nodes = builder.add(parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take])
+            nodes = builder.add(parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take], sampled=sampled)
             budget -= take
             if level == depth or budget == 0:
                 break
@@ -122,16 +129,21 @@ class Eagle2Policy(_Stateless):
     top_k: int = 8
     total_tokens: int = 32
     """draft tokens kept for verification"""
+    tree_sampling: str = "sampled"
+    """when sampling: 'sampled' children drawn from the draft distribution and ranked by their
+    Gumbel keys instead of cum_logq, or 'topk' (`TREE_SAMPLING`)"""
     name: str = "eagle2"
     uses_draft: bool = True
 
     def __post_init__(self) -> None:
         for name in ("depth", "top_k", "total_tokens"):
             _positive(name, getattr(self, name))
+        check_tree_sampling(self.tree_sampling)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         k = self.top_k
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False, capacity=1 + k + (self.depth - 1) * k * k)
+        sampled = ctx.samples_children(self.tree_sampling)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + k + (self.depth - 1) * k * k)
         b = roots.shape[0]
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)
@@ -140,16 +152,23 @@ class Eagle2Policy(_Stateless):
             return Draft(tree, builder, origin)
         k = min(self.top_k, builder.root_logprobs.shape[-1])
         root = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        parents, tokens, logq, valid = builder.top_children(root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev))
-        frontier = builder.add(parents, tokens, logq, valid)  # [B, k]
+        frontier = self._children(builder, root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev), sampled)  # [B, k]
         for _ in range(2, depth + 1):
             frontier_valid = builder.valid.gather(1, frontier)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, k, V]
-            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)
-            nodes = builder.add(parents, tokens, logq, valid)  # [B, k*k]
-            score = builder.cum_logq.gather(1, nodes).masked_fill(~builder.valid.gather(1, nodes), float("-inf"))
+            nodes = self._children(builder, frontier, logprobs, k, frontier_valid, sampled)  # [B, k*k]
+            # builder.score: cum_logq, or the Gumbel keys of sampled children (never their own tokens' logq)
+            score = builder.score.gather(1, nodes).masked_fill(~builder.valid.gather(1, nodes), float("-inf"))
             best = torch.topk(score, k, dim=1).indices  # [B, k]
             frontier = nodes.gather(1, best)
-        keep = builder.top_by_score(builder.cum_logq, self.total_tokens)
+        keep = builder.top_by_score(builder.score, self.total_tokens)
         tree, origin = builder.finish(keep, width=1 + self.total_tokens)
         return Draft(tree, builder, origin)
+
+    @staticmethod
+    def _children(builder: TreeBuilder, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor, sampled: bool) -> torch.Tensor:
+        """Add k children of each node [B, m] (top-k, or drawn with their keys); returns them [B, m*k]."""
+        if not sampled:
+            return builder.add(*builder.top_children(nodes, logprobs, k, valid))
+        parents, tokens, logq, child_valid, keys = builder.sample_children(nodes, logprobs, k, valid)
+        return builder.add(parents, tokens, logq, child_valid, sampled=True, score=keys)
