@@ -177,8 +177,8 @@ class DynaTreePolicy:
     phase: int = 3
     """ablation preset: 0 fixed tree, 1 +adaptive branching, 2 +dynamic depth, 3 +history"""
     tree_sampling: str = "sampled"
-    """when sampling: 'sampled' children drawn from the draft distribution, pruned and cut to the
-    budget by their Gumbel keys instead of p(child), or 'topk' (`TREE_SAMPLING`)"""
+    """when sampling: 'sampled' children drawn from the draft distribution, with their Gumbel keys
+    standing for p(u) in pruning, the budget cut and the depth gate, or 'topk' (`TREE_SAMPLING`)"""
     name: str = "dynatree"
     uses_draft: bool = True
 
@@ -338,7 +338,8 @@ class DynaTreePolicy:
             budget = budget - node_valid.sum(dim=1)
             if depth + 1 >= limit:
                 break
-            grow = node_valid & self.expandable(depth + 1, builder.cum_logq.gather(1, nodes), limit) & (budget > 0)[:, None]  # [B, w]
+            # p(u): cum_logq, or for sampled nodes their Gumbel key (a sampled token's own draft probability says little about its acceptance)
+            grow = node_valid & self.expandable(depth + 1, builder.score.gather(1, nodes), limit) & (budget > 0)[:, None]  # [B, w]
             width = int(grow.sum(dim=1).max())
             if width == 0:
                 break
