@@ -103,12 +103,15 @@ class StaticTreePolicy(_Stateless):
         depth = min(self.depth, ctx.max_depth)
         for level in range(1, depth + 1):
             k = min(self.branching, logprobs.shape[-1])
+            keys = None
             if sampled:
-                parents, tokens, logq, valid, _ = builder.sample_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+                parents, tokens, logq, valid, keys = builder.sample_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
             else:
                 parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
             take = min(parents.shape[1], budget)  # a partial last level: the first children in BFS order
-            nodes = builder.add(parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take], sampled=sampled)
+            nodes = builder.add(
+                parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take], sampled=sampled, score=None if keys is None else keys[:, :take]
+            )
             budget -= take
             if level == depth or budget == 0:
                 break
