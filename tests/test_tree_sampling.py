@@ -12,12 +12,13 @@ from specdec.bench.variants import parse_method_specs
 from specdec.cli import build_parser, collect_method_options
 from specdec.cost import CostTable
 from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.drafting.ranks import RankAcceptance, sibling_ranks
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
-from specdec.verification import GreedyRule
+from specdec.verification import GreedyRule, SamplingRule
 
 V = 8
 
@@ -169,3 +170,30 @@ def test_option_wiring():
     specs = parse_method_specs("eagle2,eagle2:tree_sampling=topk,cast:tree-sampling=topk")
     assert [dict(s.options) for s in specs[1:]] == [{}, {"tree_sampling": "topk"}, {"tree_sampling": "topk"}]
     assert specs[2].base_label == "eagle2[tree_sampling=topk]"
+
+
+def test_sibling_ranks_and_positional_rates():
+    parents = torch.tensor([[-1, 0, 0, 1, 0, 3]])
+    valid = torch.tensor([[True, True, True, True, True, False]])
+    assert sibling_ranks(parents, valid).tolist() == [[0, 1, 2, 1, 3, 0]]
+    rates = RankAcceptance(ranks=3, prior=(0.5, 0.2), prior_weight=1.0, decay=1.0)
+    assert rates.rates().tolist() == [0.5, 0.2, 0.2]
+    # the root's children are observed (rank 1 accepted, ranks 2 and 3 not); node 1 was reached: its child (rank 1) rejected
+    rates.observe(parents, valid, [[1]], [True])
+    assert rates.observations == 4
+    assert rates.rates().round(6).tolist() == [0.5, 0.1, 0.1]  # rank 1: (1 + 1 * 0.5 + 0) / (2 + 1); rank 2: 0.2 / 2
+    assert torch.allclose(rates.log_rates(5), torch.log(torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1])))
+
+
+def test_eagle2_learns_positional_rates_from_sampled_verdicts():
+    target, draft = pair()
+    policy = make_policy("eagle2", **POLICIES["eagle2"])
+    engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
+    engine.generate([[1, 4, 2, 5]] * 4, 12, SamplingParams(temperature=1.0), seed=0)
+    assert policy.ranks.observations > 0
+    rates = policy.ranks.rates()
+    assert (rates[1:] <= rates[:-1]).all()
+    before = policy.ranks.observations
+    greedy = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+    greedy.generate([[1, 4, 2, 5]], 8, SamplingParams())
+    assert policy.ranks.observations == before  # top-k trees teach nothing about sampled ranks
