@@ -1,14 +1,23 @@
 """Invariant 2: sampling verification leaves the target's output distribution unchanged.
 
-On a 6-token vocabulary the exact joint distribution of the first three generated tokens
-is computed by enumeration (6 + 36 sequential target forwards). Many independent samples
-(rows of one batch, each drawing from the shared seeded generator) are compared to it
-with a chi-square test. Tolerance: the lossless rules must give p > 1e-3 (the seeds are
-fixed, so the test is deterministic); a deliberately broken rule (accept every drafted
-token) must give p < 1e-6 on the same data size.
+On a 6-token vocabulary the exact joint distribution of the first four generated tokens is
+computed by enumeration (1 + 6 + 36 + 216 sequential target forwards). The first token comes
+from the prefill; the first speculative step drafts trees up to depth 2, the next up to depth 1,
+so a tree's own pruning (eagle2's reranking, dynatree's budget, CAST's cost cuts) acts across
+levels. Many independent samples (rows of one batch, each batch with its own seed, 8 seeds)
+are compared to the exact joint with a chi-square test.
+
+Tolerance: every lossless case must give p > 1e-3 (the seeds are fixed, so the test is
+deterministic; at that threshold a correct rule fails one case in a thousand by chance).
+Each deliberately broken variant must give p < 1e-6 on the same data size: accepting every
+drafted token; not removing earlier sampled siblings from a sampled child's proposal; not
+updating the target residual after a rejection; keeping sampled children by their own draft
+probability (what EAGLE-2's cum_logq reranking would do to them).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -17,35 +26,135 @@ from conftest import tiny_model
 from distribution import chi2_pvalue, exact_joint
 
 from specdec.cost import CostTable
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
 from specdec.engine import SpeculativeEngine
 from specdec.methods import make_policy
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources import ModelDraftSource
-from specdec.verification import SamplingRule, Verdict
+from specdec.verification import MarsRule, SamplingRule, Verdict
+from specdec.verification.sampling import SiblingTests
 
 V = 6
 PROMPT = [1, 4, 2, 5]
-N_SAMPLES = 3000
-TOKENS = 3
+BATCH = 500
+SEEDS = 8
+"""batches of BATCH rows, seeds 1000.. (4000 samples per case)"""
+TOKENS = 4
+P_PASS = 1e-3
+P_FAIL = 1e-6
 
 
-def models():
+def models(draft_scale: float = 3.0):
+    """The target and a draft; scale 3: peaked-ish distributions, so drafts are sometimes right,
+    sometimes wrong; scale 10: an overconfident draft (rejected often, with much mass on the
+    rejected token), where wrong residuals show most."""
     target = tiny_model("llama", seed=3, vocab=V, eos=-1 % V)
     draft = tiny_model("llama", seed=11, vocab=V, layers=1, eos=-1 % V)
-    with torch.no_grad():  # peaked-ish distributions so drafts are sometimes right, sometimes wrong
+    with torch.no_grad():
         target.get_output_embeddings().weight.mul_(3.0)
-        draft.get_output_embeddings().weight.mul_(3.0)
+        draft.get_output_embeddings().weight.mul_(draft_scale)
     return target, draft
 
 
-def sample_counts(engine: SpeculativeEngine, params: SamplingParams, seed: int) -> np.ndarray:
+@pytest.fixture(scope="module")
+def pair():
+    return models()
+
+
+@pytest.fixture(scope="module")
+def peaked_pair():
+    return models(draft_scale=10.0)
+
+
+@pytest.fixture(scope="module")
+def joints(pair):
+    """The exact joint of the first TOKENS tokens per SamplingParams, computed once each
+    (both pairs share the target)."""
+    cache: dict[SamplingParams, np.ndarray] = {}
+
+    def joint(params: SamplingParams) -> np.ndarray:
+        if params not in cache:
+            cache[params] = exact_joint(pair[0], PROMPT, V, TOKENS, params)
+            assert abs(cache[params].sum() - 1) < 1e-4
+        return cache[params]
+
+    return joint
+
+
+def sample_counts(engine: SpeculativeEngine, params: SamplingParams, seed: int = 1000) -> np.ndarray:
     counts = np.zeros((V,) * TOKENS)
-    per_batch = 500
-    for i in range(N_SAMPLES // per_batch):
-        outs = engine.generate([PROMPT] * per_batch, TOKENS, params, seed=seed + i)
-        for o in outs:
+    for i in range(SEEDS):
+        for o in engine.generate([PROMPT] * BATCH, TOKENS, params, seed=seed + i):
             counts[tuple(o.token_ids)] += 1
     return counts
+
+
+def pvalue_of(pair, joints, policy, rule, params: SamplingParams) -> float:
+    target, draft = pair
+    engine = SpeculativeEngine(target, policy, rule, ModelDraftSource(draft), eos_token_ids=[])
+    return chi2_pvalue(sample_counts(engine, params), joints(params))
+
+
+CAST_TABLE = CostTable.synthetic(lambda b, c, n: 10.0 + 0.1 * n, lambda b, c, n: 1.0)
+
+TREES = {
+    "static": ("static", {"depth": 2, "branching": 3, "max_nodes": 8}),
+    # reranking keeps 5 of up to 3 + 9 candidates: pruning acts on sampled children
+    "eagle2": ("eagle2", {"depth": 2, "top_k": 3, "total_tokens": 5}),
+    # confidence branching up to 3 children, path-probability pruning and a 4-node budget cut
+    "dynatree": ("dynatree", {"d0": 2, "d_max": 3, "b_mid": 2, "b_max": 3, "tau_high": 0.8, "tau_low": 0.5, "prune_tau": 0.05, "max_nodes": 4}),
+    # CAST's tree shape adapts to earlier verdicts (calibrated values, learned overheads)
+    "cast": ("cast", {"depth": 2, "top_k": 3, "total_tokens": 5, "cost_table": CAST_TABLE}),
+}
+
+PARAMS = {
+    "t0.7": SamplingParams(temperature=0.7),
+    "t1": SamplingParams(temperature=1.0),
+    "t0.7-top-p": SamplingParams(temperature=0.7, top_p=0.9),
+    "t1-top-p": SamplingParams(temperature=1.0, top_p=0.8),
+}
+
+CASES = {
+    **{f"{tree}-sampled-{p}": (*TREES[tree], PARAMS[p]) for tree, p in itertools.product(TREES, PARAMS)},
+    # the older rule (deterministic top-k children, point-mass proposals), kept selectable
+    **{f"{tree}-topk-t1": (TREES[tree][0], {**TREES[tree][1], "tree_sampling": "topk"}, PARAMS["t1"]) for tree in TREES},
+    "chain": ("chain", {"k": 3}, SamplingParams(temperature=1.0)),
+    "chain-top-k": ("chain", {"k": 2}, SamplingParams(temperature=1.2, top_k=4)),
+    "eagle2-sampled-top-k": ("eagle2", TREES["eagle2"][1], SamplingParams(temperature=1.0, top_k=3)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampling_rule_is_lossless(case, pair, joints):
+    method, options, params = CASES[case]
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(), params)
+    assert pvalue > P_PASS, f"{case}: chi-square p = {pvalue:.2e}"
+    # the draft really disagrees sometimes, so the test exercises rejections
+    target, draft = pair
+    engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
+    stats = engine.generate([PROMPT] * 200, TOKENS, params, seed=5)
+    accepted = sum(o.stats.accepted_tokens for o in stats)
+    drafted = sum(o.stats.drafted_tokens for o in stats)
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_sampled_trees_are_lossless_with_an_overconfident_draft(tree, peaked_pair, joints):
+    """The set-up where the broken variants below fail."""
+    method, options = TREES[tree]
+    pvalue = pvalue_of(peaked_pair, joints, make_policy(method, **options), SamplingRule(), PARAMS["t0.7"])
+    assert pvalue > P_PASS, f"{tree}: chi-square p = {pvalue:.2e}"
+
+
+@pytest.mark.parametrize("tree", ["eagle2", "dynatree"])
+def test_mars_without_relaxation_is_lossless_on_sampled_trees(tree, pair, joints):
+    """MARS composes: with theta >= 1 it is the lossless rule on sampled trees too."""
+    method, options = TREES[tree]
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), MarsRule(1.0), PARAMS["t1"])
+    assert pvalue > P_PASS, f"{tree}/mars: chi-square p = {pvalue:.2e}"
+
+
+# ----- broken variants: each must fail the same test ---------------------------------------
 
 
 class AcceptEverything:
@@ -67,52 +176,126 @@ class AcceptEverything:
         return Verdict.from_lists(paths, bonus, zeros, list(zeros), target_logits.device)
 
 
-CASES = {
-    "chain": ("chain", {"k": 3}, SamplingParams(temperature=1.0)),
-    "static-tree": ("static", {"depth": 2, "branching": 2, "max_nodes": 6}, SamplingParams(temperature=1.0)),
-    "eagle2-top-p": ("eagle2", {"depth": 2, "top_k": 2, "total_tokens": 4}, SamplingParams(temperature=0.8, top_p=0.9)),
-    "chain-top-k": ("chain", {"k": 2}, SamplingParams(temperature=1.2, top_k=4)),
-    # CAST's tree shape adapts to earlier verdicts (calibrated values, learned overheads): still lossless
-    "cast-adaptive": (
-        "cast",
-        {"depth": 2, "top_k": 2, "total_tokens": 4, "cost_table": CostTable.synthetic(lambda b, c, n: 10.0 + 0.1 * n, lambda b, c, n: 1.0)},
-        SamplingParams(temperature=1.0),
-    ),
+class KeepsEarlierSiblings(SiblingTests):
+    """Broken: every sampled child's proposal is the full draft distribution (as if drawn with replacement)."""
+
+    def proposal(self, draft_probs: np.ndarray, removed: list[int]) -> np.ndarray:
+        return super().proposal(draft_probs, [])
+
+
+class NoResidual(SiblingTests):
+    """Broken: after a rejection the next child is tested against the unchanged target distribution."""
+
+    def residual(self, target_probs: np.ndarray, proposal: np.ndarray) -> np.ndarray:
+        return target_probs
+
+
+class RankedByOwnLogq:
+    """Broken drafting: draws 3 root children without replacement, keeps the one the draft
+    likes best (highest logq), verified as if it were the first draw. The exact version keeps
+    the first draw (the best Gumbel key)."""
+
+    name = "ranked-by-logq"
+    uses_draft = True
+
+    def __init__(self, score: str) -> None:
+        self.score = score
+
+    def draft(self, source, roots: torch.Tensor, ctx: DraftContext) -> Draft:
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=True)
+        b = roots.shape[0]
+        root = torch.zeros(b, 1, dtype=torch.long)
+        parents, tokens, logq, valid, keys = builder.sample_children(root, builder.root_logprobs[:, None, :], 3, torch.ones(b, 1, dtype=torch.bool))
+        builder.add(parents, tokens, logq, valid, sampled=True, score=keys)
+        keep = builder.top_by_score(builder.cum_logq if self.score == "logq" else builder.score, 1)
+        tree, origin = builder.finish(keep, width=2)
+        return Draft(tree, builder, origin)
+
+    def feedback(self, record) -> None:
+        return None
+
+
+BROKEN = {
+    "accept-everything-chain": (lambda: make_policy("chain", k=3), AcceptEverything, "mild", "t1"),
+    "accept-everything-static": (lambda: make_policy("static", depth=2, branching=2, max_nodes=6), AcceptEverything, "mild", "t1"),
+    "keeps-earlier-siblings": (lambda: make_policy("static", **TREES["static"][1]), lambda: SamplingRule(tests=KeepsEarlierSiblings()), "peaked", "t0.7"),
+    "no-residual-update": (lambda: make_policy("static", **TREES["static"][1]), lambda: SamplingRule(tests=NoResidual()), "peaked", "t0.7"),
+    "ranked-by-own-logq": (lambda: RankedByOwnLogq("logq"), SamplingRule, "mild", "t1"),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sampling_rule_is_lossless(case):
-    method, options, params = CASES[case]
-    target, draft = models()
-    engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
-    counts = sample_counts(engine, params, seed=1000)
-    joint = exact_joint(target, PROMPT, V, TOKENS, params)
-    assert abs(joint.sum() - 1) < 1e-4
-    pvalue = chi2_pvalue(counts, joint)
-    assert pvalue > 1e-3, f"{case}: chi-square p = {pvalue:.2e}"
-    # the draft really disagrees sometimes, so the test exercises rejections
-    stats = engine.generate([PROMPT] * 200, TOKENS, params, seed=5)
-    accepted = sum(o.stats.accepted_tokens for o in stats)
-    drafted = sum(o.stats.drafted_tokens for o in stats)
-    assert 0 < accepted < drafted
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_variant_fails_the_same_test(case, pair, peaked_pair, joints):
+    policy, rule, which, params = BROKEN[case]
+    pvalue = pvalue_of(pair if which == "mild" else peaked_pair, joints, policy(), rule(), PARAMS[params])
+    assert pvalue < P_FAIL, f"the broken variant {case} passed: p = {pvalue:.2e}"
 
 
-@pytest.mark.parametrize("method,options", [("chain", {"k": 3}), ("static", {"depth": 2, "branching": 2, "max_nodes": 6})])
-def test_broken_rule_fails_the_same_test(method, options):
-    target, draft = models()
+# ----- one node, hand-built distributions ----------------------------------------------------
+
+
+class FixedDraft:
+    """A draft source whose every distribution is `draft_probs` [V] (no model)."""
+
+    needs_target_logprobs = False
+
+    def __init__(self, draft_probs: torch.Tensor) -> None:
+        self.logprobs = draft_probs.log()
+
+    def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        return self.logprobs.expand(roots.shape[0], -1)
+
+    def expand(self, batch, params: SamplingParams) -> torch.Tensor:
+        return self.logprobs.expand(*batch.nodes.shape, -1)
+
+
+ONE_NODE_DRAFT = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05, 0.0])
+ONE_NODE_TARGET = torch.tensor([0.1, 0.3, 0.05, 0.25, 0.2, 0.1])
+
+
+def one_node_counts(tests: SiblingTests, children: int, rows: int = 20000, seed: int = 0) -> np.ndarray:
+    """First committed token of `rows` one-level trees: `children` root children drawn without
+    replacement from ONE_NODE_DRAFT, verified against ONE_NODE_TARGET."""
     params = SamplingParams(temperature=1.0)
-    engine = SpeculativeEngine(target, make_policy(method, **options), AcceptEverything(), ModelDraftSource(draft), eos_token_ids=[])
-    pvalue = chi2_pvalue(sample_counts(engine, params, seed=1000), exact_joint(target, PROMPT, V, TOKENS, params))
-    assert pvalue < 1e-6, f"the broken rule passed: p = {pvalue:.2e}"
+    generator = torch.Generator().manual_seed(seed)
+    ctx = DraftContext(params=params, generator=generator, max_depth=1, active=torch.ones(rows, dtype=torch.bool))
+    builder = TreeBuilder(FixedDraft(ONE_NODE_DRAFT), torch.zeros(rows, dtype=torch.long), ctx, keep_draft_probs=True)
+    root = torch.zeros(rows, 1, dtype=torch.long)
+    parents, tokens, logq, valid, keys = builder.sample_children(root, builder.root_logprobs[:, None, :], children, torch.ones(rows, 1, dtype=torch.bool))
+    builder.add(parents, tokens, logq, valid, sampled=True, score=keys)
+    tree, _ = builder.finish()
+    logits = ONE_NODE_TARGET.log().expand(rows, tree.num_nodes, V)  # temperature 1: the target distribution is ONE_NODE_TARGET
+    verdict = SamplingRule(tests=tests).verify(tree, logits, params, generator)
+    first = torch.where(verdict.accepted_len > 0, tree.tokens.gather(1, verdict.path[:, :1]).squeeze(1), verdict.bonus_tokens)
+    return np.bincount(first.numpy(), minlength=V)
 
 
-def test_same_seed_same_output_and_seeds_differ():
-    target, draft = models()
+@pytest.mark.parametrize("children", [1, 2, 3, 5])
+def test_one_node_sampled_siblings_commit_the_target_distribution(children):
+    counts = one_node_counts(SiblingTests(), children)
+    pvalue = chi2_pvalue(counts, ONE_NODE_TARGET.double().numpy())
+    assert pvalue > P_PASS, f"{children} children: chi-square p = {pvalue:.2e}"
+
+
+@pytest.mark.parametrize("tests", [KeepsEarlierSiblings(), NoResidual()], ids=["keeps-earlier-siblings", "no-residual-update"])
+def test_one_node_broken_tests_fail(tests):
+    pvalue = chi2_pvalue(one_node_counts(tests, 3), ONE_NODE_TARGET.double().numpy())
+    assert pvalue < P_FAIL, f"{type(tests).__name__} passed: p = {pvalue:.2e}"
+
+
+def test_first_draw_by_key_is_the_exact_counterpart(pair, joints):
+    """The same one-child tree kept by Gumbel key (the first draw) passes."""
+    pvalue = pvalue_of(pair, joints, RankedByOwnLogq("key"), SamplingRule(), PARAMS["t1"])
+    assert pvalue > P_PASS, f"chi-square p = {pvalue:.2e}"
+
+
+def test_same_seed_same_output_and_seeds_differ(pair):
+    target, draft = pair
     params = SamplingParams(temperature=1.0)
-    engine = SpeculativeEngine(target, make_policy("chain", k=3), SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
-    a = [o.token_ids for o in engine.generate([PROMPT] * 8, 12, params, seed=42)]
-    b = [o.token_ids for o in engine.generate([PROMPT] * 8, 12, params, seed=42)]
-    c = [o.token_ids for o in engine.generate([PROMPT] * 8, 12, params, seed=43)]
-    assert a == b
-    assert a != c
+    for method, options in (("chain", {"k": 3}), TREES["eagle2"]):
+        engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
+        a = [o.token_ids for o in engine.generate([PROMPT] * 8, 12, params, seed=42)]
+        b = [o.token_ids for o in engine.generate([PROMPT] * 8, 12, params, seed=42)]
+        c = [o.token_ids for o in engine.generate([PROMPT] * 8, 12, params, seed=43)]
+        assert a == b
+        assert a != c

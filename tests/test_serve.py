@@ -453,7 +453,9 @@ def test_per_request_method_and_accept_rule(client, decoder):
     mars = complete(client, prompt=PROMPTS[3], specdec={"method": "chain", "verify": "mars", "mars_theta": 0.8}).json()
     assert mars["specdec"]["verify"] == "mars" and mars["usage"]["completion_tokens"] == 16
     sampled = complete(client, prompt=PROMPTS[3], temperature=0.9, top_p=0.8, specdec={"verify": "sampling", "top_k": 20}).json()
-    assert sampled["specdec"]["verify"] == "sampling" and sampled["usage"]["completion_tokens"] == 16
+    # unseeded sampling may draw EOS before the budget: at most 16 tokens, finished for a reason
+    assert sampled["specdec"]["verify"] == "sampling" and 1 <= sampled["usage"]["completion_tokens"] <= 16
+    assert sampled["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 def test_seeded_sampling_alone_in_its_lane_is_reproducible(client, decoder):

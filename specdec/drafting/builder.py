@@ -12,9 +12,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
 from specdec.sources.base import DraftSource, NodeBatch
 from specdec.tree import TokenTree
+
+TREE_SAMPLING = ("sampled", "topk")
+"""how a tree policy picks children when sampling (temperature > 0): `sampled` draws them
+without replacement from the draft distribution (`TreeBuilder.sample_children`; the default),
+`topk` takes the draft's most likely tokens, verified as point-mass proposals (the older rule,
+kept for comparison). Greedy decoding always takes the top-k, whatever the option."""
+
+
+def check_tree_sampling(value: object) -> None:
+    """SpecDecError unless `value` is one of TREE_SAMPLING."""
+    if value not in TREE_SAMPLING:
+        raise SpecDecError(
+            f"tree_sampling={value!r} must be 'sampled' (children drawn from the draft distribution, the default) "
+            "or 'topk' (the draft's top tokens, the older rule); fix --tree-sampling"
+        )
 
 
 @dataclass
@@ -33,6 +49,11 @@ class DraftContext:
     """`active` on the host, when the caller knows it (policies then need no device read for it)"""
     host_context_len: list[int] | None = None
     """`context_len` on the host, when the caller knows it"""
+
+    def samples_children(self, tree_sampling: str) -> bool:
+        """Whether a tree policy with option `tree_sampling` draws this step's children at random
+        (sampling params and tree_sampling 'sampled'); greedy steps never do."""
+        return tree_sampling == "sampled" and not self.params.greedy
 
 
 @dataclass
@@ -76,10 +97,17 @@ class TreeBuilder:
         """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
         self.keep_draft_probs = keep_draft_probs
         self.root_logprobs = source.begin_step(roots, ctx.params)  # [B, V]
-        self._draft_logprobs: torch.Tensor | None = None  # [B, cap, V] when kept
+        # kept draft distributions, stored compactly: only expanded nodes have one. Chunk i is
+        # the [B, m_i, V] output of the i-th draft forward (chunk 0: the root's); _dist_slot[b, j]
+        # is node j's row in the chunks concatenated along dim 1 (0 for nodes never expanded)
+        self._dist_chunks: list[torch.Tensor] = []
+        self._dist_slot: torch.Tensor | None = None  # [B, cap] int64 when kept
+        self._dist_rows = 0
         if keep_draft_probs:
-            self._draft_logprobs = torch.zeros(b, cap, self.root_logprobs.shape[-1], device=dev)
-            self._draft_logprobs[:, 0] = self.root_logprobs
+            self._dist_chunks.append(self.root_logprobs[:, None, :])
+            self._dist_slot = torch.zeros(b, cap, dtype=torch.long, device=dev)
+            self._dist_rows = 1
+        self._score: torch.Tensor | None = None  # [B, cap] ranking score, allocated by the first `add` that gives one
         self.draft_forwards = 1
         self._eyes: dict[int, torch.Tensor] = {}
         self._cols = torch.arange(cap, device=dev)
@@ -120,6 +148,16 @@ class TreeBuilder:
         return self._valid[:, : self._n]
 
     @property
+    def score(self) -> torch.Tensor:
+        """[B, N] the score tree policies rank nodes by: `cum_logq` for deterministic (top-k)
+        nodes, the Gumbel key (see `sample_children`) for sampled ones; -inf for invalid nodes.
+        Never larger for a child than for its parent, nor for a later-drawn sampled sibling
+        than for an earlier one, so keeping the best n nodes keeps a subtree."""
+        if self._score is None:
+            return self.cum_logq
+        return self._score[:, : self._n]
+
+    @property
     def ancestors(self) -> torch.Tensor:
         """[B, N, N] bool: [b, i, j] when node j is node i or one of its ancestors (invalid nodes: only themselves)"""
         return self._ancestors[:, : self._n, : self._n]
@@ -151,15 +189,28 @@ class TreeBuilder:
         self._sampled = pad(self._sampled, False)
         self._ancestors = pad(self._ancestors, False, dims=2)
         self._cols = torch.arange(new, device=self.device)
-        if self._draft_logprobs is not None:
-            self._draft_logprobs = pad(self._draft_logprobs, 0.0)
+        if self._dist_slot is not None:
+            self._dist_slot = pad(self._dist_slot, 0)
+        if self._score is not None:
+            self._score = pad(self._score, float("-inf"))
 
-    def add(self, parents: torch.Tensor, tokens: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, sampled: bool | torch.Tensor = False) -> torch.Tensor:
+    def add(
+        self,
+        parents: torch.Tensor,
+        tokens: torch.Tensor,
+        logq: torch.Tensor,
+        valid: torch.Tensor,
+        sampled: bool | torch.Tensor = False,
+        score: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Append k candidate nodes per row; returns their indices [B, k].
 
         parents: [B, k] int64 node indices; tokens: [B, k]; logq: [B, k] draft log-prob
         of each token under its parent's distribution; valid: [B, k] bool. A node is valid
         only if its parent is, its row is active and its logq is finite.
+        sampled: the nodes were drawn from their parent's draft distribution (bool or [B, k]).
+        score: [B, k] their ranking score (`score`; the Gumbel keys of `sample_children`);
+        None = their cum_logq.
         """
         b, k = tokens.shape
         start, end = self._n, self._n + k
@@ -177,6 +228,10 @@ class TreeBuilder:
             torch.logical_and(sampled, valid, out=self._sampled[:, start:end])
         elif sampled:
             self._sampled[:, start:end] = valid
+        if score is not None and self._score is None:  # the nodes so far rank by cum_logq
+            self._score = self._cum_logq.clone()
+        if self._score is not None:
+            self._score[:, start:end] = self._cum_logq[:, start:end] if score is None else score.masked_fill(invalid, float("-inf"))
         # ancestor rows: the parent's row (valid nodes only) plus the node itself
         cap = self._ancestors.shape[2]
         rows = self._ancestors[:, start:end]  # [B, k, cap] written in place
@@ -199,9 +254,12 @@ class TreeBuilder:
         batch = NodeBatch(nodes=nodes, valid=valid, tokens=self.tokens, depths=self.depths, ancestors=self.ancestors)
         logprobs = self.source.expand(batch, self.ctx.params)
         self.draft_forwards += 1
-        if self._draft_logprobs is not None:
-            idx = nodes[:, :, None].expand(-1, -1, logprobs.shape[2])
-            self._draft_logprobs.scatter_(1, idx, logprobs)
+        if self._dist_slot is not None:
+            k = nodes.shape[1]
+            rows = torch.arange(self._dist_rows, self._dist_rows + k, device=self.device).expand_as(nodes)
+            self._dist_slot.scatter_(1, nodes, torch.where(valid, rows, self._dist_slot.gather(1, nodes)))
+            self._dist_chunks.append(logprobs)
+            self._dist_rows += k
         return logprobs
 
     def top_children(self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,6 +273,49 @@ class TreeBuilder:
         parents = nodes[:, :, None].expand(b, m, k).reshape(b, m * k)
         child_valid = valid[:, :, None].expand(b, m, k).reshape(b, m * k)
         return parents, top.indices.reshape(b, m * k), top.values.reshape(b, m * k), child_valid
+
+    def sample_children(
+        self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k children of each node drawn at random without replacement from its draft
+        distribution, in draw order, flattened node-major, with their Gumbel keys.
+
+        Gumbel-top-k: with i.i.d. standard Gumbel noise g_v, the k largest logprobs_v + g_v are
+        k draws without replacement from exp(logprobs) in draw order: the i-th is distributed
+        as the draft distribution with the first i - 1 removed and renormalised.
+        The key of a child x of node u is stochastic beam search's perturbed path log-probability
+        (Kool, van Hoof and Welling 2019): cum_logq(x) plus Gumbel noise, conditioned on the
+        largest key among u's children being u's own key (the root's is 0). So a first draw keeps
+        its parent's key, keys never increase from a node to its children nor from a sibling to
+        the next one drawn, and, given the earlier draws, a child's key is independent of which
+        token it is (the Gumbel-max property). A policy that ranks and prunes sampled children
+        by keys therefore never looks at a child's own token when deciding to keep it, which
+        the exactness of sampling verification needs (docs/ARCHITECTURE.md).
+
+        nodes: [B, m]; logprobs: [B, m, V] the nodes' children distributions (after the
+        sampling params); valid: [B, m]. Draws from `ctx.generator`. Tokens outside the
+        distribution's support (fewer than k) come back with logq -inf: `add` drops them.
+        Returns (parents, tokens, logq, valid, keys), each [B, m*k]; pass keys to `add(score=...)`.
+        """
+        b, m, _ = logprobs.shape
+        # -Gumbel noise as log(-log u) (torch's exponential_ is several times slower than rand on CPU)
+        noise = torch.rand(logprobs.shape, generator=self.ctx.generator, device=logprobs.device).log_().neg_().log_()
+        top = torch.topk(torch.sub(logprobs, noise, out=noise), k, dim=-1)  # [B, m, k] logq + Gumbel, in draw order
+        tokens, perturbed = top.indices, top.values
+        logq = logprobs.gather(-1, tokens)  # [B, m, k]
+        safe = nodes.clamp(min=0)
+        parent_key = self.score.gather(1, safe)[:, :, None]  # [B, m, 1]
+        parent_cum = self.cum_logq.gather(1, safe)[:, :, None]  # [B, m, 1]
+        # key = -log(exp(-T) - exp(-Z) + exp(-G)) with T the parent's key, G = parent_cum + perturbed
+        # the child's perturbed path log-prob and Z the largest G (the first draw); in the stable
+        # form of Kool et al. (Appendix B): w = T - G + log(1 - exp(G - Z)), key = T - relu(w) - log1p(exp(-|w|))
+        w = parent_key - parent_cum - perturbed + _log1mexp(perturbed - perturbed[..., :1])  # -inf for the first draw
+        key = parent_key - w.clamp(min=0) - torch.log1p(torch.exp(-w.abs()))
+        ok = valid[:, :, None] & torch.isfinite(logq) & torch.isfinite(key)
+        key = key.masked_fill(~ok, float("-inf")).cummin(dim=-1).values  # monotone in draw order despite rounding
+        parents = nodes[:, :, None].expand(b, m, k).reshape(b, m * k)
+        child_valid = valid[:, :, None].expand(b, m, k).reshape(b, m * k)
+        return parents, tokens.reshape(b, m * k), logq.reshape(b, m * k), child_valid, key.reshape(b, m * k)
 
     # ----- emitting ------------------------------------------------------------------------
     def finish(self, keep: torch.Tensor | None = None, width: int | None = None) -> tuple[TokenTree, torch.Tensor]:
@@ -235,21 +336,27 @@ class TreeBuilder:
             cum_logq=self.cum_logq,
             valid=self.valid,
             sampled=self._sampled[:, :n],
-            draft_logprobs=None if self._draft_logprobs is None else self._draft_logprobs[:, :n],
             ancestors=self.ancestors,
             depth_bound=self.levels,
         )
         if keep is None:
-            return full, torch.arange(n, device=self.device).expand(self.batch_size, n)
-        keep = keep.clone()
-        keep[:, 0] = True
-        return full.select_with_origin(keep, width=width)
+            tree, origin = full, torch.arange(n, device=self.device).expand(self.batch_size, n)
+        else:
+            keep = keep.clone()
+            keep[:, 0] = True
+            tree, origin = full.select_with_origin(keep, width=width)
+        if self._dist_slot is not None:  # only the kept nodes' draft distributions are gathered
+            dists = torch.cat(self._dist_chunks, dim=1) if len(self._dist_chunks) > 1 else self._dist_chunks[0]  # [B, S, V]
+            slot = self._dist_slot[:, :n].gather(1, origin)  # [B, N']
+            tree.draft_logprobs = dists.gather(1, slot[:, :, None].expand(-1, -1, dists.shape[-1]))
+        return tree, origin
 
     def top_by_score(self, score: torch.Tensor, n: int) -> torch.Tensor:
         """Keep mask [B, N] of the root and the n best valid non-root nodes by `score` [B, N].
 
-        With a score that never increases from parent to child (cum_logq), ties broken
-        towards the earlier node, the kept set is a valid subtree.
+        With a score that never increases from parent to child (cum_logq, or `score`), ties
+        broken towards the earlier node, the kept set is a valid subtree; with `score` it also
+        keeps each node's sampled children as a prefix of their draw order.
         """
         b, total = score.shape
         order_key = score.masked_fill(~self.valid, float("-inf"))
@@ -258,3 +365,8 @@ class TreeBuilder:
         idx = torch.sort(order_key, dim=1, descending=True, stable=True).indices[:, : n + 1]
         keep = torch.zeros(b, total, dtype=torch.bool, device=score.device).scatter_(1, idx, True)
         return keep & self.valid
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0, accurate at both ends (-inf at x = 0)."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))

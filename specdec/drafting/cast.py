@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from specdec.cost.table import CostTable
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
 from specdec.drafting.calibration import AcceptanceCalibrator
 from specdec.errors import SpecDecError
 
@@ -418,6 +418,9 @@ class CastPolicy:
     """path of a cost profile JSON (see `specdec profile`)"""
     cost_table: CostTable | None = field(default=None, repr=False)
     """an in-memory CostTable (takes precedence; no identity check)"""
+    tree_sampling: str = "sampled"
+    """when sampling: 'sampled' children drawn from the draft distribution, valued without looking
+    at their own tokens (see `_add`), or 'topk' (`TREE_SAMPLING`)"""
     name: str = "cast"
     uses_draft: bool = True
     last_widths: list[int] = field(default_factory=list, init=False, repr=False)
@@ -432,6 +435,10 @@ class CastPolicy:
     _weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
     """[B, 1] float64: each row's weight in the batch-averaged utilities (1 / active rows, or 0)"""
     _rank: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1, dtype=torch.long), init=False, repr=False)
+    _local: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
+    """[B, N] the calibrator's input per node: logq for top-k children, the parent's feature for sampled ones"""
+    _sampled: bool = field(default=False, init=False, repr=False)
+    """this step's children are drawn (set by `draft`)"""
     _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
     overheads: StepOverheads = field(default_factory=lambda: StepOverheads(), init=False, repr=False)
     """the engine's measured time per draft forward and per verification beyond the tables"""
@@ -477,6 +484,7 @@ class CastPolicy:
             raise SpecDecError(f"cost_profile={self.cost_profile!r} must be a file path")
         if self.cost_table is not None and self.cost_profile is not None:
             raise SpecDecError("give either cost_table or cost_profile, not both")
+        check_tree_sampling(self.tree_sampling)
         self._buffers = DepthBuffers(self.buffer)
 
     # ----- settings ----------------------------------------------------------------------
@@ -529,7 +537,8 @@ class CastPolicy:
 
     # ----- drafting ----------------------------------------------------------------------
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False)
+        self._sampled = ctx.samples_children(self.tree_sampling)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled)
         b = roots.shape[0]
         dev = roots.device
         rows = ctx.active.to(dev).bool()  # [B] rows whose utilities count
@@ -568,11 +577,9 @@ class CastPolicy:
         # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's path
         self._value = torch.zeros(b, 1, device=dev)  # [B, N]
         self._rank = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, N] rank among siblings (1 = draft's favourite)
+        self._local = torch.zeros(b, 1, device=dev)
         root = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        parents, tokens, logq, valid = builder.top_children(
-            root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev)
-        )
-        candidates = self._add(builder, parents, tokens, logq, valid, k)  # [B, k] by value, descending
+        candidates = self._add(builder, root, builder.root_logprobs[:, None, :], torch.ones(b, 1, dtype=torch.bool, device=dev), k)  # [B, k] by value, descending
         kept_before = 0  # sum_{j<i} n_j
         plan: StepPlan | None = None
         prev_utility: float | None = None
@@ -633,8 +640,7 @@ class CastPolicy:
             expanded += width
             frontier_valid = builder.valid.gather(1, frontier)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, n_i, V]
-            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)
-            children = self._add(builder, parents, tokens, logq, valid, k)  # [B, n_i * k] by value, descending
+            children = self._add(builder, frontier, logprobs, frontier_valid, k)  # [B, n_i * k] by value, descending
             candidates = children[:, :k]
             kept_before += width
             prev_utility = utility[width - 1]
@@ -644,28 +650,53 @@ class CastPolicy:
         keep = builder.top_by_score(self._value, count)
         tree, origin = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
         if self.calibrate:
-            self._last_tree = (origin, builder.logq.gather(1, origin), self._rank.gather(1, origin), tree.parents, tree.valid)
+            self._last_tree = (origin, self._local.gather(1, origin), self._rank.gather(1, origin), tree.parents, tree.valid)
         if self._learns_costs:
             nodes = min(tree.num_nodes, len(t_verify) - 1)
             self.overheads.expect(forward_ms, builder.draft_forwards - 1, expanded, t_verify[nodes], nodes)
         return Draft(tree, builder, origin)
 
-    def _add(self, builder: TreeBuilder, parents: torch.Tensor, tokens: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-        """Add children laid out k per parent in the draft's order (from `top_children`), give
-        them values, and return their indices sorted by value, descending ([B, m * k])."""
+    def _add(self, builder: TreeBuilder, nodes: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+        """Add k children of each node [B, m] (distributions logprobs [B, m, V]), laid out k per
+        parent in the draft's order (top-k, or draw order), give them values, and return their
+        indices sorted by value, descending ([B, m * k]).
+
+        Top-k children are valued by their own draft probability (cum_logq, or calibrated from
+        logq and rank). A sampled child must not be: whether it is kept may not depend on its
+        own token (docs/ARCHITECTURE.md), and CAST's widths and verified counts sum the values
+        of every candidate, later-drawn siblings included, whose draws depend on the earlier
+        ones' tokens. So a sampled child's value uses only what precedes its draw: its parent's
+        value, its draw rank and the parent's collision mass log sum_v q(v)^2 (the draft's
+        expected probability of its own sample) in place of logq, calibrated per rank like
+        logq (or taken as is without calibration), and made non-increasing in the rank so the
+        kept siblings are always the first ones drawn.
+        """
         start = builder.num_nodes  # builder.add appends: the new nodes are columns start..start + m*k - 1
-        nodes = builder.add(parents, tokens, logq, valid)  # [B, m * k]
+        b, m, _ = logprobs.shape
+        if self._sampled:
+            parents, tokens, logq, child_valid, keys = builder.sample_children(nodes, logprobs, k, valid)
+            nodes = builder.add(parents, tokens, logq, child_valid, sampled=True, score=keys)  # [B, m * k]
+            local = torch.logsumexp(2 * logprobs, dim=-1).clamp(max=0.0)[:, :, None].expand(b, m, k).reshape(b, m * k)  # [B, m * k]
+        else:
+            parents, tokens, logq, child_valid = builder.top_children(nodes, logprobs, k, valid)
+            nodes = builder.add(parents, tokens, logq, child_valid)  # [B, m * k]
+            local = builder.logq[:, start:]
         b, total = nodes.shape
         key = (k, total, nodes.device)
         if key not in self._ranks:
             self._ranks[key] = torch.arange(1, k + 1, device=nodes.device).repeat(total // k)[None]  # [1, m * k]
         rank = self._ranks[key].expand(b, total)
-        if self.calibrate:  # builder.logq is -inf at invalid nodes, and so is the value
-            value = self._value.gather(1, parents.clamp(min=0)) + self._calibrator.local_logprob(builder.logq[:, start:], rank)
+        if self._sampled:
+            gain = self._calibrator.local_logprob(local, rank) if self.calibrate else local
+            gain = gain.reshape(b, m, k).cummin(dim=-1).values.reshape(b, m * k)  # non-increasing in the draw rank
+            value = (self._value.gather(1, parents.clamp(min=0)) + gain).masked_fill(~builder.valid[:, start:], float("-inf"))
+        elif self.calibrate:  # builder.logq is -inf at invalid nodes, and so is the value
+            value = self._value.gather(1, parents.clamp(min=0)) + self._calibrator.local_logprob(local, rank)
         else:
             value = builder.cum_logq[:, start:]  # -inf at invalid nodes
         self._value = torch.cat([self._value, value], dim=1)
         self._rank = torch.cat([self._rank, rank], dim=1)
+        self._local = torch.cat([self._local, local], dim=1)
         order = torch.sort(value, dim=1, descending=True, stable=True).indices
         return nodes.gather(1, order)
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
 from specdec.errors import SpecDecError
 
 if TYPE_CHECKING:
@@ -183,6 +183,9 @@ class DynaTreePolicy:
     """how far tau_h and rho_deep move per adjustment (phase 3)"""
     phase: int = 3
     """ablation preset: 0 fixed tree, 1 +adaptive branching, 2 +dynamic depth, 3 +history"""
+    tree_sampling: str = "sampled"
+    """when sampling: 'sampled' children drawn from the draft distribution, with their Gumbel keys
+    standing for p(u) in pruning, the budget cut and the depth gate, or 'topk' (`TREE_SAMPLING`)"""
     name: str = "dynatree"
     uses_draft: bool = True
 
@@ -239,6 +242,7 @@ class DynaTreePolicy:
             )
         if not 0 < self.adjust_step <= 0.5:
             raise SpecDecError(f"dynatree adjust_step={self.adjust_step} must be in (0, 0.5]; fix --adjust-step")
+        check_tree_sampling(self.tree_sampling)
 
     # ----- adaptive state ----------------------------------------------------------------
     def reset_history(self) -> None:
@@ -304,8 +308,9 @@ class DynaTreePolicy:
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         limit = self.depth_limit(ctx)
+        sampled = ctx.samples_children(self.tree_sampling)
         level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False, capacity=1 + level_cap * max(1, limit))
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + level_cap * max(1, limit))
         b = roots.shape[0]
         dev = roots.device
         active = ctx.active.to(dev)
@@ -320,18 +325,28 @@ class DynaTreePolicy:
         frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
         for depth in range(limit):  # the frontier sits at `depth`, its children at depth + 1
             branch = self.branching(logprobs).masked_fill(~frontier_valid, 0)  # [B, m]
-            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+            if sampled:  # drawn children are pruned and cut by their Gumbel keys, never by their own logq
+                parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+            else:
+                parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
             rank = torch.arange(k, device=dev).repeat(frontier.shape[1])  # [m*k] child rank under its parent
-            valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1))
-            cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
-            valid = valid & (cum >= log_tau)  # probability-threshold pruning (-inf logq fails too)
+            valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1)) & (logq > float("-inf"))
+            if not sampled:
+                cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
+            valid = valid & (cum >= log_tau)  # probability-threshold pruning
             valid = keep_within_budget(cum, valid, budget)  # strict node budget
-            order, kept = compact(valid, min(valid.shape[1], level_cap))  # [B, w]: a static width, no read
-            nodes = builder.add(parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept)  # [B, w]
+            # a static width: path probabilities of a level sum to at most 1 (no read); Gumbel keys
+            # of drawn children have no such bound, so their width is read
+            width = min(valid.shape[1], level_cap) if not sampled else max(1, int(valid.sum(dim=1).max()))
+            order, kept = compact(valid, width)  # [B, w]
+            nodes = builder.add(
+                parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept, sampled=sampled, score=cum.gather(1, order) if sampled else None
+            )  # [B, w]
             node_valid = builder.valid.gather(1, nodes)  # [B, w]
             budget = budget - node_valid.sum(dim=1)
-            grow = node_valid & self.expandable(depth + 1, builder.cum_logq.gather(1, nodes), limit) & (budget > 0)[:, None]  # [B, w]
-            order, frontier_valid = compact(grow, min(grow.shape[1], frontier_cap))  # [B, m']
+            # p(u): cum_logq, or for sampled nodes their Gumbel key (a sampled token's own draft probability says little about its acceptance)
+            grow = node_valid & self.expandable(depth + 1, builder.score.gather(1, nodes), limit) & (budget > 0)[:, None]  # [B, w]
+            order, frontier_valid = compact(grow, min(grow.shape[1], frontier_cap if not sampled else grow.shape[1]))  # [B, m']
             # the level's one host read: the largest row's node count (the tree's width) and whether anything grows
             tree_width, growing = torch.stack([builder.valid.sum(dim=1).max(), frontier_valid.any().long()]).tolist()
             if depth + 1 >= limit or not growing:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
+from specdec.drafting.ranks import RankAcceptance
 from specdec.errors import SpecDecError
 from specdec.sampling import sample_from_probs
 from specdec.tree import TokenTree
@@ -82,15 +83,19 @@ class StaticTreePolicy(_Stateless):
     """children per node"""
     max_nodes: int = 64
     """node budget (draft tokens per step)"""
+    tree_sampling: str = "sampled"
+    """when sampling: 'sampled' children drawn from the draft distribution, or 'topk' (`TREE_SAMPLING`)"""
     name: str = "static"
     uses_draft: bool = True
 
     def __post_init__(self) -> None:
         for name in ("depth", "branching", "max_nodes"):
             _positive(name, getattr(self, name))
+        check_tree_sampling(self.tree_sampling)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False, capacity=1 + self.max_nodes)
+        sampled = ctx.samples_children(self.tree_sampling)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + self.max_nodes)
         b = roots.shape[0]
         frontier = torch.zeros(b, 1, dtype=torch.long, device=roots.device)
         frontier_valid = torch.ones(b, 1, dtype=torch.bool, device=roots.device)
@@ -99,9 +104,15 @@ class StaticTreePolicy(_Stateless):
         depth = min(self.depth, ctx.max_depth)
         for level in range(1, depth + 1):
             k = min(self.branching, logprobs.shape[-1])
-            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+            keys = None
+            if sampled:
+                parents, tokens, logq, valid, keys = builder.sample_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+            else:
+                parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
             take = min(parents.shape[1], budget)  # a partial last level: the first children in BFS order
-            nodes = builder.add(parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take])
+            nodes = builder.add(
+                parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take], sampled=sampled, score=None if keys is None else keys[:, :take]
+            )
             budget -= take
             if level == depth or budget == 0:
                 break
@@ -112,26 +123,50 @@ class StaticTreePolicy(_Stateless):
 
 
 @dataclass
-class Eagle2Policy(_Stateless):
-    """EAGLE-2's dynamic tree: expand the `top_k` frontier nodes with the highest cumulative
-    draft log-probability for `depth` levels (each gets its `top_k` best children as
-    candidates), then rerank all candidates and keep the best `total_tokens` (a valid subtree).
+class Eagle2Policy:
+    """EAGLE-2's dynamic tree: expand the `top_k` frontier nodes with the highest value for
+    `depth` levels (each gets `top_k` children as candidates), then rerank all candidates and
+    keep the best `total_tokens` (a valid subtree).
+
+    A node's value estimates how likely the target is to accept its path. For the draft's top-k
+    children (greedy decoding, or `tree_sampling="topk"`) it is EAGLE-2's cum_logq. For children
+    drawn from the draft distribution it may not look at their tokens (docs/ARCHITECTURE.md), and
+    a drawn token's draft probability says little about its acceptance anyway: the value is
+    the sum of log positional acceptance rates along the path (`RankAcceptance`: P(the r-th
+    draw is accepted | its parent was reached), learned from the verdicts, Sequoia-style).
     """
 
     depth: int = 6
     top_k: int = 8
     total_tokens: int = 32
     """draft tokens kept for verification"""
+    tree_sampling: str = "sampled"
+    """when sampling: 'sampled' children drawn from the draft distribution, valued by learned
+    positional acceptance, or 'topk' (`TREE_SAMPLING`)"""
     name: str = "eagle2"
     uses_draft: bool = True
+    ranks: RankAcceptance = field(default_factory=RankAcceptance, init=False, repr=False)
+    """positional acceptance of sampled children, learned across steps and calls"""
+    _last_tree: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    """(parents, valid) of the last sampled tree, for `feedback`"""
 
     def __post_init__(self) -> None:
         for name in ("depth", "top_k", "total_tokens"):
             _positive(name, getattr(self, name))
+        check_tree_sampling(self.tree_sampling)
+
+    def feedback(self, record: StepRecord) -> None:
+        """Sampled trees: every verified node whose parent was reached is one observation of
+        (sibling rank, accepted) for the positional rates."""
+        if self._last_tree is not None and record.accepted_nodes:
+            self.ranks.observe(*self._last_tree, record.accepted_nodes, record.active)
+        self._last_tree = None
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         k = self.top_k
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=False, capacity=1 + k + (self.depth - 1) * k * k)
+        sampled = ctx.samples_children(self.tree_sampling)
+        self._last_tree = None
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + k + (self.depth - 1) * k * k)
         b = roots.shape[0]
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)
@@ -139,17 +174,31 @@ class Eagle2Policy(_Stateless):
             tree, origin = builder.finish()
             return Draft(tree, builder, origin)
         k = min(self.top_k, builder.root_logprobs.shape[-1])
+        log_rates = self.ranks.log_rates(k, dev) if sampled else None  # [k]
         root = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        parents, tokens, logq, valid = builder.top_children(root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev))
-        frontier = builder.add(parents, tokens, logq, valid)  # [B, k]
+        frontier = self._children(builder, root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev), log_rates)  # [B, k]
         for _ in range(2, depth + 1):
             frontier_valid = builder.valid.gather(1, frontier)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, k, V]
-            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)
-            nodes = builder.add(parents, tokens, logq, valid)  # [B, k*k]
-            score = builder.cum_logq.gather(1, nodes).masked_fill(~builder.valid.gather(1, nodes), float("-inf"))
+            nodes = self._children(builder, frontier, logprobs, k, frontier_valid, log_rates)  # [B, k*k]
+            # builder.score: cum_logq, or the positional value of sampled children (never their own tokens' logq)
+            score = builder.score.gather(1, nodes).masked_fill(~builder.valid.gather(1, nodes), float("-inf"))
             best = torch.topk(score, k, dim=1).indices  # [B, k]
             frontier = nodes.gather(1, best)
-        keep = builder.top_by_score(builder.cum_logq, self.total_tokens)
+        keep = builder.top_by_score(builder.score, self.total_tokens)
         tree, origin = builder.finish(keep, width=1 + self.total_tokens)
+        if sampled:
+            self._last_tree = (tree.parents, tree.valid)
         return Draft(tree, builder, origin)
+
+    @staticmethod
+    def _children(
+        builder: TreeBuilder, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor, log_rates: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Add k children of each node [B, m]: its top-k, or k draws valued by the parent's value
+        plus the log positional rate of their draw rank (log_rates [k]); returns them [B, m*k]."""
+        if log_rates is None:
+            return builder.add(*builder.top_children(nodes, logprobs, k, valid))
+        parents, tokens, logq, child_valid, _ = builder.sample_children(nodes, logprobs, k, valid)
+        score = builder.score.gather(1, parents) + log_rates.repeat(nodes.shape[1])  # [B, m*k]: token-free, non-increasing in the rank
+        return builder.add(parents, tokens, logq, child_valid, sampled=True, score=score)

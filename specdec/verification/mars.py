@@ -54,10 +54,10 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import SpecDecError
-from specdec.sampling import SamplingParams, logits_to_logprobs
+from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict, deepest_path
-from specdec.verification.sampling import RelaxHook, rejection_walk
+from specdec.verification.sampling import HostBatch, RelaxHook, verdict_of
 
 DEFAULT_THETA = 0.9
 """the paper's default logit-ratio threshold"""
@@ -109,7 +109,7 @@ def _relax_hook(tokens: list[int], v1: list[int], v2: list[int], fire: list[bool
     to v1, else the child equal to v2, is accepted outright; elsewhere nothing is, and a
     node with z1 <= 0 reports its strict fallback."""
 
-    def relax(node: int, kids: list[int], probs: torch.Tensor) -> tuple[int | None, bool]:
+    def relax(node: int, kids: list[int]) -> tuple[int | None, bool]:
         if not fire[node]:
             return None, fallback[node]
         by_token = {tokens[k]: k for k in kids}
@@ -164,15 +164,9 @@ class MarsRule:
     def _verify_sampling(
         self, tree: TokenTree, target_logits: torch.Tensor, m: Margins, params: SamplingParams, generator: torch.Generator | None
     ) -> Verdict:
-        target_probs = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]
-        draft_probs = tree.draft_logprobs.exp() if tree.draft_logprobs is not None else None
-        tokens, v1, v2, fire, fallback = (t.tolist() for t in (tree.tokens, m.v1, m.v2, m.fire, m.fallback))  # [B][N] each, one transfer
-        paths, bonus, relaxed, fallbacks = [], [], [], []
-        for row in range(tree.batch_size):
-            relax = _relax_hook(tokens[row], v1[row], v2[row], fire[row], fallback[row])
-            p, bt, r, f = rejection_walk(tree, row, target_probs[row], None if draft_probs is None else draft_probs[row], generator, relax)
-            paths.append(p)
-            bonus.append(bt)
-            relaxed.append(r)
-            fallbacks.append(f)
-        return Verdict.from_lists(paths, bonus, relaxed, fallbacks, target_logits.device)
+        host = HostBatch.read(tree, target_logits, params, generator)
+        v1, v2, fire, fallback = (t.tolist() for t in (m.v1, m.v2, m.fire, m.fallback))  # [B][N] each, one transfer
+        walks = [
+            host.walk(row, _relax_hook(host.rows[row].tokens, v1[row], v2[row], fire[row], fallback[row])) for row in range(tree.batch_size)
+        ]
+        return verdict_of(walks, target_logits.device)

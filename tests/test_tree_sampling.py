@@ -1,0 +1,199 @@
+"""Sampled tree children (`tree_sampling`): Gumbel-top-k draws and their keys, what each
+policy hands the verifier, greedy left untouched, and the option's wiring (policy, CLI, bench
+items). The output distribution itself is checked in test_sampling_distribution.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from specdec.bench.variants import parse_method_specs
+from specdec.cli import build_parser, collect_method_options
+from specdec.cost import CostTable
+from specdec.drafting.builder import DraftContext, TreeBuilder
+from specdec.drafting.ranks import RankAcceptance, sibling_ranks
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.sampling import SamplingParams
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule, SamplingRule
+
+V = 8
+
+
+class FixedDraft:
+    """Every node's children distribution is `logprobs` [V]."""
+
+    needs_target_logprobs = False
+
+    def __init__(self, logprobs: torch.Tensor) -> None:
+        self.logprobs = logprobs
+
+    def begin_step(self, roots, params):
+        return self.logprobs.expand(roots.shape[0], -1)
+
+    def expand(self, batch, params):
+        return self.logprobs.expand(*batch.nodes.shape, -1)
+
+
+def builder_for(logprobs: torch.Tensor, rows: int, seed: int = 0) -> TreeBuilder:
+    ctx = DraftContext(
+        params=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(seed), max_depth=8, active=torch.ones(rows, dtype=torch.bool)
+    )
+    return TreeBuilder(FixedDraft(logprobs), torch.zeros(rows, dtype=torch.long), ctx, keep_draft_probs=True)
+
+
+def test_draws_are_without_replacement_in_draft_order():
+    """The first draw follows q; the second follows q without the first, renormalised."""
+    q = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0, 0.0, 0.0])
+    rows = 40000
+    b = builder_for(q.log(), rows)
+    root = torch.zeros(rows, 1, dtype=torch.long)
+    _, tokens, logq, valid, keys = b.sample_children(root, b.root_logprobs[:, None, :], 2, torch.ones(rows, 1, dtype=torch.bool))
+    assert (tokens[:, 0] != tokens[:, 1]).all()
+    assert torch.allclose(logq, q.log()[tokens])
+    first = torch.bincount(tokens[:, 0], minlength=V) / rows
+    assert (first - q).abs().max() < 0.01
+    # P(second = y) = sum_x q(x) q(y) / (1 - q(x)), x != y
+    second = torch.bincount(tokens[:, 1], minlength=V) / rows
+    expected = torch.tensor([sum(float(q[x] * q[y] / (1 - q[x])) for x in range(V) if x != y) for y in range(V)])
+    assert (second - expected).abs().max() < 0.01
+
+
+def test_keys_never_increase_and_the_first_draw_keeps_its_parents_key():
+    logprobs = torch.log_softmax(torch.randn(V, generator=torch.Generator().manual_seed(1)), -1)
+    b = builder_for(logprobs, rows=64)
+    root = torch.zeros(64, 1, dtype=torch.long)
+    parents, tokens, logq, valid, keys = b.sample_children(root, b.root_logprobs[:, None, :], 4, torch.ones(64, 1, dtype=torch.bool))
+    nodes = b.add(parents, tokens, logq, valid, sampled=True, score=keys)  # [64, 4]
+    assert (keys[:, 0] == 0).all()  # the root's key is 0
+    assert (keys[:, 1:] <= keys[:, :-1]).all()
+    # a second level: children of each of the 4 nodes
+    parents, tokens, logq, valid, keys2 = b.sample_children(nodes, b.expand(nodes, valid), 3, valid)
+    keys2 = keys2.reshape(64, 4, 3)
+    assert torch.equal(keys2[:, :, 0], b.score.gather(1, nodes))
+    assert (keys2[:, :, 1:] <= keys2[:, :, :-1]).all()
+
+
+def test_children_beyond_the_support_are_invalid():
+    q = torch.tensor([0.7, 0.3] + [0.0] * (V - 2))
+    b = builder_for(q.log(), rows=16)
+    root = torch.zeros(16, 1, dtype=torch.long)
+    nodes = b.add(*b.sample_children(root, b.root_logprobs[:, None, :], 4, torch.ones(16, 1, dtype=torch.bool))[:4], sampled=True)
+    assert b.valid.gather(1, nodes).sum(dim=1).tolist() == [2] * 16
+    assert set(b.tokens.gather(1, nodes)[b.valid.gather(1, nodes)].tolist()) == {0, 1}
+
+
+CAST_TABLE = CostTable.synthetic(lambda b, c, n: 10.0 + 0.1 * n, lambda b, c, n: 1.0)
+POLICIES = {
+    "static": {"depth": 3, "branching": 2, "max_nodes": 10},
+    "eagle2": {"depth": 3, "top_k": 3, "total_tokens": 7},
+    "dynatree": {"d0": 3, "d_max": 4, "max_nodes": 8},
+    "cast": {"depth": 3, "top_k": 3, "total_tokens": 7, "cost_table": CAST_TABLE},
+}
+
+
+def pair():
+    target = tiny_model("llama", seed=3, vocab=V, eos=V - 1)
+    draft = tiny_model("llama", seed=11, vocab=V, layers=1, eos=V - 1)
+    return target, draft
+
+
+def draft_once(method: str, params: SamplingParams, rows: int = 6, seed: int = 0, **extra):
+    """One draft step from a prefilled draft source; returns (draft, source)."""
+    _, draft = pair()
+    source = ModelDraftSource(draft)
+    prompt = torch.tensor([[1, 4, 2, 5, 3]] * rows)
+    source.prefill(prompt, torch.ones_like(prompt))
+    ctx = DraftContext(params=params, generator=torch.Generator().manual_seed(seed), max_depth=4, active=torch.ones(rows, dtype=torch.bool))
+    policy = make_policy(method, **POLICIES[method], **extra)
+    return policy.draft(source, torch.full((rows,), 6, dtype=torch.long), ctx)
+
+
+@pytest.mark.parametrize("method", list(POLICIES))
+def test_sampled_trees_carry_their_proposals(method):
+    """Every kept node is sampled, the kept set is a subtree whose siblings are the first ones
+    drawn (keys non-increasing in tree order), and each parent's draft distribution is kept."""
+    d = draft_once(method, SamplingParams(temperature=1.0, top_p=0.95))
+    tree = d.tree
+    tree.check_closed()
+    non_root = tree.valid & (tree.parents >= 0)
+    assert non_root.any() and torch.equal(tree.sampled, non_root)
+    assert tree.draft_logprobs is not None
+    builder = d.builder
+    # kept siblings keep their draw order and are a prefix of it: builder columns are consecutive from the first child
+    for row in range(tree.batch_size):
+        for node in range(tree.num_nodes):
+            kids = tree.children(row, node)
+            if not kids:
+                continue
+            cols = d.origin[row, kids].tolist()
+            assert cols == sorted(cols)
+            assert torch.equal(tree.draft_logprobs[row, node].exp().sum().round(), torch.tensor(1.0))
+            scores = builder.score[row, cols]
+            assert (scores[1:] <= scores[:-1]).all()
+            all_kids = ((builder.parents[row] == int(d.origin[row, node])) & builder.valid[row]).nonzero().flatten().tolist()
+            assert cols == all_kids[: len(cols)], "a kept sampled child skipped an earlier-drawn sibling"
+
+
+@pytest.mark.parametrize("method", list(POLICIES))
+def test_topk_rule_and_greedy_draft_deterministic_children(method):
+    d = draft_once(method, SamplingParams(temperature=1.0), tree_sampling="topk")
+    assert not d.tree.sampled.any() and d.tree.draft_logprobs is None
+    greedy = {mode: draft_once(method, SamplingParams(), tree_sampling=mode).tree for mode in ("sampled", "topk")}
+    assert not greedy["sampled"].sampled.any()
+    for field in ("tokens", "parents", "valid", "logq"):
+        assert torch.equal(getattr(greedy["sampled"], field), getattr(greedy["topk"], field))
+
+
+@pytest.mark.parametrize("method", ["eagle2", "dynatree"])
+def test_greedy_decoding_ignores_tree_sampling(method):
+    target, draft = pair()
+    outs = {}
+    for mode in ("sampled", "topk"):
+        engine = SpeculativeEngine(target, make_policy(method, **POLICIES[method], tree_sampling=mode), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+        outs[mode] = [(o.token_ids, [s.accepted_len for s in o.steps]) for o in engine.generate([[1, 4, 2, 5]] * 3, 12, SamplingParams(), keep_steps=True)]
+    assert outs["sampled"] == outs["topk"]
+
+
+def test_option_wiring():
+    with pytest.raises(SpecDecError, match="tree_sampling='beam'"):
+        make_policy("eagle2", tree_sampling="beam")
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--method", "dynatree", "--prompt", "x", "--tree-sampling", "topk"])
+    assert collect_method_options(args, "dynatree") == {"tree_sampling": "topk"}
+    args = parser.parse_args(["generate", "--method", "chain", "--prompt", "x", "--tree-sampling", "topk"])
+    with pytest.raises(SpecDecError, match="--tree-sampling does not apply to --method chain"):
+        collect_method_options(args, "chain")
+    specs = parse_method_specs("eagle2,eagle2:tree_sampling=topk,cast:tree-sampling=topk")
+    assert [dict(s.options) for s in specs[1:]] == [{}, {"tree_sampling": "topk"}, {"tree_sampling": "topk"}]
+    assert specs[2].base_label == "eagle2[tree_sampling=topk]"
+
+
+def test_sibling_ranks_and_positional_rates():
+    parents = torch.tensor([[-1, 0, 0, 1, 0, 3]])
+    valid = torch.tensor([[True, True, True, True, True, False]])
+    assert sibling_ranks(parents, valid).tolist() == [[0, 1, 2, 1, 3, 0]]
+    rates = RankAcceptance(ranks=3, prior=(0.5, 0.2), prior_weight=1.0, decay=1.0)
+    assert rates.rates().tolist() == [0.5, 0.2, 0.2]
+    # the root's children are observed (rank 1 accepted, ranks 2 and 3 not); node 1 was reached: its child (rank 1) rejected
+    rates.observe(parents, valid, [[1]], [True])
+    assert rates.observations == 4
+    assert rates.rates().round(6).tolist() == [0.5, 0.1, 0.1]  # rank 1: (1 + 1 * 0.5 + 0) / (2 + 1); rank 2: 0.2 / 2
+    assert torch.allclose(rates.log_rates(5), torch.log(torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1])))
+
+
+def test_eagle2_learns_positional_rates_from_sampled_verdicts():
+    target, draft = pair()
+    policy = make_policy("eagle2", **POLICIES["eagle2"])
+    engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
+    engine.generate([[1, 4, 2, 5]] * 4, 12, SamplingParams(temperature=1.0), seed=0)
+    assert policy.ranks.observations > 0
+    rates = policy.ranks.rates()
+    assert (rates[1:] <= rates[:-1]).all()
+    before = policy.ranks.observations
+    greedy = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+    greedy.generate([[1, 4, 2, 5]], 8, SamplingParams())
+    assert policy.ranks.observations == before  # top-k trees teach nothing about sampled ranks
