@@ -407,15 +407,14 @@ class DecodeSession:
         logits = engine.target.forward(tree.tokens, context_len[:, None] + tree.depths, tree.ancestor_mask())  # [B, N, V]
         verdict = engine.rule.verify(tree, logits, params, self.generator)
         t2 = time.perf_counter()
-        # keep the root and the accepted path in the target cache (their KV from the verify forward)
-        path, accepted_len = verdict.path, verdict.accepted_len  # [B, D], [B]
         result = StepResult.read(tree, verdict, draft.origin)  # the step's one host read
-        # keep the root and the accepted path; the path's columns trimmed to the longest accepted
-        # path (known now), so rows that accept alike leave no holes in the cache
+        # keep the root and the accepted path in the target cache (their KV from the verify forward);
+        # the path's columns are trimmed to the longest accepted path (known now), so rows that
+        # accept alike leave no holes in the cache
         lengths = [len(p) for p in result.accepted_nodes]
-        d = max(1, max(lengths))
-        path = path[:, :d]
-        keep = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)[:, : 1 + max(lengths)]  # [B, 1 + longest]
+        longest = max(lengths)
+        path, accepted_len = verdict.path[:, : max(1, longest)], verdict.accepted_len  # [B, D], [B]
+        keep = torch.cat([torch.zeros_like(path[:, :1]), path[:, :longest]], dim=1)  # [B, 1 + longest]
         keep_valid = torch.arange(keep.shape[1], device=dev)[None, :] <= accepted_len[:, None]
         engine.target.commit(keep, keep_valid, dense=len(set(lengths)) == 1)
         if draft.builder is not None and engine.source is not None:

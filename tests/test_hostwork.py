@@ -133,3 +133,18 @@ def test_host_context_lengths_match_the_cache():
             host = session._host_context_lens()
             device = engine.target.committed_len().tolist()
             assert [host[r] for r in live] == [device[r] for r in live]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only path: SDPA without cuDNN, forward timing by CUDA events")
+@pytest.mark.parametrize("method", ["ar", "chain", "eagle2"])
+def test_cuda_greedy_equals_generate_and_times_forwards(method):
+    options = {"ar": {}, "chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}}[method]
+    target = sharpen(tiny_model("llama", seed=0)).cuda()
+    draft = sharpen(tiny_model("llama", seed=0)).cuda()
+    engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+    prompt = [5, 6, 7, 8, 9]
+    out = engine.generate([prompt], 16)[0].token_ids
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(prompt) :].tolist()
+    assert out == ref
+    assert engine.target.forward_s > 0  # read from CUDA events

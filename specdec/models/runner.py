@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -488,11 +489,7 @@ class _attention_backends:
     call. Flash/efficient/math kernels need no plan. A no-op elsewhere."""
 
     def __init__(self, device: torch.device) -> None:
-        self._ctx: Any = None
-        if device.type == "cuda":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            self._ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        self._ctx: Any = sdpa_kernel(_NO_CUDNN) if device.type == "cuda" else None
 
     def __enter__(self) -> None:
         if self._ctx is not None:
@@ -501,3 +498,7 @@ class _attention_backends:
     def __exit__(self, *exc: object) -> None:
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
+
+
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""the SDPA backends allowed on CUDA (all but cuDNN attention)"""
