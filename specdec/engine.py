@@ -119,20 +119,19 @@ class StepResult:
     """depth of the deepest valid node of the batch"""
 
     @classmethod
-    def read(cls, tree: TokenTree, verdict: Verdict, origin: torch.Tensor) -> StepResult:
-        """Pack everything the host needs into one int64 tensor and read it once (one sync on a GPU)."""
-        path, b = verdict.path, tree.batch_size
+    def read(cls, tree: TokenTree, verdict: Verdict, origin_path: torch.Tensor) -> StepResult:
+        """Pack everything the host needs into one int64 tensor and read it once (one sync on a GPU).
+
+        origin_path: [B, D] the accepted path's nodes as builder indices (`origin.gather(1, verdict.path)`)."""
+        path = verdict.path
         d = path.shape[1]
-        depth_cap = tree.depth_limit()
-        by_depth = torch.zeros(b, depth_cap + 1, dtype=torch.long, device=path.device)
-        by_depth.scatter_add_(1, tree.depths.clamp(max=depth_cap), tree.valid.long())  # [B, 1 + depth_cap]: column 0 is the root
         packed = torch.cat(
             [
                 torch.stack([verdict.accepted_len, verdict.bonus_tokens, verdict.relaxed_count, verdict.fallback_count], dim=1),
                 path,
-                origin.gather(1, path),
+                origin_path,
                 tree.tokens.gather(1, path),
-                by_depth,
+                tree.depths * tree.valid,  # [B, N]: each valid node's depth, 0 for the root and padding
             ],
             dim=1,
         ).tolist()
@@ -142,8 +141,12 @@ class StepResult:
             accepted_nodes.append(row[4 : 4 + n])
             accepted_origin.append(row[4 + d : 4 + d + n])
             accepted_tokens.append(row[4 + 2 * d : 4 + 2 * d + n])
-            drafted_by_depth.append(row[4 + 3 * d + 1 :])
-        deepest = max((i + 1 for counts in drafted_by_depth for i, c in enumerate(counts) if c), default=0)
+            depths = [x for x in row[4 + 3 * d :] if x > 0]
+            counts = [0] * max(depths, default=0)
+            for depth in depths:
+                counts[depth - 1] += 1
+            drafted_by_depth.append(counts)
+        deepest = max(len(counts) for counts in drafted_by_depth)
         return cls(
             accepted_nodes=accepted_nodes,
             accepted_origin=accepted_origin,
@@ -152,9 +155,20 @@ class StepResult:
             relaxed=[row[2] for row in packed],
             fallbacks=[row[3] for row in packed],
             drafted=[sum(counts) for counts in drafted_by_depth],
-            drafted_by_depth=[counts[:deepest] for counts in drafted_by_depth],
+            drafted_by_depth=[counts + [0] * (deepest - len(counts)) for counts in drafted_by_depth],
             tree_depth=deepest,
         )
+
+
+_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """torch.arange(n) on `device`, made once (read-only)."""
+    t = _ARANGES.get((n, device))
+    if t is None:
+        t = _ARANGES[(n, device)] = torch.arange(n, device=device)
+    return t
 
 
 class SpeculativeEngine:
@@ -407,15 +421,16 @@ class DecodeSession:
         logits = engine.target.forward(tree.tokens, context_len[:, None] + tree.depths, tree.ancestor_mask())  # [B, N, V]
         verdict = engine.rule.verify(tree, logits, params, self.generator)
         t2 = time.perf_counter()
-        result = StepResult.read(tree, verdict, draft.origin)  # the step's one host read
+        origin_path = draft.origin.gather(1, verdict.path)  # [B, D] the accepted path as builder nodes
+        result = StepResult.read(tree, verdict, origin_path)  # the step's one host read
         # keep the root and the accepted path in the target cache (their KV from the verify forward);
         # the path's columns are trimmed to the longest accepted path (known now), so rows that
         # accept alike leave no holes in the cache
         lengths = [len(p) for p in result.accepted_nodes]
         longest = max(lengths)
-        path, accepted_len = verdict.path[:, : max(1, longest)], verdict.accepted_len  # [B, D], [B]
-        keep = torch.cat([torch.zeros_like(path[:, :1]), path[:, :longest]], dim=1)  # [B, 1 + longest]
-        keep_valid = torch.arange(keep.shape[1], device=dev)[None, :] <= accepted_len[:, None]
+        path, accepted_len = verdict.path, verdict.accepted_len  # [B, D], [B]
+        keep = torch.nn.functional.pad(path[:, :longest], (1, 0))  # [B, 1 + longest]: step slot 0 is the root
+        keep_valid = _arange(1 + longest, dev)[None, :] <= accepted_len[:, None]
         engine.target.commit(keep, keep_valid, dense=len(set(lengths)) == 1)
         if draft.builder is not None and engine.source is not None:
             target_logprobs = None
@@ -423,7 +438,7 @@ class DecodeSession:
                 target_logprobs = path_target_logprobs(logits, result.accepted_nodes, was_active, params)
             engine.source.end_step(
                 AcceptedPaths(
-                    nodes=draft.origin.gather(1, path),
+                    nodes=origin_path,
                     length=accepted_len,
                     tokens=draft.builder.tokens,
                     host_nodes=result.accepted_origin,

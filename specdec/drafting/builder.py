@@ -73,6 +73,17 @@ class TreeBuilder:
 
     Node indices are columns shared by all rows; a row that has fewer nodes at some
     level marks the extra columns invalid. `finish` selects the nodes to verify.
+
+    Storage: node fields packed by dtype into three preallocated buffers, so adding a
+    level writes each buffer once (`torch.stack(..., out=...)`) and selecting nodes
+    gathers each once:
+
+    - `_ints`   [B, 3, capacity] int64: token, parent (-1 for the root and invalid nodes), depth
+    - `_floats` [B, 3, capacity] float32: logq, cum_logq, score (-inf for invalid nodes)
+    - `_flags`  [B, 2, capacity] bool: valid, sampled
+    - `_anc`    [B, capacity, capacity] bool: [b, i, j] node j is node i or an ancestor of it
+
+    A row that is not active gets a root with cum_logq -inf: every node added under it is invalid.
     """
 
     def __init__(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext, keep_draft_probs: bool, capacity: int = 64) -> None:
@@ -82,17 +93,17 @@ class TreeBuilder:
         b = roots.shape[0]
         cap = max(2, capacity)
         self._n = 1  # nodes so far (the root)
-        self._tokens = torch.zeros(b, cap, dtype=torch.long, device=dev)
-        self._tokens[:, 0] = roots
-        self._parents = torch.full((b, cap), -1, dtype=torch.long, device=dev)
-        self._depths = torch.zeros(b, cap, dtype=torch.long, device=dev)
-        self._logq = torch.zeros(b, cap, device=dev)
-        self._cum_logq = torch.zeros(b, cap, device=dev)
-        self._valid = torch.zeros(b, cap, dtype=torch.bool, device=dev)
-        self._valid[:, 0] = True
-        self._sampled = torch.zeros(b, cap, dtype=torch.bool, device=dev)
-        self._ancestors = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)  # [B, N, N] node i descends from (or is) node j
-        self._ancestors[:, 0, 0] = True
+        self._last = (0, 1)  # columns of the nodes the last `add` appended
+        self._ints = torch.zeros(b, 3, cap, dtype=torch.long, device=dev)
+        self._ints[:, _TOKEN, 0] = roots
+        self._ints[:, _PARENT, 0] = -1
+        self._floats = torch.zeros(b, 3, cap, device=dev)
+        if ctx.host_active is None or not all(ctx.host_active):  # finished rows: nothing grows under their roots
+            self._floats[:, _CUM:, 0].masked_fill_(~ctx.active[:, None], float("-inf"))
+        self._flags = torch.zeros(b, 2, cap, dtype=torch.bool, device=dev)
+        self._flags[:, _VALID, 0] = True
+        self._anc = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)
+        self._anc[:, 0, 0] = True
         self.levels = 0
         """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
         self.keep_draft_probs = keep_draft_probs
@@ -107,10 +118,7 @@ class TreeBuilder:
             self._dist_chunks.append(self.root_logprobs[:, None, :])
             self._dist_slot = torch.zeros(b, cap, dtype=torch.long, device=dev)
             self._dist_rows = 1
-        self._score: torch.Tensor | None = None  # [B, cap] ranking score, allocated by the first `add` that gives one
         self.draft_forwards = 1
-        self._eyes: dict[int, torch.Tensor] = {}
-        self._cols = torch.arange(cap, device=dev)
 
     # ----- views of the nodes so far ([B, N]) ------------------------------------------
     @property
@@ -119,33 +127,39 @@ class TreeBuilder:
 
     @property
     def batch_size(self) -> int:
-        return self._tokens.shape[0]
+        return self._ints.shape[0]
 
     @property
     def tokens(self) -> torch.Tensor:
-        return self._tokens[:, : self._n]
+        return self._ints[:, _TOKEN, : self._n]
 
     @property
     def parents(self) -> torch.Tensor:
-        return self._parents[:, : self._n]
+        return self._ints[:, _PARENT, : self._n]
 
     @property
     def depths(self) -> torch.Tensor:
-        return self._depths[:, : self._n]
+        return self._ints[:, _DEPTH, : self._n]
 
     @property
     def logq(self) -> torch.Tensor:
         """[B, N] draft log-prob of each node's token under its parent (-inf for invalid nodes)"""
-        return self._logq[:, : self._n]
+        return self._floats[:, _LOGQ, : self._n]
 
     @property
     def cum_logq(self) -> torch.Tensor:
-        """[B, N] path draft log-prob (-inf for invalid nodes)"""
-        return self._cum_logq[:, : self._n]
+        """[B, N] path draft log-prob (-inf for invalid nodes and for the roots of finished rows)"""
+        return self._floats[:, _CUM, : self._n]
 
     @property
     def valid(self) -> torch.Tensor:
-        return self._valid[:, : self._n]
+        return self._flags[:, _VALID, : self._n]
+
+    @property
+    def last_valid(self) -> torch.Tensor:
+        """[B, k] validity of the k nodes the last `add` appended (a view: no op)"""
+        start, end = self._last
+        return self._flags[:, _VALID, start:end]
 
     @property
     def score(self) -> torch.Tensor:
@@ -153,46 +167,34 @@ class TreeBuilder:
         nodes, the Gumbel key (see `sample_children`) for sampled ones; -inf for invalid nodes.
         Never larger for a child than for its parent, nor for a later-drawn sampled sibling
         than for an earlier one, so keeping the best n nodes keeps a subtree."""
-        if self._score is None:
-            return self.cum_logq
-        return self._score[:, : self._n]
+        return self._floats[:, _SCORE, : self._n]
 
     @property
     def ancestors(self) -> torch.Tensor:
         """[B, N, N] bool: [b, i, j] when node j is node i or one of its ancestors (invalid nodes: only themselves)"""
-        return self._ancestors[:, : self._n, : self._n]
+        return self._anc[:, : self._n, : self._n]
 
     # ----- growing -----------------------------------------------------------------------
     def _reserve(self, total: int) -> None:
-        cap = self._tokens.shape[1]
+        cap = self._ints.shape[2]
         if total <= cap:
             return
         new = max(total, 2 * cap)
         grow = new - cap
 
-        def pad(t: torch.Tensor, value: float | bool | int, dims: int = 1) -> torch.Tensor:
-            shape = list(t.shape)
-            shape[1] = grow
-            t = torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
-            if dims == 2:
+        def pad(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+            for dim in dims:
                 shape = list(t.shape)
-                shape[2] = grow
-                t = torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=2)
+                shape[dim] = grow
+                t = torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)
             return t
 
-        self._tokens = pad(self._tokens, 0)
-        self._parents = pad(self._parents, -1)
-        self._depths = pad(self._depths, 0)
-        self._logq = pad(self._logq, 0.0)
-        self._cum_logq = pad(self._cum_logq, 0.0)
-        self._valid = pad(self._valid, False)
-        self._sampled = pad(self._sampled, False)
-        self._ancestors = pad(self._ancestors, False, dims=2)
-        self._cols = torch.arange(new, device=self.device)
+        self._ints = pad(self._ints, (2,))
+        self._floats = pad(self._floats, (2,))
+        self._flags = pad(self._flags, (2,))
+        self._anc = pad(self._anc, (1, 2))
         if self._dist_slot is not None:
-            self._dist_slot = pad(self._dist_slot, 0)
-        if self._score is not None:
-            self._score = pad(self._score, float("-inf"))
+            self._dist_slot = pad(self._dist_slot, (1,))
 
     def add(
         self,
@@ -203,60 +205,55 @@ class TreeBuilder:
         sampled: bool | torch.Tensor = False,
         score: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Append k candidate nodes per row; returns their indices [B, k].
+        """Append k candidate nodes per row; returns their indices [B, k] (`last_valid` is their validity).
 
-        parents: [B, k] int64 node indices; tokens: [B, k]; logq: [B, k] draft log-prob
-        of each token under its parent's distribution; valid: [B, k] bool. A node is valid
-        only if its parent is, its row is active and its logq is finite.
+        parents: [B, k] int64 indices of existing nodes (>= 0; entries of invalid nodes may be
+        any existing node); tokens: [B, k]; logq: [B, k] draft log-prob of each token under its
+        parent's distribution; valid: [B, k] bool. A node is valid only if its parent is, its
+        row is active and its logq is finite.
         sampled: the nodes were drawn from their parent's draft distribution (bool or [B, k]).
         score: [B, k] their ranking score (`score`; the Gumbel keys of `sample_children`);
         None = their cum_logq.
+        15 tensor ops whatever k, no host reads.
         """
         b, k = tokens.shape
         start, end = self._n, self._n + k
         self._reserve(end)
-        safe = parents.clamp(min=0)
-        valid = valid & self.ctx.active[:, None] & self._valid.gather(1, safe) & (logq > float("-inf"))
+        cum = self._floats[:, _CUM].gather(1, parents) + logq  # [B, k]: -inf under an invalid parent (its cum is -inf)
+        valid = valid & (cum > float("-inf"))
         invalid = ~valid
-        self._tokens[:, start:end] = tokens
-        self._parents[:, start:end] = parents.masked_fill(invalid, -1)
-        self._depths[:, start:end] = self._depths.gather(1, safe) + 1
-        self._logq[:, start:end] = logq.masked_fill(invalid, float("-inf"))
-        torch.add(self._cum_logq.gather(1, safe), logq, out=self._cum_logq[:, start:end]).masked_fill_(invalid, float("-inf"))
-        self._valid[:, start:end] = valid
+        floats = self._floats[:, :, start:end]  # [B, 3, k] written in place
+        torch.stack([logq, cum, cum if score is None else score], dim=1, out=floats).masked_fill_(invalid[:, None, :], float("-inf"))
+        depth = self._ints[:, _DEPTH].gather(1, parents).add_(1)
+        torch.stack([tokens, parents.masked_fill(invalid, -1), depth], dim=1, out=self._ints[:, :, start:end])
         if isinstance(sampled, torch.Tensor):
-            torch.logical_and(sampled, valid, out=self._sampled[:, start:end])
+            torch.stack([valid, sampled & valid], dim=1, out=self._flags[:, :, start:end])
         elif sampled:
-            self._sampled[:, start:end] = valid
-        if score is not None and self._score is None:  # the nodes so far rank by cum_logq
-            self._score = self._cum_logq.clone()
-        if self._score is not None:
-            self._score[:, start:end] = self._cum_logq[:, start:end] if score is None else score.masked_fill(invalid, float("-inf"))
+            torch.stack([valid, valid], dim=1, out=self._flags[:, :, start:end])
+        else:
+            self._flags[:, _VALID, start:end] = valid
         # ancestor rows: the parent's row (valid nodes only) plus the node itself
-        cap = self._ancestors.shape[2]
-        rows = self._ancestors[:, start:end]  # [B, k, cap] written in place
-        torch.logical_and(self._ancestors.gather(1, safe[:, :, None].expand(b, k, cap)), valid[:, :, None], out=rows)
-        rows[:, :, start:end] |= self._eye(k)
+        cap = self._anc.shape[2]
+        rows = self._anc[:, start:end]  # [B, k, cap] written in place
+        torch.logical_and(self._anc.gather(1, parents[:, :, None].expand(b, k, cap)), valid[:, :, None], out=rows)
+        torch.diagonal(self._anc, offset=0, dim1=1, dim2=2)[:, start:end].fill_(True)
         self._n = end
+        self._last = (start, end)
         self.levels += 1
-        return self._cols[start:end].expand(b, k)
-
-    def _eye(self, k: int) -> torch.Tensor:
-        eye = self._eyes.get(k)
-        if eye is None:
-            eye = self._eyes[k] = torch.eye(k, dtype=torch.bool, device=self.device)
-        return eye
+        return _arange(end, self.device)[start:end].expand(b, k)
 
     def expand(self, nodes: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """One draft forward over `nodes` [B, k] (valid [B, k]); returns their children's
-        draft log-distributions [B, k, V]."""
-        valid = valid & self._valid.gather(1, nodes)
+        """One draft forward over `nodes` [B, k]; returns their children's draft
+        log-distributions [B, k, V].
+
+        valid: [B, k] bool, False for padding entries and for every invalid node (callers pass
+        `last_valid` or `valid.gather(1, nodes)`); the outputs of invalid entries are ignored."""
         batch = NodeBatch(nodes=nodes, valid=valid, tokens=self.tokens, depths=self.depths, ancestors=self.ancestors)
         logprobs = self.source.expand(batch, self.ctx.params)
         self.draft_forwards += 1
         if self._dist_slot is not None:
             k = nodes.shape[1]
-            rows = torch.arange(self._dist_rows, self._dist_rows + k, device=self.device).expand_as(nodes)
+            rows = _arange(self._dist_rows + k, self.device)[self._dist_rows :].expand_as(nodes)
             self._dist_slot.scatter_(1, nodes, torch.where(valid, rows, self._dist_slot.gather(1, nodes)))
             self._dist_chunks.append(logprobs)
             self._dist_rows += k
@@ -270,9 +267,9 @@ class TreeBuilder:
         """
         b, m, _ = logprobs.shape
         top = torch.topk(logprobs, k, dim=-1)
-        parents = nodes[:, :, None].expand(b, m, k).reshape(b, m * k)
-        child_valid = valid[:, :, None].expand(b, m, k).reshape(b, m * k)
-        return parents, top.indices.reshape(b, m * k), top.values.reshape(b, m * k), child_valid
+        if m == 1:  # a single parent: its columns broadcast (no copy)
+            return nodes.expand(b, k), top.indices.reshape(b, k), top.values.reshape(b, k), valid.expand(b, k)
+        return nodes.repeat_interleave(k, dim=1), top.indices.reshape(b, m * k), top.values.reshape(b, m * k), valid.repeat_interleave(k, dim=1)
 
     def sample_children(
         self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor
@@ -322,34 +319,67 @@ class TreeBuilder:
         """The TokenTree of the kept nodes and, for each of its nodes, the builder index it
         came from ([B, N'] int64).
 
-        keep: [B, N] bool, closed under parents (the root is always kept); None keeps every
-        node as it is (no selection at all). width: N' when keep is given (at least the
-        largest kept count; the policy's node budget + 1 reads nothing from the device);
-        None = the largest kept count (a host read).
+        keep: [B, N] bool, closed under parents, with the root (as `top_by_score` gives);
+        None keeps every node as it is (no selection at all). width: N' when keep is given
+        (at least the largest kept count; the policy's node budget + 1 reads nothing from
+        the device); None = the largest kept count (a host read).
         """
-        n = self._n
-        full = TokenTree(
-            tokens=self.tokens,
-            parents=self.parents,
-            depths=self.depths,
-            logq=self.logq.masked_fill(~self.valid, 0.0),
-            cum_logq=self.cum_logq,
-            valid=self.valid,
-            sampled=self._sampled[:, :n],
-            ancestors=self.ancestors,
-            depth_bound=self.levels,
-        )
+        n, b = self._n, self.batch_size
         if keep is None:
-            tree, origin = full, torch.arange(n, device=self.device).expand(self.batch_size, n)
+            origin = _arange(n, self.device).expand(b, n)
+            valid = self.valid
+            tree = TokenTree(
+                tokens=self.tokens,
+                parents=self.parents,
+                depths=self.depths,
+                logq=self.logq.masked_fill(~valid, 0.0),
+                cum_logq=self.cum_logq,
+                valid=valid,
+                sampled=self._flags[:, _SAMPLED, :n],
+                ancestors=self.ancestors,
+                depth_bound=self.levels,
+            )
         else:
-            keep = keep.clone()
-            keep[:, 0] = True
-            tree, origin = full.select_with_origin(keep, width=width)
+            tree, origin = self._select(keep & self.valid, width)
         if self._dist_slot is not None:  # only the kept nodes' draft distributions are gathered
             dists = torch.cat(self._dist_chunks, dim=1) if len(self._dist_chunks) > 1 else self._dist_chunks[0]  # [B, S, V]
             slot = self._dist_slot[:, :n].gather(1, origin)  # [B, N']
             tree.draft_logprobs = dists.gather(1, slot[:, :, None].expand(-1, -1, dists.shape[-1]))
         return tree, origin
+
+    def _select(self, keep: torch.Tensor, width: int | None) -> tuple[TokenTree, torch.Tensor]:
+        """The TokenTree of the nodes in `keep` [B, N] (closed under parents, root included),
+        in creation order, and their builder indices [B, M]; M = width (or the largest kept
+        count, a host read). Each packed buffer is gathered once."""
+        n, b = self._n, self.batch_size
+        m = int(keep.sum(dim=1).max().item()) if width is None else min(width, n)
+        cols = _arange(2 * n, self.device)
+        # kept indices in increasing order first (creation order keeps parents before children), then the dropped ones
+        order = torch.argsort(torch.where(keep, cols[:n], cols[n:]), dim=1)[:, :m]  # [B, M]
+        ints = self._ints[:, :, :n].gather(2, order[:, None, :].expand(b, 3, m))  # [B, 3, M] token, old parent, depth
+        floats = self._floats[:, :, :n].gather(2, order[:, None, :].expand(b, 3, m))  # [B, 3, M] logq, cum_logq, score
+        flags = torch.stack([keep, self._flags[:, _SAMPLED, :n]], dim=1).gather(2, order[:, None, :].expand(b, 2, m))  # [B, 2, M]
+        new_valid, dropped = flags[:, 0], ~flags[:, 0]
+        # a kept node's parent is kept: its new index is the number of kept nodes before it;
+        # the root's parent (-1) reads the leading 0 of the padded count (0 - 1 = -1)
+        before = torch.nn.functional.pad(keep.long().cumsum(dim=1), (1, 0))  # [B, 1 + N]: kept nodes among the first j
+        new_parents = before.gather(1, ints[:, _PARENT] + 1).sub_(1).masked_fill_(dropped, -1)
+        # ancestor rows of kept nodes only name kept nodes (closed under parents), all among the first M columns
+        anc = self._anc[:, :n, :n].gather(1, order[:, :, None].expand(b, m, n)).gather(2, order[:, None, :].expand(b, m, m))  # [B, M, M]
+        anc.masked_fill_(dropped[:, :, None], False)
+        torch.diagonal(anc, dim1=1, dim2=2).fill_(True)  # padding nodes see only themselves
+        tree = TokenTree(
+            tokens=ints[:, _TOKEN],
+            parents=new_parents,
+            depths=ints[:, _DEPTH],
+            logq=floats[:, _LOGQ].masked_fill(dropped, 0.0),
+            cum_logq=floats[:, _CUM],
+            valid=new_valid,
+            sampled=flags[:, 1] & new_valid,
+            ancestors=anc,
+            depth_bound=self.levels,
+        )
+        return tree, order
 
     def top_by_score(self, score: torch.Tensor, n: int) -> torch.Tensor:
         """Keep mask [B, N] of the root and the n best valid non-root nodes by `score` [B, N].
@@ -365,6 +395,25 @@ class TreeBuilder:
         idx = torch.sort(order_key, dim=1, descending=True, stable=True).indices[:, : n + 1]
         keep = torch.zeros(b, total, dtype=torch.bool, device=score.device).scatter_(1, idx, True)
         return keep & self.valid
+
+
+_TOKEN, _PARENT, _DEPTH = 0, 1, 2
+"""rows of `TreeBuilder._ints`"""
+_LOGQ, _CUM, _SCORE = 0, 1, 2
+"""rows of `TreeBuilder._floats`"""
+_VALID, _SAMPLED = 0, 1
+"""rows of `TreeBuilder._flags`"""
+
+_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """torch.arange(n) on `device`, made once per (length, device) in blocks of 64 (read-only)."""
+    size = -(-n // 64) * 64
+    t = _ARANGES.get((size, device))
+    if t is None:
+        t = _ARANGES[(size, device)] = torch.arange(size, device=device)
+    return t[:n]
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:

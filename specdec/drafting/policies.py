@@ -60,13 +60,17 @@ class ChainPolicy(_Stateless):
         b = roots.shape[0]
         logprobs = builder.root_logprobs  # [B, V]
         parent = torch.zeros(b, 1, dtype=torch.long, device=roots.device)
-        valid = torch.ones(b, 1, dtype=torch.bool, device=roots.device)
+        valid = torch.ones(b, 1, dtype=torch.bool, device=roots.device)  # add() drops the nodes of finished rows
         depth = min(self.k, ctx.max_depth)
         for level in range(1, depth + 1):
-            tok = sample_from_probs(logprobs.exp(), ctx.generator)[:, None] if sampling else logprobs.argmax(-1, keepdim=True)  # [B, 1]
-            node = builder.add(parent, tok, logprobs.gather(1, tok), valid, sampled=sampling)
+            if sampling:
+                tok = sample_from_probs(logprobs.exp(), ctx.generator)[:, None]  # [B, 1]
+                logq = logprobs.gather(1, tok)
+            else:
+                logq, tok = logprobs.max(dim=-1, keepdim=True)  # [B, 1] each
+            node = builder.add(parent, tok, logq, valid, sampled=sampling)
             if level < depth:
-                logprobs = builder.expand(node, valid)[:, 0]  # builder.expand drops invalid nodes itself
+                logprobs = builder.expand(node, builder.last_valid)[:, 0]
             parent = node
         tree, origin = builder.finish()
         return Draft(tree, builder, origin)
@@ -116,7 +120,7 @@ class StaticTreePolicy(_Stateless):
             budget -= take
             if level == depth or budget == 0:
                 break
-            frontier, frontier_valid = nodes, builder.valid.gather(1, nodes)
+            frontier, frontier_valid = nodes, builder.last_valid
             logprobs = builder.expand(frontier, frontier_valid)
         tree, origin = builder.finish()
         return Draft(tree, builder, origin)
@@ -180,11 +184,12 @@ class Eagle2Policy:
         for _ in range(2, depth + 1):
             frontier_valid = builder.valid.gather(1, frontier)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, k, V]
-            nodes = self._children(builder, frontier, logprobs, k, frontier_valid, log_rates)  # [B, k*k]
-            # builder.score: cum_logq, or the positional value of sampled children (never their own tokens' logq)
-            score = builder.score.gather(1, nodes).masked_fill(~builder.valid.gather(1, nodes), float("-inf"))
-            best = torch.topk(score, k, dim=1).indices  # [B, k]
-            frontier = nodes.gather(1, best)
+            start = builder.num_nodes
+            self._children(builder, frontier, logprobs, k, frontier_valid, log_rates)  # [B, k*k] nodes: columns start..start + k*k - 1
+            # builder.score: cum_logq, or the positional value of sampled children (never their own
+            # tokens' logq); -inf at invalid nodes
+            best = torch.topk(builder.score[:, start:], k, dim=1).indices  # [B, k]
+            frontier = best.add_(start)
         keep = builder.top_by_score(builder.score, self.total_tokens)
         tree, origin = builder.finish(keep, width=1 + self.total_tokens)
         if sampled:

@@ -20,6 +20,20 @@ if TYPE_CHECKING:
     from specdec.stats import StepRecord
 
 
+_SLOT_BLOCK = 64
+"""step-slot bookkeeping grows in blocks of this many slots"""
+
+_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """torch.arange(n) on `device`, made once (read-only)."""
+    t = _ARANGES.get((n, device))
+    if t is None:
+        t = _ARANGES[(n, device)] = torch.arange(n, device=device)
+    return t
+
+
 class ModelDraftSource:
     """Draft distributions from one causal LM sharing the target's tokenizer.
 
@@ -44,10 +58,10 @@ class ModelDraftSource:
         dev = self.runner.device
         self.pending_token = torch.zeros(0, dtype=torch.long, device=dev)  # [B]
         self.pending_valid = torch.zeros(0, dtype=torch.bool, device=dev)  # [B]
-        # per step: the node each step slot holds, whether the slot is visible, and each node's slot
-        self._slot_node = torch.zeros(0, 0, dtype=torch.long, device=dev)  # [B, S_step] (pending slot: node 0)
-        self._slot_ok = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [B, S_step]
-        self._node_slot = torch.zeros(0, 0, dtype=torch.long, device=dev)  # [B, N_alloc], -1 = not forwarded
+        # per step slot (0: pending, 1: root, then the forwarded nodes in forward order): the
+        # builder node it holds and whether it is visible; preallocated, reused every step
+        self._slot_node = torch.zeros(0, 0, dtype=torch.long, device=dev)  # [B, S_cap] (pending and root slots: node 0)
+        self._slot_ok = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [B, S_cap]
         self._root_pos = torch.zeros(0, dtype=torch.long, device=dev)  # [B] position id of the root
         self._causal2 = torch.tril(torch.ones(2, 2, dtype=torch.bool, device=dev))
 
@@ -90,59 +104,55 @@ class ModelDraftSource:
 
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         roots = fit_draft_inputs(roots, self.vocab)  # a target-emitted id the draft has no row for
-        dev = self.runner.device
         b = roots.shape[0]
+        if self._slot_ok.shape[0] != b:
+            self._slot_node = torch.zeros(b, _SLOT_BLOCK, dtype=torch.long, device=self.runner.device)
+            self._slot_ok = torch.ones(b, _SLOT_BLOCK, dtype=torch.bool, device=self.runner.device)
+        self._slot_ok[:, 0] = self.pending_valid  # slot 1 (the root) is always visible
         ids = torch.stack([self.pending_token, roots], dim=1)  # [B, 2]: pending (maybe masked), root
-        valid = torch.stack([self.pending_valid, torch.ones_like(self.pending_valid)], dim=1)  # [B, 2]
         base = self.runner.committed_len()  # [B]
-        positions = torch.stack([base, base + self.pending_valid.long()], dim=1)  # [B, 2]
-        visibility = self._causal2 & valid[:, None, :]  # [B, 2, 2]
+        positions = torch.stack([base, base + self.pending_valid], dim=1)  # [B, 2]
+        visibility = self._causal2 & self._slot_ok[:, None, :2]  # [B, 2, 2]
         logits = self.runner.forward(ids, positions, visibility)[:, -1]  # [B, V]
         self._root_pos = positions[:, 1]
-        self._slot_node = torch.zeros(b, 2, dtype=torch.long, device=dev)  # both slots stand for the root's path
-        self._slot_ok = valid
-        self._node_slot = torch.full((b, 1), 1, dtype=torch.long, device=dev)  # the root is step slot 1
         return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
     def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
-        dev = self.runner.device
         nodes, valid = batch.nodes, batch.valid
         b, k = nodes.shape
         n_alloc = batch.tokens.shape[1]
         s_step = self.runner.step_len
-        if self._node_slot.shape[1] < n_alloc:  # grow the node -> slot map to cover the tree so far
-            grow = torch.full((b, n_alloc - self._node_slot.shape[1]), -1, dtype=torch.long, device=dev)
-            self._node_slot = torch.cat([self._node_slot, grow], dim=1)
-        # a node sees the step slots that hold its ancestors (the pending and root slots for every node)
+        if s_step + k > self._slot_ok.shape[1]:  # more step slots than ever before (rare): grow
+            grow = -(-(s_step + k - self._slot_ok.shape[1]) // _SLOT_BLOCK) * _SLOT_BLOCK
+            self._slot_node = torch.cat([self._slot_node, self._slot_node.new_zeros(b, grow)], dim=1)
+            self._slot_ok = torch.cat([self._slot_ok, self._slot_ok.new_zeros(b, grow)], dim=1)
+        # a node sees the step slots that hold its ancestors (the pending and root slots for every
+        # node); an invalid entry's row is never used (its slot stays invisible to everyone)
         anc_rows = batch.ancestors.gather(1, nodes[:, :, None].expand(b, k, n_alloc))  # [B, k, N]
-        seen = anc_rows.gather(2, self._slot_node[:, None, :].expand(b, k, s_step)) & self._slot_ok[:, None, :]  # [B, k, S_step]
-        visibility = seen & valid[:, :, None]  # [B, k, S_step]; the runner adds each node's own slot
-        positions = self._root_pos[:, None] + batch.depths.gather(1, nodes)
-        logits = self.runner.forward(batch.tokens.gather(1, nodes), positions, visibility)  # [B, k, V]
-        # record the forwarded nodes' slots
-        slots = torch.arange(s_step, s_step + k, device=dev).expand(b, k)
-        self._slot_node = torch.cat([self._slot_node, nodes], dim=1)
-        self._slot_ok = torch.cat([self._slot_ok, valid], dim=1)
-        self._node_slot.scatter_(1, nodes, torch.where(valid, slots, self._node_slot.gather(1, nodes)))
+        seen = anc_rows.gather(2, self._slot_node[:, None, :s_step].expand(b, k, s_step)).logical_and_(self._slot_ok[:, None, :s_step])  # [B, k, S_step]
+        positions = batch.depths.gather(1, nodes).add_(self._root_pos[:, None])
+        logits = self.runner.forward(batch.tokens.gather(1, nodes), positions, seen)  # [B, k, V]; the runner adds each node's own slot
+        self._slot_node[:, s_step : s_step + k] = nodes
+        self._slot_ok[:, s_step : s_step + k] = valid
         return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
     def end_step(self, accepted: AcceptedPaths) -> None:
         """Keep the pending and root slots and the accepted nodes the draft forwarded; an
         accepted leaf it never forwarded becomes the row's pending token."""
-        dev = self.runner.device
         path, length = accepted.nodes, accepted.length  # [B, D], [B]
         b, d = path.shape
-        if self._node_slot.shape[1] < accepted.tokens.shape[1]:
-            grow = torch.full((b, accepted.tokens.shape[1] - self._node_slot.shape[1]), -1, dtype=torch.long, device=dev)
-            self._node_slot = torch.cat([self._node_slot, grow], dim=1)
-        on_path = torch.arange(d, device=dev)[None, :] < length[:, None]  # [B, D]
-        path_slots = self._node_slot.gather(1, path)  # [B, D], -1 where not forwarded
-        forwarded = on_path & (path_slots >= 0)
-        keep = torch.cat([torch.arange(2, device=dev).expand(b, 2), path_slots.clamp(min=0)], dim=1)  # [B, 2 + D]
+        s_step = self.runner.step_len
+        on_path = _arange(d, path.device)[None, :] < length[:, None]  # [B, D]
+        # the step slot that holds each path node, if the draft forwarded it (path nodes are
+        # never the root, so the pending and root slots, which hold node 0, never match)
+        hit = (path[:, :, None] == self._slot_node[:, None, :s_step]).logical_and_(self._slot_ok[:, None, :s_step])  # [B, D, S_step]
+        forwarded, path_slots = hit.max(dim=2)  # [B, D] each: at most one slot per node
+        forwarded.logical_and_(on_path)
+        keep = torch.cat([_arange(2, path.device).expand(b, 2), path_slots], dim=1)  # [B, 2 + D]
         keep_valid = torch.cat([self._slot_ok[:, :2], forwarded], dim=1)
-        last = path.gather(1, (length - 1).clamp(min=0)[:, None]).squeeze(1)  # [B] the deepest accepted node
-        self.pending_valid = (length > 0) & (self._node_slot.gather(1, last[:, None]).squeeze(1) < 0)
-        self.pending_token = accepted.tokens.gather(1, last[:, None]).squeeze(1).masked_fill(~self.pending_valid, 0)  # 0: a safe id when nothing is pending
+        last = (length - 1).clamp_(min=0)[:, None]  # [B, 1] the deepest accepted node's column
+        self.pending_valid = on_path.logical_and_(~forwarded).gather(1, last).squeeze(1)  # accepted but never forwarded
+        self.pending_token = accepted.tokens.gather(1, path.gather(1, last)).squeeze(1)  # only read when pending
         self.runner.commit(keep, keep_valid)
 
     def feedback(self, record: StepRecord) -> None:

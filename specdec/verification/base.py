@@ -78,18 +78,30 @@ def deepest_path(tree: TokenTree, ok: torch.Tensor) -> tuple[torch.Tensor, torch
     """
     b, n = tree.tokens.shape
     anc = tree.ancestor_mask()  # [B, N, N]
-    path_ok = ~(anc & ~ok[:, None, :]).any(dim=2) & tree.valid  # [B, N]: every node on the way is ok
-    deepest = torch.where(path_ok, tree.depths, -1).argmax(dim=1)  # [B]
+    # a node is on an all-ok path when no non-root node on its way is bad (invalid nodes are
+    # bad: their ancestor row holds only themselves); the root is always ok
+    bad = ~(ok & tree.valid)  # [B, N]
+    path_bad = (anc[:, :, 1:] & bad[:, None, 1:]).any(dim=2)  # [B, N]
+    accepted_len, deepest = tree.depths.masked_fill(path_bad, -1).max(dim=1)  # [B] each: the deepest all-ok node
     on_path = anc.gather(1, deepest[:, None, None].expand(b, 1, n)).squeeze(1)  # [B, N] root..deepest
-    accepted_len = tree.depths.gather(1, deepest[:, None]).squeeze(1)  # [B]
     d = min(tree.depth_limit(), n - 1)
     if d == 0:  # a root-only tree: one padding column, so every path tensor has a column to gather from
         return deepest, on_path, torch.zeros(b, 1, dtype=torch.long, device=ok.device), accepted_len
-    cols = torch.arange(n, device=ok.device)
-    # nodes of the path in index order (= root-to-leaf, BFS order), the root first, then the rest
-    order = torch.argsort(torch.where(on_path, cols, cols + n), dim=1)[:, 1 : 1 + d]  # [B, D]
-    path = order.masked_fill(torch.arange(d, device=ok.device)[None, :] >= accepted_len[:, None], 0)
+    # the path's node at depth j goes to column j (the root to column 0); other nodes to a spare column d + 1
+    column = tree.depths.masked_fill(~on_path, d + 1)  # [B, N]
+    path = torch.zeros(b, d + 2, dtype=torch.long, device=ok.device).scatter_(1, column, _arange(n, ok.device).expand(b, n))[:, 1 : d + 1]  # [B, D]
     return deepest, on_path, path, accepted_len
+
+
+_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """torch.arange(n) on `device`, made once (read-only)."""
+    t = _ARANGES.get((n, device))
+    if t is None:
+        t = _ARANGES[(n, device)] = torch.arange(n, device=device)
+    return t
 
 
 class AcceptRule(Protocol):

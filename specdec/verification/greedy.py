@@ -20,11 +20,22 @@ def greedy_accept(tree: TokenTree, target_argmax: torch.Tensor) -> Verdict:
     match, path [1, 3], bonus = argmax at node 3 = y.
     """
     parent_argmax = target_argmax.gather(1, tree.parents.clamp(min=0))  # [B, N]
-    match = (tree.tokens == parent_argmax) | (tree.parents < 0)  # the root is committed already
+    match = tree.tokens == parent_argmax  # the root's entry is unused (deepest_path never checks the root)
     deepest, _, path, accepted_len = deepest_path(tree, match)
     bonus = target_argmax.gather(1, deepest[:, None]).squeeze(1)
-    zeros = torch.zeros_like(accepted_len)
+    zeros = _zeros(accepted_len.shape[0], accepted_len.device)
     return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
+
+
+_ZEROS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _zeros(b: int, device: torch.device) -> torch.Tensor:
+    """[b] int64 zeros, made once per (b, device) (read-only: verdict counts nobody writes)."""
+    t = _ZEROS.get((b, device))
+    if t is None:
+        t = _ZEROS[(b, device)] = torch.zeros(b, dtype=torch.long, device=device)
+    return t
 
 
 class GreedyRule:
