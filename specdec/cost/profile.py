@@ -261,6 +261,10 @@ def _fingerprint(target: torch.nn.Module, draft: torch.nn.Module) -> str:
     return json.dumps(key, sort_keys=True, default=str)
 
 
+def _sizes_text(sizes: Sequence[int]) -> str:
+    return f"batch size {sizes[0]}" if len(sizes) == 1 else "batch sizes " + ", ".join(map(str, sizes))
+
+
 def _same_grid(table: CostTable, grid: ProfileGrid) -> bool:
     return (table.context_step, table.num_contexts, tuple(table.n_grid)) == (grid.context_step, grid.num_contexts, tuple(grid.n_grid))
 
@@ -312,7 +316,7 @@ def _device_text(meta: dict[str, Any]) -> str:
     dev = meta.get("device") or {}
     text = f"{dev.get('type', '?')} {dev.get('name', '?')!r}"
     if dev.get("type") == "cpu" and dev.get("threads") is not None:
-        text += f", {dev['threads']} threads"
+        text += f", {dev['threads']} thread{'' if dev['threads'] == 1 else 's'}"
     return text + f", {meta.get('dtype', '?')}"
 
 
@@ -394,9 +398,9 @@ class CostTableResolver:
             self._table = self._load()
             if self._table is None:
                 LOG.warning(
-                    "CAST: measuring a quick cost profile for batch sizes %s before decoding (seconds to a few minutes); "
+                    "CAST: measuring a quick cost profile for %s before decoding (seconds to a few minutes); "
                     "`specdec profile --out FILE` and --cost-profile FILE give a full one",
-                    ", ".join(map(str, grid)),
+                    _sizes_text(grid),
                 )
                 self._table = self._measure(grid, show)
                 self._extendable = True
@@ -411,9 +415,9 @@ class CostTableResolver:
         if self._extendable:
             missing = tuple(b for b in grid if b not in covered)
             LOG.warning(
-                "CAST: measuring forward costs for batch sizes %s before decoding (the cost table holds %s; a session may run %d rows)",
-                ", ".join(map(str, missing)),
-                ", ".join(map(str, covered)),
+                "CAST: measuring forward costs for %s before decoding (the cost table holds %s; a session may run %d rows)",
+                _sizes_text(missing),
+                _sizes_text(covered),
                 max_batch,
             )
             self._table = self._table.merged(self._measure(missing, show))
@@ -453,11 +457,13 @@ class CostTableResolver:
         blocking = [d for d in diffs if d.blocking]
         shipped = " (the shipped profile of the bundled pair)" if self.path is None else ""
         if blocking:
+            also = [d for d in diffs if not d.blocking]
             LOG.warning(
-                "CAST: cost profile %s%s does not fit these models (%s); measuring a quick one before decoding instead; %s",
+                "CAST: cost profile %s%s does not fit these models (%s)%s; measuring a quick one before decoding instead; %s",
                 source,
                 shipped,
                 "; ".join(map(str, blocking)),
+                f"; it was also measured on another machine ({'; '.join(map(str, also))})" if also else "",
                 advice(blocking, self.target, self.draft),
             )
             return None
