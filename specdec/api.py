@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.cost.profile import CostTableResolver
+from specdec.cost.profile import CostTableResolver, ProfileSource
 from specdec.drafting.base import TreePolicy
 from specdec.engine import EngineOutput, SpeculativeEngine
 from specdec.errors import SpecDecError
@@ -305,6 +305,19 @@ class SpeculativeDecoder:
                 resolver = self._cost_resolvers[path]
             bind(self.target, self.draft, resolver=resolver)
         return policy
+
+    def prepare_costs(self, max_batch_size: int, progress: bool = True) -> dict[str | None, ProfileSource]:
+        """Get the cost tables of every cost-aware policy built here (cast) ready for batches of
+        up to `max_batch_size` rows now: loaded, or measured (with a progress bar when
+        `progress`) where no profile fits. Every decode session does this at its start anyway;
+        call it first so that no measurement lands inside a generation you time. Returns where
+        each table came from, by cost-profile path (None: the default); empty for other methods."""
+        return {path: self._prepare_resolver(resolver, max_batch_size, progress) for path, resolver in self._cost_resolvers.items()}
+
+    @staticmethod
+    def _prepare_resolver(resolver: CostTableResolver, max_batch_size: int, progress: bool) -> ProfileSource:
+        resolver.prepare(max_batch_size, progress=progress)
+        return resolver.source
 
     def make_source(self, policy: TreePolicy | None = None) -> DraftSource | None:
         """A fresh draft source for one engine run of `policy` (default: the decoder's); None for plain AR."""

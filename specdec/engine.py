@@ -240,7 +240,11 @@ class SpeculativeEngine:
     def session(
         self, params: SamplingParams | None = None, seed: int | None = None, max_rows: int | None = None, keep_steps: bool = False
     ) -> DecodeSession:
-        """A step-by-step decode loop over this engine (see `DecodeSession`)."""
+        """A step-by-step decode loop over this engine (see `DecodeSession`). A cost-aware
+        policy (cast) gets its cost table ready for `max_rows` rows here, before any step."""
+        prepare = getattr(self.policy, "prepare_costs", None)
+        if callable(prepare) and max_rows is not None:
+            prepare(max_rows)
         return DecodeSession(self, params, seed=seed, max_rows=max_rows, keep_steps=keep_steps)
 
     def generate(
@@ -266,7 +270,7 @@ class SpeculativeEngine:
         batch_size = len(prompts) if batch_size is None else batch_size
         if not isinstance(batch_size, int) or batch_size < 1:
             raise SpecDecError(f"batch_size={batch_size!r} must be a positive integer")
-        session = self.session(params, seed=seed, max_rows=batch_size, keep_steps=keep_steps)
+        session = self.session(params, seed=seed, max_rows=min(batch_size, len(prompts)), keep_steps=keep_steps)
         on_tokens: TokenCallback | None = None
         if stream is not None:
             def on_tokens(request: DecodeRequest, tokens: list[int]) -> None:

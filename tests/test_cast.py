@@ -13,7 +13,7 @@ import torch
 from conftest import EOS, sharpen, tiny_model
 
 from specdec.cli import main
-from specdec.cost import CostTable, ProfileGrid, profile_models, select_context
+from specdec.cost import CostTable, ProfileGrid, forget_measured, profile_models, select_context
 from specdec.drafting.builder import DraftContext
 from specdec.drafting.calibration import AcceptanceCalibrator, isotonic
 from specdec.drafting.cast import (
@@ -141,12 +141,12 @@ def test_profile_identity_and_mismatch():
     assert table.mismatch(target, draft) is None
     assert table.mismatch(tiny_model("llama", seed=5), draft) is None  # other weights, same shape: same costs
     other = tiny_model("llama", seed=0, hidden=64)
-    assert "target model" in table.mismatch(other, draft)
-    assert "draft model" in table.mismatch(target, other)
+    assert "target hidden size: profile 32, here 64" in table.mismatch(other, draft)
+    assert "draft hidden size: profile 32, here 64" in table.mismatch(target, other)
     table.meta["dtype"] = "bfloat16"
-    assert "dtype bfloat16 != float32" in table.mismatch(target, draft)
+    assert "dtype: profile 'bfloat16', here 'float32'" in table.mismatch(target, draft)
     table.meta["device"] = {"type": "cuda", "name": "H100"}
-    assert "device cuda/H100" in table.mismatch(target, draft)
+    assert "device type: profile 'cuda', here 'cpu'" in table.mismatch(target, draft)
 
 
 def test_profile_cli_writes_valid_json(tiny_pair_dir, tmp_path, capsys):
@@ -346,6 +346,7 @@ def test_tree_that_cannot_pay_is_root_only():
 
 
 def test_missing_profile_is_measured_when_bound(tmp_path, caplog):
+    forget_measured()  # measurements of these shapes by earlier tests would be reused
     target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1, layers=1)
     path = tmp_path / "cost.json"
     policy = make_policy("cast", cost_profile=str(path), depth=3, top_k=3, total_tokens=8)
@@ -356,12 +357,15 @@ def test_missing_profile_is_measured_when_bound(tmp_path, caplog):
     assert "does not exist" in caplog.text and "measuring a quick cost profile" in caplog.text
     saved = CostTable.load(path)
     assert saved.batch_sizes == [1] and saved.meta["grid"]["quick"] and saved.mismatch(target, draft) is None
-    # a new batch size extends the quick profile; a second policy reuses the file without measuring batch 1 again
+    # a larger batch extends the quick profile before decoding (a lookup never measures); a second
+    # policy reuses the file without measuring batch 1 again
     again = make_policy("cast", cost_profile=str(path), depth=3, top_k=3, total_tokens=8)
-    again.bind_models(target, draft)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        again.bind_models(target, draft)
         assert again.table_for(1).batch_sizes == [1] and caplog.text == ""
+        assert again.table_for(2).batch_sizes == [1]  # interpolated, not measured
+        again.prepare_costs(2)
         assert again.table_for(2).batch_sizes == [1, 2]
     assert CostTable.load(path).batch_sizes == [1, 2]
     # a profile of other models is not used (and not overwritten)

@@ -542,6 +542,9 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
             "with its strict variant (same method, sampling), not with 100%.",
             "",
         ]
+    if result.cost_profiles:
+        lines += ["## Cost profiles", "", "Where each cost-aware method's forward-cost table came from (ready before the warm-up and every timed call):", ""]
+        lines += [f"- {label}: {source['text']}" for label, source in result.cost_profiles.items()] + [""]
     if result.notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
     if plots:
@@ -570,6 +573,7 @@ def results_dict(result: BenchResult, summaries: Sequence[MethodSummary], argv: 
         "methods": {s.label: s.to_dict() for s in summaries},
         "verdict": verdict(summaries),
         "notes": result.notes,
+        "cost_profiles": result.cost_profiles,
         "plots": [Path(p).name for p in plots],
         "bench_wall_s": result.wall_s,
         "records": [r.to_dict() for r in result.records],

@@ -210,6 +210,9 @@ class BenchResult:
     host_work: dict[str, dict[str, float]] = field(default_factory=dict)
     """per engine method: ops, ops_all and host_reads per decoding step outside model forwards
     (`specdec.hostwork`), from one extra, untimed call on the first prompt group"""
+    cost_profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """per cost-aware variant (cast): where its cost table came from (`ProfileSource.to_dict`),
+    loaded or measured before the warm-up and the timed calls"""
 
 
 # ----- configuration -----------------------------------------------------------------
@@ -384,6 +387,16 @@ class _Runner:
         self.assistant_start = models.draft.generation_config.num_assistant_tokens if models.draft is not None else None
         self.truncated: set[tuple[str, int]] = set()
 
+    def prepare_costs(self) -> dict[str, dict[str, Any]]:
+        """Every cost-aware variant's cost table (cast) loaded, or measured with its own progress
+        bar, for this run's batch size, before any warm-up or timed call, so that no measurement
+        lands in a timed run; where each came from, by variant label."""
+        sources: dict[str, dict[str, Any]] = {}
+        for label, decoder in self.decoders.items():
+            for source in decoder.prepare_costs(self.config.batch_size, progress=self.config.progress).values():
+                sources[label] = source.to_dict()
+        return sources
+
     def seed(self, repeat: int, group: int, turn: int) -> int:
         """The same seed for every method on the same call."""
         return (self.config.seed + 1_000_003 * (repeat + 1) + 1_009 * group + turn) % 2**31
@@ -555,6 +568,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
     rng = random.Random(config.seed)
     records: list[CallRecord] = []
     t_start = time.perf_counter()
+    cost_profiles = runner.prepare_costs()  # before the progress bars below: its own bar, and no measuring in a timed call
     with _progress(config.progress) as progress:
         warm = progress.add_task("warm-up", total=len(variants))
         kept: list[Variant] = []
@@ -606,6 +620,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         max_context=runner.max_context,
         wall_s=time.perf_counter() - t_start,
         host_work=host_work,
+        cost_profiles=cost_profiles,
     )
 
 

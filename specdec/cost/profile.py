@@ -8,25 +8,31 @@ forward is exactly the call the engine makes (4D mask build + model + logits), s
 numbers include the same per-call overhead.
 
 `CostTableResolver` picks the table CAST uses for a target/draft pair: an explicit
-profile path, else the profile shipped with the bundled pair; a missing file or one that
-was measured for other models/device/dtype is replaced by a quick measurement on first
-use (one batch size, a coarse grid), announced with a log warning.
+profile path, else the profile shipped with the bundled pair. A missing file, or one
+measured for other models, device type, GPU or dtype, is replaced by a quick measurement
+over a small grid of batch sizes (1, 2, 4, ... up to the largest batch asked for), taken
+by `CostTableResolver.prepare` when the decoder is built or a decode session starts,
+with a progress bar, never inside a decoding step: a step's batch size that the grid
+does not hold is interpolated (`CostTable`). A profile from another CPU model or thread
+count is used, with a warning naming both values.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 
-from specdec.cost.table import CostTable, device_identity, model_identity
+from specdec.cost.table import CostTable, FieldDiff, device_identity, model_identity
 from specdec.errors import SpecDecError
 from specdec.models.loading import BUNDLED_PAIR, context_length
 from specdec.models.runner import ModelRunner
@@ -35,6 +41,19 @@ LOG = logging.getLogger("specdec.cost")
 
 SHIPPED_PROFILE = BUNDLED_PAIR / "cost_profile.json"
 """the bundled pair's profile (made by `specdec profile --out` this path)"""
+
+
+def batch_grid(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes measured to cover batches of up to `max_batch` rows: the powers of two
+    below it, and `max_batch` itself (12 -> 1, 2, 4, 8, 12; 16 -> 1, 2, 4, 8, 16)."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise SpecDecError(f"max batch size {max_batch!r} must be a positive integer")
+    sizes = [1]
+    while sizes[-1] * 2 < max_batch:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return tuple(sizes)
 
 
 @dataclass
@@ -56,7 +75,8 @@ class ProfileGrid:
     """cheap points repeat until their timed forwards add up to this (at most `max_repeats`)"""
     max_repeats: int = 25
     quick: bool = False
-    """a first-use measurement (coarse; extended batch by batch as new batch sizes appear)"""
+    """a measurement taken because no profile fitted (coarse; extended with larger batch sizes
+    before a session that needs them)"""
 
     def __post_init__(self) -> None:
         for name in ("context_step", "num_contexts", "repeats", "max_repeats"):
@@ -78,10 +98,11 @@ class ProfileGrid:
         return len(self.batch_sizes) * self.num_contexts * len(self.n_grid)
 
 
-def quick_grid(batch_size: int) -> ProfileGrid:
-    """The first-use grid: one batch size, 2 contexts (256, 512), n up to 96, >= 3 timed forwards."""
+def quick_grid(max_batch: int = 1, batch_sizes: Sequence[int] | None = None) -> ProfileGrid:
+    """The grid measured when no profile fits: `batch_sizes`, else `batch_grid(max_batch)`;
+    2 contexts (256, 512), n up to 96, >= 3 timed forwards per point."""
     return ProfileGrid(
-        batch_sizes=(batch_size,),
+        batch_sizes=tuple(batch_sizes) if batch_sizes is not None else batch_grid(max_batch),
         context_step=256,
         num_contexts=2,
         n_grid=(1, 2, 4, 8, 16, 32, 64, 96),
@@ -141,8 +162,12 @@ def profile_models(
     draft: torch.nn.Module,
     grid: ProfileGrid | None = None,
     progress: Callable[[str], None] | None = None,
+    on_point: Callable[[], None] | None = None,
 ) -> CostTable:
-    """Measure f_T and f_D on `grid`; returns a CostTable with its provenance in `meta`."""
+    """Measure f_T and f_D on `grid`; returns a CostTable with its provenance in `meta`.
+
+    progress: gets a line per batch size and model; on_point: called after every grid point
+    (2 * grid.points() calls: target and draft)."""
     grid = grid or ProfileGrid()
     generator_dev = next(target.parameters()).device
     generator = torch.Generator(device=generator_dev).manual_seed(0)
@@ -159,12 +184,12 @@ def profile_models(
                 rows = []
                 for context in contexts:
                     _fill_context(runner, batch, context, generator)
-                    rows.append(
-                        [
-                            measure_forward_ms(runner, context, n, grid.warmup, grid.repeats, generator, grid.min_time_ms, grid.max_repeats)
-                            for n in grid.n_grid
-                        ]
-                    )
+                    row = []
+                    for n in grid.n_grid:
+                        row.append(measure_forward_ms(runner, context, n, grid.warmup, grid.repeats, generator, grid.min_time_ms, grid.max_repeats))
+                        if on_point is not None:
+                            on_point()
+                    rows.append(row)
                 tables[which][batch] = rows
                 if progress is not None:
                     progress(
@@ -188,55 +213,302 @@ def profile_models(
     return CostTable(grid.context_step, grid.num_contexts, list(grid.n_grid), tables["target"], tables["draft"], meta=meta)
 
 
+def measure_with_progress(
+    target: torch.nn.Module, draft: torch.nn.Module, grid: ProfileGrid, description: str = "CAST cost profile", enabled: bool = True
+) -> CostTable:
+    """`profile_models` under a rich progress bar on stderr (one tick per grid point; the bar
+    is removed when done). Without a terminal, or inside another live display, no bar."""
+    from rich.console import Console
+    from rich.errors import LiveError
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=not enabled,
+    )
+    try:
+        bar.start()
+    except LiveError:
+        return profile_models(target, draft, grid)
+    try:
+        task = bar.add_task(description, total=2 * grid.points())
+        return profile_models(target, draft, grid, on_point=lambda: bar.advance(task))
+    finally:
+        bar.stop()
+
+
+_MEASURED: dict[str, CostTable] = {}
+"""quick tables measured in this process, by `_fingerprint` of the pair: every resolver of the
+same models on the same device, dtype and thread count reuses them instead of measuring again"""
+
+
+def forget_measured() -> None:
+    """Drop the quick tables measured in this process (the next resolver that needs one measures)."""
+    _MEASURED.clear()
+
+
+def _fingerprint(target: torch.nn.Module, draft: torch.nn.Module) -> str:
+    param = next(target.parameters())
+    idents = {which: {k: v for k, v in model_identity(m).items() if k != "path"} for which, m in (("target", target), ("draft", draft))}
+    key = {"device": device_identity(param.device), "dtype": str(param.dtype), **idents, "grid": asdict(quick_grid())}
+    key["grid"].pop("batch_sizes")
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def _sizes_text(sizes: Sequence[int]) -> str:
+    return f"batch size {sizes[0]}" if len(sizes) == 1 else "batch sizes " + ", ".join(map(str, sizes))
+
+
+def _same_grid(table: CostTable, grid: ProfileGrid) -> bool:
+    return (table.context_step, table.num_contexts, tuple(table.n_grid)) == (grid.context_step, grid.num_contexts, tuple(grid.n_grid))
+
+
+@dataclass
+class ProfileSource:
+    """Where the cost table of a resolver came from (for logs and benchmark reports)."""
+
+    kind: str = "none"
+    """'file' (a profile given with cost_profile), 'shipped' (the bundled pair's), 'measured'
+    (measured in this process before decoding, no profile fitted), 'file+measured' (a quick
+    profile from a file, extended here to larger batch sizes), or 'none' (not prepared yet)"""
+    path: str | None = None
+    """the profile file read or written"""
+    created: str | None = None
+    """when the table's first measurement was taken (ISO 8601, UTC)"""
+    measured_s: float = 0.0
+    """seconds this process spent measuring it (before decoding)"""
+    reused: bool = False
+    """the measurement was taken earlier in this process, for the same models (not repeated)"""
+    device: str = ""
+    """what it was measured on (device type and name, thread count)"""
+    batch_sizes: list[int] = field(default_factory=list)
+    saved: bool = False
+    """a measured table was written to `path`"""
+    notes: list[str] = field(default_factory=list)
+    """warnings about the table (another CPU model or thread count, batch sizes extrapolated)"""
+
+    def describe(self) -> str:
+        """One line, e.g. "measured before the run (12.3 s; batch sizes 1, 2, 4)"."""
+        sizes = ", ".join(str(b) for b in self.batch_sizes)
+        if self.kind in ("file", "shipped"):
+            what = f"{'shipped profile' if self.kind == 'shipped' else 'profile'} {self.path}"
+            text = f"{what} (created {self.created or '?'} on {self.device or '?'}; batch sizes {sizes})"
+        elif self.kind in ("measured", "file+measured"):
+            took = "reused from an earlier measurement in this process" if self.reused and self.measured_s == 0 else f"{self.measured_s:.1f} s"
+            start = f"quick profile {self.path}, extended before the run" if self.kind == "file+measured" else "measured before the run"
+            text = f"{start} ({took}; {self.device}; batch sizes {sizes}"
+            text += f"; saved to {self.path})" if self.saved and self.kind == "measured" else ")"
+        else:
+            text = "not prepared"
+        return text + "".join(f"; note: {n}" for n in self.notes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "text": self.describe()}
+
+
+def _device_text(meta: dict[str, Any]) -> str:
+    dev = meta.get("device") or {}
+    text = f"{dev.get('type', '?')} {dev.get('name', '?')!r}"
+    if dev.get("type") == "cpu" and dev.get("threads") is not None:
+        text += f", {dev['threads']} thread{'' if dev['threads'] == 1 else 's'}"
+    return text + f", {meta.get('dtype', '?')}"
+
+
+def profile_command(target: torch.nn.Module, draft: torch.nn.Module) -> str:
+    """The `specdec profile` command that measures a full profile of these models as loaded."""
+    param = next(target.parameters())
+    parts = ["specdec profile"]
+    paths = [model_identity(m)["path"] for m in (target, draft)]
+    bundled = all(p and Path(p).resolve().parent == BUNDLED_PAIR.resolve() for p in paths)
+    if not bundled:
+        parts += [f"--target {paths[0] or 'TARGET'}", f"--draft {paths[1] or 'DRAFT'}"]
+    if param.device.type != "cpu":
+        parts.append(f"--device {param.device.type}")
+    dtype = str(param.dtype).removeprefix("torch.")
+    if dtype != "float32" or param.device.type != "cpu":
+        parts.append(f"--dtype {dtype}")
+    return " ".join(parts + ["--out FILE"])
+
+
+def advice(diffs: Sequence[FieldDiff], target: torch.nn.Module, draft: torch.nn.Module) -> str:
+    """What to do about `diffs`: the command that re-measures a full profile for these models,
+    and the flag that would make the models match the profile instead, where one exists."""
+    text = f"to measure a full profile for these models run `{profile_command(target, draft)}` and pass --cost-profile FILE (cost_profile=FILE)"
+    for d in diffs:
+        if d.field == "dtype" and d.profile:
+            text += f"; or load the models in {d.profile} (--dtype {d.profile}) to use this profile"
+        elif d.field == "device type" and d.profile:
+            text += f"; or run on {d.profile} (--device {d.profile}) to use this profile"
+        elif d.field == "torch threads" and d.profile:
+            text += f"; or run with {d.profile} torch threads (OMP_NUM_THREADS={d.profile} or torch.set_num_threads({d.profile})) to match it"
+    return text
+
+
+_WARNED: set[tuple[str, str]] = set()
+"""(profile path, fingerprint) pairs whose other-machine warning was logged (once per process)"""
+
+
 @dataclass
 class CostTableResolver:
-    """The cost table of one target/draft pair, found or measured on first use.
+    """The cost table of one target/draft pair, loaded or measured before decoding.
 
     Order: `path` (an explicit profile) else the shipped bundled-pair profile. A file that
-    is missing or was measured for other models, device or dtype is replaced by a quick
-    measurement (`quick_grid`) with a warning; a quick table grows by one batch size at a
-    time as new batch sizes appear, and is written back when `path` was given.
+    is missing or was measured for other models, device type, GPU or dtype is replaced by a
+    quick measurement (`quick_grid`), announced with a warning that names every differing
+    field with both values; a file from another CPU model or thread count is used, with a
+    warning. `prepare(max_batch)` does all of this, and extends a measured table to batch
+    sizes up to `max_batch` (`batch_grid`); `table_for` only looks up and never measures:
+    a batch size between or beyond the measured ones is interpolated. A measured table is
+    written back when `path` was given (never over a full profile or one of other models).
     """
 
     target: torch.nn.Module
     draft: torch.nn.Module
     path: str | None = None
+    progress: bool = True
+    """show a progress bar while measuring"""
     _table: CostTable | None = field(default=None, init=False, repr=False)
     _extendable: bool = field(default=False, init=False, repr=False)
+    _source: ProfileSource = field(default_factory=ProfileSource, init=False, repr=False)
+    _noted_beyond: int = field(default=0, init=False, repr=False)
+
+    @property
+    def source(self) -> ProfileSource:
+        """Where the table came from (kind 'none' before `prepare`)."""
+        return self._source
+
+    @property
+    def table(self) -> CostTable | None:
+        """The table, once prepared."""
+        return self._table
+
+    def prepare(self, max_batch: int = 1, progress: bool | None = None) -> CostTable:
+        """Load or measure the table so that it covers batches of up to `max_batch` rows. Call
+        it before decoding (SpeculativeDecoder does when it is built, and every decode session
+        at its start with its largest batch). All measuring happens here."""
+        show = self.progress if progress is None else progress
+        grid = batch_grid(max_batch)
+        if self._table is None:
+            self._table = self._load()
+            if self._table is None:
+                LOG.warning(
+                    "CAST: measuring a quick cost profile for %s before decoding (seconds to a few minutes); "
+                    "`specdec profile --out FILE` and --cost-profile FILE give a full one",
+                    _sizes_text(grid),
+                )
+                self._table = self._measure(grid, show)
+                self._extendable = True
+                self._source.kind = "measured"
+                self._source.path = self.path
+                self._save()
+                self._finish_source()
+                return self._table
+        covered = self._table.batch_sizes
+        if max_batch <= covered[-1]:
+            return self._table
+        if self._extendable:
+            missing = tuple(b for b in grid if b not in covered)
+            LOG.warning(
+                "CAST: measuring forward costs for %s before decoding (the cost table holds %s; a session may run %d rows)",
+                _sizes_text(missing),
+                _sizes_text(covered),
+                max_batch,
+            )
+            self._table = self._table.merged(self._measure(missing, show))
+            if self._source.kind == "file":
+                self._source.kind = "file+measured"
+            self._save()
+        elif max_batch > self._noted_beyond:
+            self._noted_beyond = max_batch
+            note = (
+                f"the profile holds batch sizes up to {covered[-1]}; costs at up to {max_batch} rows are extrapolated from its last two "
+                f"(measure them with `specdec profile --batch-sizes {','.join(map(str, batch_grid(max_batch)))} --out FILE`)"
+            )
+            LOG.warning("CAST: %s", note)
+            self._source.notes.append(note)
+        self._finish_source()
+        return self._table
 
     def table_for(self, batch: int) -> CostTable:
-        """A table covering `batch` rows (measuring what is missing, when it was measured here)."""
+        """The table for a batch of `batch` rows. Never measures: batch sizes the table does not
+        hold are interpolated (or extrapolated) by its lookups; `prepare` must have run."""
         if self._table is None:
-            self._table = self._load(batch)
-        if self._extendable and batch not in self._table.batch_sizes:
-            LOG.warning("CAST: measuring forward costs for batch size %d (first use at this batch size)", batch)
-            self._table = self._table.merged(profile_models(self.target, self.draft, quick_grid(batch)))
-            self._save()
+            raise SpecDecError(
+                "CAST's cost table was not prepared before decoding; call CostTableResolver.prepare(max_batch) "
+                "(SpeculativeDecoder and every decode session do this)"
+            )
         return self._table
 
-    def _load(self, batch: int) -> CostTable:
+    # ----- loading, measuring, saving ------------------------------------------------------
+    def _load(self) -> CostTable | None:
         source = Path(self.path).expanduser() if self.path else SHIPPED_PROFILE
-        reason = None
-        if source.is_file():
-            table = CostTable.load(source)
-            reason = table.mismatch(self.target, self.draft)
-            if reason is None:
-                self._extendable = bool(table.meta.get("grid", {}).get("quick", False))
-                return table
-            if self.path is None:
-                reason = "the shipped profile is for the bundled pair"
-            LOG.warning("CAST: cost profile %s does not fit these models (%s)", source, reason)
-        elif self.path is not None:
-            LOG.warning("CAST: cost profile %s does not exist", source)
-        LOG.warning(
-            "CAST: measuring a quick cost profile for batch size %d (a few seconds); `specdec profile --out FILE` and "
-            "--cost-profile FILE give a full one",
-            batch,
+        if not source.is_file():
+            if self.path is not None:
+                LOG.warning("CAST: cost profile %s does not exist", source)
+            return None
+        table = CostTable.load(source)
+        diffs = table.differences(self.target, self.draft)
+        blocking = [d for d in diffs if d.blocking]
+        shipped = " (the shipped profile of the bundled pair)" if self.path is None else ""
+        if blocking:
+            also = [d for d in diffs if not d.blocking]
+            LOG.warning(
+                "CAST: cost profile %s%s does not fit these models (%s)%s; measuring a quick one before decoding instead; %s",
+                source,
+                shipped,
+                "; ".join(map(str, blocking)),
+                f"; it was also measured on another machine ({'; '.join(map(str, also))})" if also else "",
+                advice(blocking, self.target, self.draft),
+            )
+            return None
+        self._extendable = bool(table.meta.get("grid", {}).get("quick", False)) and _same_grid(table, quick_grid())
+        self._source = ProfileSource(
+            kind="file" if self.path is not None else "shipped", path=str(source), created=table.meta.get("created"),
+            device=_device_text(table.meta),
         )
-        self._table = profile_models(self.target, self.draft, quick_grid(batch))
-        self._extendable = True
-        self._save()
-        return self._table
+        if diffs:
+            note = (
+                f"timings measured on another machine ({'; '.join(map(str, diffs))}); used, since the models, device type and dtype "
+                f"match, but tree shapes follow that machine's costs; {advice(diffs, self.target, self.draft)}"
+            )
+            self._source.notes.append(note)
+            key = (str(source), _fingerprint(self.target, self.draft))
+            if key not in _WARNED:
+                _WARNED.add(key)
+                LOG.warning("CAST: cost profile %s%s: %s", source, shipped, note)
+        return table
+
+    def _measure(self, batch_sizes: Sequence[int], show: bool) -> CostTable:
+        """A quick table holding (at least) `batch_sizes`, reusing what this process measured."""
+        key = _fingerprint(self.target, self.draft)
+        have = _MEASURED.get(key)
+        todo = [b for b in batch_sizes if have is None or b not in have.batch_sizes]
+        if todo:
+            t0 = time.perf_counter()
+            new = measure_with_progress(
+                self.target, self.draft, quick_grid(batch_sizes=todo), f"CAST cost profile (batch sizes {', '.join(map(str, todo))})", show
+            )
+            self._source.measured_s += time.perf_counter() - t0
+            have = new if have is None else have.merged(new)
+            _MEASURED[key] = have
+        else:
+            self._source.reused = True
+        assert have is not None
+        if self._source.created is None:
+            self._source.created = have.meta.get("created")
+        if not self._source.device:
+            self._source.device = _device_text(have.meta)
+        return have
+
+    def _finish_source(self) -> None:
+        if self._table is not None:
+            self._source.batch_sizes = self._table.batch_sizes
 
     def _save(self) -> None:
         """Write a measured table to `path`, unless that would overwrite a full profile or one
@@ -252,6 +524,7 @@ class CostTableResolver:
             if not existing.meta.get("grid", {}).get("quick", False) or existing.mismatch(self.target, self.draft) is not None:
                 return
         self._table.save(path)
+        self._source.saved = True
         LOG.warning("CAST: cost profile saved to %s", path)
 
 

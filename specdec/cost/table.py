@@ -6,16 +6,20 @@ forward over `n` new tokens per row, for a batch of `B` rows whose caches hold `
 tokens. Contexts are bucketed to multiples of L (c = kL, k = 1..M) by `select`; new-token
 counts are measured on a sparse grid (e.g. 1, 2, 4, ..., 128) and linearly interpolated.
 
-Batch sizes between two profiled ones are interpolated linearly; below the smallest the
-smallest is used; above the largest the last two are extrapolated linearly (never below
-the largest's cost). Costs are made non-decreasing in `n` when a table is built (a longer
-forward cannot be cheaper; measured dips are noise; isotonic regression, `specdec.isotonic`), which CAST's
-selection rule needs.
+Batch sizes are measured on a small grid (e.g. 1, 2, 4, 8, ..., the largest batch) and
+looked up per (context bucket, n grid point) column: a batch size between two profiled ones
+is interpolated linearly in B; below the smallest the smallest is used; above the largest
+the last two grid points are extrapolated linearly (slope >= 0: never below the largest's
+cost). Costs are made non-decreasing in `n` when a table is built (a longer forward cannot
+be cheaper; measured dips are noise; isotonic regression, `specdec.isotonic`), which CAST's
+selection rule needs, and non-decreasing in B at lookup (a running maximum over the batch
+grid, which keeps them non-decreasing in `n` too), so every lookup is monotone in both.
 
 The JSON file (`CostTable.save` / `CostTable.load`) also records what the numbers were
 measured on: device, dtype, torch/transformers versions and each model's identity
-(config hash, parameter count, path). `CostTable.mismatch` names what differs from the
-models at hand, so a profile measured elsewhere is never applied silently.
+(model type, shape, config hash, parameter count, path). `CostTable.differences` compares
+them field by field with the models at hand and names each field that differs with both
+values, so a profile measured elsewhere is never applied silently.
 """
 
 from __future__ import annotations
@@ -69,9 +73,37 @@ def select_context(c: int, step: int, buckets: int) -> int:
     return (min(max(int(c), 0) // step, buckets - 1) + 1) * step
 
 
+SHAPE_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "hidden_size": ("hidden size", ("hidden_size", "n_embd", "d_model")),
+    "num_layers": ("layers", ("num_hidden_layers", "n_layer", "num_layers")),
+    "num_heads": ("attention heads", ("num_attention_heads", "n_head")),
+    "num_kv_heads": ("key/value heads", ("num_key_value_heads",)),
+    "intermediate_size": ("intermediate size", ("intermediate_size", "n_inner", "ffn_dim")),
+    "vocab_size": ("vocabulary size", ("vocab_size",)),
+}
+"""the shape entries of a model identity: key -> (label in messages, config attributes tried in order)"""
+
+
+def model_shape(model: torch.nn.Module) -> dict[str, int]:
+    """The cost-relevant shape of a model's (text) config: hidden size, layers, heads,
+    key/value heads, intermediate size, vocabulary size (the entries its config has)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shape: dict[str, int] = {}
+    for key, (_, names) in SHAPE_FIELDS.items():
+        for name in names:
+            value = getattr(text, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                shape[key] = value
+                break
+    return shape
+
+
 def model_identity(model: torch.nn.Module) -> dict[str, Any]:
-    """What a cost profile is tied to: model type, a hash of the cost-relevant config, the
-    parameter count, and the folder it was loaded from (informational)."""
+    """What a cost profile is tied to: model type, shape (`model_shape`), a hash of the
+    cost-relevant config, the parameter count, and the folder it was loaded from (informational)."""
     config = getattr(model, "config", None)
     cfg = config.to_dict() if config is not None else {}
     stable = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG_KEYS}
@@ -79,6 +111,7 @@ def model_identity(model: torch.nn.Module) -> dict[str, Any]:
     return {
         "path": str(getattr(model, "name_or_path", "") or cfg.get("_name_or_path", "")),
         "model_type": str(cfg.get("model_type", type(model).__name__)),
+        "shape": model_shape(model),
         "config_hash": digest,
         "params": int(sum(p.numel() for p in model.parameters())),
     }
@@ -98,6 +131,30 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+@dataclass(frozen=True)
+class FieldDiff:
+    """One field in which a cost profile's provenance differs from the models at hand."""
+
+    field: str
+    """what differs, e.g. 'CPU model', 'dtype', 'target hidden size'"""
+    profile: Any
+    """the profile's value (None: not recorded)"""
+    here: Any
+    """the value for the models at hand"""
+    blocking: bool
+    """True: the profile's timings do not describe these models (it is not used); False: they
+    come from another machine of the same kind (used, with a warning)"""
+
+    def __str__(self) -> str:
+        return f"{self.field}: profile {_show(self.profile)}, here {_show(self.here)}"
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "(not recorded)"
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 @dataclass
@@ -120,6 +177,7 @@ class CostTable:
     """batch size -> [M][len(n_grid)] draft forward latency (ms)"""
     meta: dict[str, Any] = field(default_factory=dict)
     _cache: dict[tuple[str, int, int], list[float]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _mono: dict[str, dict[int, list[list[float]]]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.context_step, int) or self.context_step < 1:
@@ -197,10 +255,12 @@ class CostTable:
         return _interp(self.n_grid, self._batch_row(which, int(batch), self.select(ctx)), float(n))
 
     def _batch_row(self, which: str, batch: int, bucket: int) -> list[float]:
-        """Latencies over the n grid for `batch` rows at context bucket `bucket`."""
+        """Latencies over the n grid for `batch` rows at context bucket `bucket`: per column,
+        linear in B between grid batch sizes, the smallest's below them, extrapolated from the
+        last two past them (slope >= 0); from costs made non-decreasing in B (`_monotone`)."""
         if batch < 1:
             raise SpecDecError(f"batch size {batch} must be >= 1")
-        table = self.target_ms if which == "target" else self.draft_ms
+        table = self._monotone(which)
         k = bucket // self.context_step - 1
         sizes = self.batch_sizes
         if batch in table:
@@ -210,11 +270,28 @@ class CostTable:
         if batch > sizes[-1]:
             b0, b1 = sizes[-2], sizes[-1]
             row0, row1 = table[b0][k], table[b1][k]
-            return [max(y1, y1 + (y1 - y0) * (batch - b1) / (b1 - b0)) for y0, y1 in zip(row0, row1, strict=True)]
+            return [y1 + max(0.0, y1 - y0) * (batch - b1) / (b1 - b0) for y0, y1 in zip(row0, row1, strict=True)]
         i = bisect.bisect_left(sizes, batch)
         b0, b1 = sizes[i - 1], sizes[i]
         w = (batch - b0) / (b1 - b0)
         return [(1 - w) * y0 + w * y1 for y0, y1 in zip(table[b0][k], table[b1][k], strict=True)]
+
+    def _monotone(self, which: str) -> dict[int, list[list[float]]]:
+        """The table made non-decreasing in the batch size: each entry is the running maximum
+        over the batch grid up to its batch size (more rows never cost less; a dip is noise).
+        A maximum of rows non-decreasing in n stays non-decreasing in n."""
+        cached = self._mono.get(which)
+        if cached is not None:
+            return cached
+        table = self.target_ms if which == "target" else self.draft_ms
+        out: dict[int, list[list[float]]] = {}
+        prev: list[list[float]] | None = None
+        for b in self.batch_sizes:
+            rows = table[b] if prev is None else [[max(x, y) for x, y in zip(r, p, strict=True)] for r, p in zip(table[b], prev, strict=True)]
+            out[b] = rows
+            prev = rows
+        self._mono[which] = out
+        return out
 
     # ----- building, merging, I/O ----------------------------------------------------------
     @classmethod
@@ -242,13 +319,18 @@ class CostTable:
         """This table plus the batch sizes of `other` (same grid; `other` wins on overlap)."""
         if (other.context_step, other.num_contexts, other.n_grid) != (self.context_step, self.num_contexts, self.n_grid):
             raise SpecDecError("cannot merge cost tables measured on different grids (L, M or n grid differ)")
+        meta = dict(self.meta)
+        if isinstance(meta.get("grid"), dict):
+            meta["grid"] = {**meta["grid"], "batch_sizes": sorted(set(self.batch_sizes) | set(other.batch_sizes))}
+        if "seconds" in meta and "seconds" in other.meta:
+            meta["seconds"] = round(float(meta["seconds"]) + float(other.meta["seconds"]), 1)
         return CostTable(
             context_step=self.context_step,
             num_contexts=self.num_contexts,
             n_grid=list(self.n_grid),
             target_ms={**self.target_ms, **other.target_ms},
             draft_ms={**self.draft_ms, **other.draft_ms},
-            meta=dict(self.meta),
+            meta=meta,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -317,34 +399,56 @@ class CostTable:
             raise SpecDecError(f"cost profile {str(path)!r} is not readable JSON ({err}); re-run `specdec profile --out {path}`") from err
         return cls.from_json(data, source=f"cost profile {str(path)!r}")
 
-    def mismatch(self, target: torch.nn.Module | None, draft: torch.nn.Module | None) -> str | None:
-        """Why this table does not describe these models on their device and dtype (None if it does).
+    def differences(self, target: torch.nn.Module | None, draft: torch.nn.Module | None) -> list[FieldDiff]:
+        """Every provenance field in which this table differs from these models on their
+        device and dtype, field by field, with both values.
 
-        Compares device type and name, dtype, and each model's config hash and parameter
-        count; paths and versions are informational only.
+        Blocking (the timings do not describe these models): device type, GPU name, dtype,
+        and per model its type, each shape entry (hidden size, layers, heads, intermediate
+        and vocabulary size), parameter count and, when nothing more specific differs, the
+        rest of its config (hash). Not blocking (same kind of machine, other timings): the
+        CPU model and the torch thread count. Paths and versions are informational only.
         """
-        reasons = []
+        diffs: list[FieldDiff] = []
         probe = target if target is not None else draft
         if probe is not None:
             param = next(probe.parameters())
             dev = device_identity(param.device)
             have = self.meta.get("device", {})
-            if (have.get("type"), have.get("name")) != (dev["type"], dev["name"]):
-                reasons.append(f"device {have.get('type')}/{have.get('name')} != {dev['type']}/{dev['name']}")
+            if have.get("type") != dev["type"]:
+                diffs.append(FieldDiff("device type", have.get("type"), dev["type"], True))
+            elif have.get("name") != dev["name"]:
+                gpu = dev["type"] != "cpu"
+                diffs.append(FieldDiff("GPU" if gpu else "CPU model", have.get("name"), dev["name"], gpu))
+            if dev["type"] == "cpu" and have.get("type") == "cpu" and have.get("threads") != dev["threads"]:
+                diffs.append(FieldDiff("torch threads", have.get("threads"), dev["threads"], False))
             dtype = str(param.dtype).removeprefix("torch.")
             if self.meta.get("dtype") != dtype:
-                reasons.append(f"dtype {self.meta.get('dtype')} != {dtype}")
+                diffs.append(FieldDiff("dtype", self.meta.get("dtype"), dtype, True))
         for which, model in (("target", target), ("draft", draft)):
             if model is None:
                 continue
             ident = model_identity(model)
             have = self.meta.get(which, {})
-            if (have.get("config_hash"), have.get("params")) != (ident["config_hash"], ident["params"]):
-                reasons.append(
-                    f"{which} model {have.get('model_type')}/{have.get('params')} params/config {have.get('config_hash')} != "
-                    f"{ident['model_type']}/{ident['params']} params/config {ident['config_hash']}"
-                )
-        return "; ".join(reasons) or None
+            found: list[FieldDiff] = []
+            if have.get("model_type") != ident["model_type"]:
+                found.append(FieldDiff(f"{which} model type", have.get("model_type"), ident["model_type"], True))
+            recorded = have.get("shape") or {}
+            for key, (label, _) in SHAPE_FIELDS.items():
+                if key in recorded and key in ident["shape"] and recorded[key] != ident["shape"][key]:
+                    found.append(FieldDiff(f"{which} {label}", recorded[key], ident["shape"][key], True))
+            if have.get("params") != ident["params"]:
+                found.append(FieldDiff(f"{which} parameters", have.get("params"), ident["params"], True))
+            if not found and have.get("config_hash") != ident["config_hash"]:
+                found.append(FieldDiff(f"{which} config (other entries; hash)", have.get("config_hash"), ident["config_hash"], True))
+            diffs.extend(found)
+        return diffs
+
+    def mismatch(self, target: torch.nn.Module | None, draft: torch.nn.Module | None) -> str | None:
+        """Why this table does not describe these models on their device and dtype (None if it
+        does): the blocking `differences`, each as 'field: profile X, here Y', joined by '; '."""
+        blocking = [str(d) for d in self.differences(target, draft) if d.blocking]
+        return "; ".join(blocking) or None
 
 
 def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:

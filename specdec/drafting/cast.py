@@ -376,7 +376,7 @@ class CastPolicy:
     linear in log2(B) in between. The cost tables come from `cost_table` (injected), else
     `cost_profile` (a JSON file from `specdec profile`), else, once `bind_models` has given
     the pair (SpeculativeDecoder does), the bundled pair's shipped profile or a quick
-    measurement on first use.
+    measurement taken before decoding (`prepare_costs`).
     """
 
     depth: int | None = None
@@ -506,9 +506,9 @@ class CastPolicy:
     def bind_models(self, target: torch.nn.Module, draft: torch.nn.Module | None, resolver: CostTableResolver | None = None) -> None:
         """Give the policy its target and draft models, so it can find (or measure) their
         cost profile. Without an injected `cost_table` this is required unless `cost_profile`
-        names a file. The batch-1 table is resolved now (a quick measurement when no profile
-        fits), so that cost is paid when the decoder is built, not inside a timed generation;
-        other batch sizes are resolved on first use.
+        names a file. The table is prepared now for batch 1 (a quick measurement when no
+        profile fits), so that cost is paid when the decoder is built, not inside a timed
+        generation; `prepare_costs` extends it to a session's largest batch before decoding.
         resolver: an existing resolver of the same models and `cost_profile` to share (its
         tables, measured or loaded once, serve every policy built over the pair)."""
         if draft is None or self.cost_table is not None:
@@ -518,7 +518,14 @@ class CastPolicy:
         if resolver is not None and (resolver.target is not target or resolver.draft is not draft or resolver.path != self.cost_profile):
             raise ValueError("bind_models: the shared resolver is for other models or another cost profile")
         self._resolver = resolver or CostTableResolver(target, draft, self.cost_profile)
-        self._resolver.table_for(1)
+        self._resolver.prepare(1)
+
+    def prepare_costs(self, max_batch: int) -> None:
+        """Before decoding: make the cost table cover batches of up to `max_batch` rows
+        (measuring what a measured table lacks; never done inside a step). Called by the
+        engine when a decode session starts."""
+        if self._resolver is not None:
+            self._resolver.prepare(max_batch)
 
     def table_for(self, batch: int) -> CostTable:
         """The cost table used for a batch of `batch` rows."""

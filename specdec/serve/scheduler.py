@@ -227,6 +227,9 @@ class Scheduler:
             raise SpecDecError(f"--max-queue {max_queue!r} must be an integer >= 0")
         self.decoder = decoder
         self.max_batch_size = max_batch_size
+        prepare = getattr(decoder, "prepare_costs", None)
+        if callable(prepare):  # CAST's cost tables cover every batch size before serving: never measured mid-decode
+            prepare(max_batch_size)
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
         self._cond = threading.Condition()

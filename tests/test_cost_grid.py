@@ -1,0 +1,255 @@
+"""CAST cost profiles over a grid of batch sizes: interpolation in B, measuring only before
+decoding (never inside a step), the bench warming its profile before timing, and mismatch
+messages that name each differing field with both values."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from conftest import EOS, cli_args, tiny_model
+
+from specdec.cli import main
+from specdec.cost import CostTable, CostTableResolver, batch_grid, forget_measured, profile
+from specdec.cost.profile import SHIPPED_PROFILE, ProfileSource, advice
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule
+
+
+def reference(target, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def pair():
+    return tiny_model("llama", seed=0), tiny_model("llama", seed=1, layers=1)
+
+
+# ----- the batch grid and interpolation -------------------------------------------------------
+
+
+def test_batch_grid_reaches_the_largest_batch():
+    assert batch_grid(1) == (1,)
+    assert batch_grid(2) == (1, 2)
+    assert batch_grid(5) == (1, 2, 4, 5)
+    assert batch_grid(12) == (1, 2, 4, 8, 12)
+    assert batch_grid(16) == (1, 2, 4, 8, 16)
+    with pytest.raises(SpecDecError, match="positive integer"):
+        batch_grid(0)
+
+
+def test_interpolation_between_grid_batch_sizes():
+    # per column f = 10 + b * n: linear in b, so interpolation between grid points is exact
+    table = CostTable.synthetic(lambda b, c, n: 10 + b * n, lambda b, c, n: 1 + 0.5 * b * n, batch_sizes=(1, 2, 4, 8, 16), n_grid=(1, 2, 4, 8))
+    for b in (3, 5, 6, 7, 11, 12, 15):
+        for n in (1, 3, 4, 8):
+            assert table.target_cost(b, 100, n) == pytest.approx(10 + b * n), (b, n)
+            assert table.draft_cost(b, 100, n) == pytest.approx(1 + 0.5 * b * n), (b, n)
+    # beyond the grid: the last two grid points (8, 16) extrapolated linearly
+    assert table.target_cost(24, 100, 4) == pytest.approx(10 + 24 * 4)
+    # on a concave curve (overhead-dominated small batches) the interpolation lies on the chord
+    sqrt = CostTable.synthetic(lambda b, c, n: 10 * b**0.5 + n, lambda b, c, n: 1.0, batch_sizes=(4, 16), n_grid=(1, 2))
+    assert sqrt.target_cost(10, 100, 1) == pytest.approx(20 + (40 - 20) * (10 - 4) / 12 + 1)
+    assert sqrt.target_cost(2, 100, 1) == pytest.approx(21)  # below the grid: the smallest batch size's costs
+
+
+def test_lookups_are_monotone_in_batch_and_n():
+    # measured noise: B = 4 came out cheaper than B = 2, and B = 16 cheaper than B = 8
+    dips = {1: 10.0, 2: 14.0, 4: 12.0, 8: 20.0, 16: 18.0}
+    table = CostTable.synthetic(lambda b, c, n: dips[b] + n, lambda b, c, n: dips[b] / 10 + n, batch_sizes=tuple(dips), n_grid=(1, 2, 4, 8, 16))
+    for n in (1, 2, 3, 8, 16, 40):
+        costs = [table.target_cost(b, 300, n) for b in range(1, 41)]
+        assert all(b >= a - 1e-9 for a, b in zip(costs, costs[1:], strict=False)), n
+        assert table.target_cost(4, 300, n) == pytest.approx(table.target_cost(2, 300, n))  # the dip is lifted, not followed
+        assert table.target_cost(40, 300, n) >= table.target_cost(16, 300, n)  # a negative slope past the grid is clamped at 0
+    for b in (1, 3, 4, 12, 16, 40):
+        row = table.target_costs(b, 300, 40)
+        assert all(y >= x - 1e-9 for x, y in zip(row[1:], row[2:], strict=False)), b
+    # the stored table keeps the measurements (only lookups are made monotone in B)
+    assert table.target_ms[4][0][0] == pytest.approx(13.0)
+
+
+# ----- measuring only before decoding ---------------------------------------------------------
+
+
+def _forbid_measuring(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cost measurement inside decoding")
+
+    monkeypatch.setattr(profile, "profile_models", refuse)
+    monkeypatch.setattr(profile, "measure_forward_ms", refuse)
+
+
+def test_rolling_batch_shrinking_through_uncovered_sizes_never_measures(tmp_path, monkeypatch, caplog):
+    forget_measured()
+    target, draft = pair()
+    policy = make_policy("cast", cost_profile=str(tmp_path / "cost.json"), depth=2, top_k=3, total_tokens=6)
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        policy.bind_models(target, draft)  # no profile: batch 1 measured now, as a decoder build does
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+        session = engine.session(max_rows=6)  # extends the table to 1, 2, 4, 6 before any step
+    assert policy.table_for(1).batch_sizes == [1, 2, 4, 6]
+    assert "measuring forward costs for batch sizes 2, 4, 6 before decoding" in caplog.text
+    _forbid_measuring(monkeypatch)
+    seen: list[int] = []
+    lookup = policy.table_for
+
+    def record(batch: int) -> CostTable:
+        seen.append(batch)
+        return lookup(batch)
+
+    monkeypatch.setattr(policy, "table_for", record)
+    prompts = [[5 + r, 6, 7, 8 + r] for r in range(6)]
+    budgets = [2, 5, 9, 14, 20, 27]
+    requests = [session.submit(p, n) for p, n in zip(prompts, budgets, strict=True)]
+    while not session.idle:
+        session.step()
+    assert [r.token_ids for r in requests] == [reference(target, p, n) for p, n in zip(prompts, budgets, strict=True)]
+    assert set(seen) - {1, 2, 4, 6}, f"the batch never passed an uncovered size (3 or 5): {seen}"
+    assert sorted(set(seen), reverse=True) == list(dict.fromkeys(seen)), seen  # it only shrank
+
+
+def test_lookup_of_an_unprepared_resolver_is_an_error_not_a_measurement(monkeypatch):
+    target, draft = pair()
+    _forbid_measuring(monkeypatch)
+    with pytest.raises(SpecDecError, match="not prepared before decoding"):
+        CostTableResolver(target, draft).table_for(3)
+
+
+def test_full_profile_is_extrapolated_not_extended(tmp_path, monkeypatch, caplog):
+    target, draft = pair()
+    table = profile.profile_models(target, draft, profile.ProfileGrid(batch_sizes=(1, 2), context_step=16, num_contexts=2, n_grid=(1, 4), warmup=0, repeats=1, min_time_ms=0.0))
+    path = table.save(tmp_path / "full.json")
+    _forbid_measuring(monkeypatch)
+    resolver = CostTableResolver(target, draft, str(path))
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        assert resolver.prepare(8).batch_sizes == [1, 2]
+    assert "holds batch sizes up to 2; costs at up to 8 rows are extrapolated" in caplog.text
+    assert "--batch-sizes 1,2,4,8" in caplog.text
+    assert resolver.source.kind == "file" and "extrapolated" in resolver.source.describe()
+
+
+def test_measurements_are_shared_in_process(monkeypatch):
+    forget_measured()
+    target, draft = pair()
+    first = CostTableResolver(target, draft, progress=False)
+    first.prepare(2)
+    assert first.source.kind == "measured" and first.source.measured_s > 0 and first.source.batch_sizes == [1, 2]
+    _forbid_measuring(monkeypatch)
+    second = CostTableResolver(target, draft, progress=False)  # another decoder over the same models (a bench variant)
+    assert second.prepare(2).batch_sizes == [1, 2]
+    assert second.source.reused and "reused" in second.source.describe()
+
+
+# ----- the bench ------------------------------------------------------------------------------
+
+
+def test_bench_prepares_cast_costs_before_any_timed_call(tiny_pair_dir, tmp_path, monkeypatch):
+    from specdec.bench import runner
+
+    forget_measured()
+    events: list[str] = []
+    measure, generate = profile.profile_models, runner._Runner._generate
+
+    def measured(*args, **kwargs):
+        events.append("measure")
+        return measure(*args, **kwargs)
+
+    def timed(self, *args, **kwargs):
+        events.append("call")
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(profile, "profile_models", measured)
+    monkeypatch.setattr(runner._Runner, "_generate", timed)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": t}) for t in ("def add(a, b):\n", "class A:\n", "for i in range(3):\n")) + "\n")
+    out = tmp_path / "out"
+    argv = cli_args("bench", tiny_pair_dir, prompts, out, 6, 1, "--methods", "ar,cast", "--batch-size", "3", "--depth", "2", "--expand-top-k", "3")
+    assert main(argv) == 0
+    assert "measure" in events and "call" in events
+    assert events.index("call") > max(i for i, e in enumerate(events) if e == "measure"), events
+    results = json.loads((out / "results.json").read_text())
+    source = results["cost_profiles"]["cast"]
+    assert source["kind"] == "measured" and source["batch_sizes"] == [1, 2, 3] and source["measured_s"] > 0
+    report = (out / "report.md").read_text()
+    assert "## Cost profiles" in report and "- cast: measured before the run (" in report
+
+
+# ----- mismatch messages ----------------------------------------------------------------------
+
+
+def test_mismatch_names_each_field_with_both_values():
+    target, draft = pair()
+    table = profile.profile_models(target, draft, profile.ProfileGrid(batch_sizes=(1,), context_step=16, num_contexts=1, n_grid=(1,), warmup=0, repeats=1, min_time_ms=0.0))
+    assert table.differences(target, draft) == [] and table.meta["target"]["shape"]["hidden_size"] == 32
+    wider = tiny_model("llama", seed=0, hidden=64)
+    text = table.mismatch(wider, draft)
+    assert "target hidden size: profile 32, here 64" in text and "target intermediate size: profile 64, here 128" in text
+    assert "target parameters: profile" in text and "draft" not in text
+    deeper = tiny_model("llama", seed=1, layers=3)
+    assert "draft layers: profile 1, here 3" in table.mismatch(target, deeper)
+    assert "target vocabulary size: profile 96, here 128" in table.mismatch(tiny_model("llama", seed=0, vocab=128), draft)
+    table.meta["dtype"] = "bfloat16"
+    table.meta["device"] = {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "threads": 8}
+    diffs = table.differences(target, draft)
+    assert [str(d) for d in diffs] == ["device type: profile 'cuda', here 'cpu'", "dtype: profile 'bfloat16', here 'float32'"]
+    hint = advice(diffs, target, draft)
+    assert "specdec profile --target" in hint and "--out FILE" in hint and "--dtype bfloat16" in hint and "--device cuda" in hint
+
+
+def test_other_cpu_model_is_used_with_a_warning(tmp_path, monkeypatch, caplog):
+    """The shipped profile's decision: same models, device type and dtype on another CPU model
+    (or thread count) are used, with a warning naming both values and how to re-profile."""
+    target, draft = pair()
+    table = profile.profile_models(target, draft, profile.ProfileGrid(batch_sizes=(1, 2), context_step=16, num_contexts=1, n_grid=(1, 4), warmup=0, repeats=1, min_time_ms=0.0))
+    here = table.meta["device"]
+    table.meta["device"] = {"type": "cpu", "name": "Intel(R) Xeon(R) Processor" if "AMD" in here["name"] else "AMD EPYC 9654", "threads": here["threads"] + 14}
+    path = table.save(tmp_path / "other_cpu.json")
+    monkeypatch.setattr(profile, "SHIPPED_PROFILE", path)  # as the shipped profile of the bundled pair
+    _forbid_measuring(monkeypatch)
+    resolver = CostTableResolver(target, draft, progress=False)
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        assert resolver.prepare(2).batch_sizes == [1, 2]
+    assert resolver.table is not None and resolver.table.differences(target, draft)[0].blocking is False
+    assert f"CPU model: profile {table.meta['device']['name']!r}, here {here['name']!r}" in caplog.text
+    assert f"torch threads: profile {here['threads'] + 14}, here {here['threads']}" in caplog.text
+    assert "the shipped profile of the bundled pair" in caplog.text and "specdec profile" in caplog.text
+    assert resolver.source.kind == "shipped" and "another machine" in resolver.source.describe()
+
+
+def test_mismatched_file_is_measured_before_decoding_with_the_reason(tmp_path, caplog):
+    forget_measured()
+    target, draft = pair()
+    table = profile.profile_models(target, draft, profile.ProfileGrid(batch_sizes=(1,), context_step=16, num_contexts=1, n_grid=(1,), warmup=0, repeats=1, min_time_ms=0.0))
+    table.meta["dtype"] = "float16"
+    path = table.save(tmp_path / "half.json")
+    resolver = CostTableResolver(target, draft, str(path), progress=False)
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        resolver.prepare(1)
+    assert "does not fit these models (dtype: profile 'float16', here 'float32')" in caplog.text
+    assert "--dtype float16" in caplog.text and "the shipped profile" not in caplog.text
+    assert resolver.source.kind == "measured" and CostTable.load(path).meta["dtype"] == "float16"  # a full profile is never overwritten
+
+
+def test_shipped_profile_fits_the_bundled_pair_shapes():
+    from transformers import AutoConfig
+
+    from specdec.models.loading import BUNDLED_PAIR
+
+    shipped = CostTable.load(SHIPPED_PROFILE)
+    for which in ("target", "draft"):
+        cfg = AutoConfig.from_pretrained(BUNDLED_PAIR / which)
+        assert shipped.meta[which]["shape"]["hidden_size"] == cfg.hidden_size
+        assert shipped.meta[which]["shape"]["num_layers"] == cfg.num_hidden_layers
+
+
+def test_profile_source_describes_itself():
+    src = ProfileSource(kind="measured", measured_s=12.34, device="cpu 'x', 2 threads, float32", batch_sizes=[1, 2, 4], path="p.json", saved=True)
+    assert src.describe() == "measured before the run (12.3 s; cpu 'x', 2 threads, float32; batch sizes 1, 2, 4; saved to p.json)"
+    assert src.to_dict()["text"] == src.describe()
