@@ -39,7 +39,7 @@ from specdec.bench.quality import CODE_PROMPT_MODES, QualityScorer, is_code_prom
 from specdec.bench.variants import BASELINE, Variant, make_variants, parse_method_specs
 from specdec.errors import SpecDecError
 from specdec.hostwork import HostWorkCounter
-from specdec.methods import make_policy
+from specdec.methods import method_uses_draft
 from specdec.models.loading import (
     bundled_draft,
     bundled_target,
@@ -340,7 +340,7 @@ def _load_models(config: BenchConfig, variants: Sequence[Variant]) -> _Models:
         target_path = bundled_target()
         draft_path = draft_path or bundled_draft()
     needs_draft = [
-        v.method for v in variants if (v.peer and peer_needs_draft(v.method)) or (not v.peer and make_policy(v.method).uses_draft)
+        v.method for v in variants if (v.peer and peer_needs_draft(v.method)) or (not v.peer and method_uses_draft(v.method))
     ]
     if needs_draft and draft_path is None:
         raise SpecDecError(
@@ -370,7 +370,7 @@ class _Runner:
         self.decoders: dict[str, SpeculativeDecoder] = {}
         for v in variants:
             if not v.peer:
-                draft = models.draft if make_policy(v.method).uses_draft else None
+                draft = models.draft if method_uses_draft(v.method) else None
                 self.decoders[v.label] = SpeculativeDecoder(
                     models.target, models.tokenizer, draft, method=v.method, verify=v.verify, verify_options=v.rule_options,
                     draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, processor=models.processor, **v.options,

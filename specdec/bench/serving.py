@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from specdec.api import SpeculativeDecoder
+from specdec.api import SpeculativeDecoder, needs_draft_model
 from specdec.bench.defaults import DEFAULT_CONCURRENCY as DEFAULT_CONCURRENCY  # re-exported
 from specdec.bench.defaults import SERVE_METHODS
 from specdec.bench.prompts import load_prompts, resolve_prompt_source
 from specdec.bench.variants import BASELINE, Variant, make_variants
 from specdec.errors import SpecDecError
-from specdec.methods import POLICY_CLASSES, make_policy
+from specdec.methods import POLICY_CLASSES, method_uses_draft
 from specdec.models.loading import bundled_draft, bundled_target, check_same_tokenizer, load_model, load_tokenizer, pair_load_options
 
 DEFAULT_METHODS = SERVE_METHODS
@@ -299,7 +299,7 @@ def run_serve_bench(config: ServeBenchConfig, argv: Sequence[str] = (), progress
     if target_path is None:
         target_path = bundled_target()
         draft_path = draft_path or bundled_draft()
-    needs_draft = any(make_policy(v.method).uses_draft for v in variants) and config.decoder_options.get("draft_source", "model") != "lookup"
+    needs_draft = any(needs_draft_model(v.method, config.decoder_options.get("draft_source", "model")) for v in variants)
     if needs_draft and draft_path is None:
         raise SpecDecError("--methods include a drafting method but no draft model was given; pass --draft PATH or use --methods ar")
     target_load, draft_load = pair_load_options(**config.load_options)
@@ -317,7 +317,7 @@ def run_serve_bench(config: ServeBenchConfig, argv: Sequence[str] = (), progress
     texts_by_level: dict[tuple[str, int], dict[int, str]] = {}
     prompts: list[str] = []
     for v in variants:
-        uses_draft = make_policy(v.method).uses_draft
+        uses_draft = method_uses_draft(v.method)
         decoder = SpeculativeDecoder(
             target, tokenizer, draft if uses_draft else None, method=v.method, verify=v.verify, verify_options=v.rule_options,
             **config.decoder_options, **v.options,
