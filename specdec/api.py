@@ -12,10 +12,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.cost.profile import CostTableResolver, ProfileSource
-from specdec.drafting.base import TreePolicy
+from specdec.drafting.base import CostAwarePolicy, TreePolicy
 from specdec.engine import EngineOutput, SpeculativeEngine
 from specdec.errors import SpecDecError
-from specdec.methods import make_policy
+from specdec.methods import make_policy, method_uses_draft
 from specdec.models.loading import (
     LoadOptions,
     bundled_draft,
@@ -100,8 +100,15 @@ def rule_options(verify: str | None, verify_options: Mapping[str, Any] | None = 
     return options
 
 
-DRAFT_SOURCES = ("model", "lookup", "tabed")
+DRAFT_SOURCE_READS_MODEL: dict[str, bool] = {"model": True, "lookup": False, "tabed": True}
+"""every `--draft-source` name, and whether it drafts with the draft model"""
+DRAFT_SOURCES = tuple(DRAFT_SOURCE_READS_MODEL)
 """every `--draft-source` name"""
+
+
+def needs_draft_model(method: str, draft_source: str) -> bool:
+    """Whether `method` drafting from `draft_source` needs a draft model (names already checked)."""
+    return method_uses_draft(method) and DRAFT_SOURCE_READS_MODEL[draft_source]
 
 
 def check_draft_source(draft_source: str, lookup_ngram: int) -> None:
@@ -238,7 +245,7 @@ class SpeculativeDecoder:
         if target is None:
             target = bundled_target()
             draft = draft or bundled_draft()
-        needs_draft = method != "ar" and draft_source in ("model", "tabed")
+        needs_draft = needs_draft_model(method, draft_source)
         target_model: PreTrainedModel | None = None
         if isinstance(target, str):
             tokenizer = tokenizer or load_tokenizer(target, "target", target_load)
@@ -293,17 +300,16 @@ class SpeculativeDecoder:
         """A fresh tree policy for `method`: with this decoder's method options when it is the
         decoder's own method, with the method's defaults otherwise; bound to the models."""
         policy = make_policy(method, **(self.method_options if method == self.method else {}))
-        if policy.uses_draft and self.draft is None and self.draft_source in ("model", "tabed"):
+        if self.lacks_draft_for(method):
             raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH, use --draft-source lookup, or use --method ar")
-        bind = getattr(policy, "bind_models", None)
-        if callable(bind):  # cost-aware policies (cast) find or measure the pair's cost profile, once per profile path
+        if isinstance(policy, CostAwarePolicy):  # finds or measures the pair's cost profile, once per profile path
             resolver = None
             if self.draft is not None:
-                path = getattr(policy, "cost_profile", None)
+                path = policy.cost_profile
                 if path not in self._cost_resolvers:
                     self._cost_resolvers[path] = CostTableResolver(self.target, self.draft, path)
                 resolver = self._cost_resolvers[path]
-            bind(self.target, self.draft, resolver=resolver)
+            policy.bind_models(self.target, self.draft, resolver=resolver)
         return policy
 
     def prepare_costs(self, max_batch_size: int, progress: bool = True) -> dict[str | None, ProfileSource]:
@@ -318,6 +324,10 @@ class SpeculativeDecoder:
     def _prepare_resolver(resolver: CostTableResolver, max_batch_size: int, progress: bool) -> ProfileSource:
         resolver.prepare(max_batch_size, progress=progress)
         return resolver.source
+
+    def lacks_draft_for(self, method: str) -> bool:
+        """Whether `method` would draft with a draft model this decoder was built without."""
+        return self.draft is None and needs_draft_model(method, self.draft_source)
 
     def make_source(self, policy: TreePolicy | None = None) -> DraftSource | None:
         """A fresh draft source for one engine run of `policy` (default: the decoder's); None for plain AR."""

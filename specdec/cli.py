@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specdec.bundled import bundled_lvlm_draft, bundled_lvlm_target
 from specdec.errors import SpecDecError
@@ -61,6 +61,11 @@ def load_kwargs(args: argparse.Namespace) -> dict:
         "attn_implementation": args.attn_implementation, "revision": args.revision, "draft_revision": args.draft_revision,
         "trust_remote_code": args.trust_remote_code,
     }
+
+
+def pair_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The `add_model_args` flags as `specdec.bench.config.PairRunConfig` fields."""
+    return {"target": args.target, "draft": args.draft, "device": args.device, "dtype": args.dtype, "load_options": load_kwargs(args)}
 
 
 def _on_off(text: str) -> bool:
@@ -406,17 +411,13 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         num_prompts=args.num_prompts or None,
         max_batch_size=args.max_batch_size,
-        target=args.target,
-        draft=args.draft,
-        device=args.device,
-        dtype=args.dtype,
+        **pair_fields(args),
         method_options={m: collect_method_options(args, m, strict=False) for m in engine_methods},
         mars_theta=args.mars_theta,
         verify=args.verify,
         decoder_options={
             "draft_source": args.draft_source, "lookup_ngram": args.lookup_ngram, "views": args.views, "ensemble_options": ensemble_options(args),
         },
-        load_options=load_kwargs(args),
     )
     outputs = run_serve_bench(config, getattr(args, "argv", ()))
     print(f"report: {outputs.report}\nresults: {outputs.results}\nplot: {outputs.plot}")
@@ -566,10 +567,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         num_prompts=None if args.num_prompts == 0 else args.num_prompts,
         seed=0 if args.seed is None else args.seed,
-        target=args.target,
-        draft=args.draft,
-        device=args.device,
-        dtype=args.dtype,
+        **pair_fields(args),
         method_options=options,
         mars_theta=args.mars_theta,
         mars_thetas=thetas,
@@ -578,7 +576,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         draft_source=args.draft_source,
         lookup_ngram=args.lookup_ngram,
-        load_options=load_kwargs(args),
     )
     if args.synthetic is not None:
         return _cmd_whatif(args, config)
@@ -640,12 +637,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         num_prompts=None if args.num_prompts == 0 else args.num_prompts,
         seed=args.seed,
-        target=args.target,
-        draft=args.draft,
-        device=args.device,
-        dtype=args.dtype,
+        **pair_fields(args),
         progress=not args.no_progress,
-        load_options=load_kwargs(args),
     )
     n_prompts = len(load_prompts(resolve_prompt_source(config.prompts), config.num_prompts))
     print(f"sweep: {estimate_text(len(grid_points(config)), n_prompts, config.repeats, config.max_new_tokens)}", file=sys.stderr)

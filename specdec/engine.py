@@ -26,8 +26,8 @@ from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.runner import ModelRunner
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
-from specdec.sampling import SamplingParams, choose_tokens, logits_to_logprobs
-from specdec.sources.base import AcceptedPaths, DraftSource
+from specdec.sampling import SamplingParams, choose_tokens
+from specdec.sources.base import AcceptedPaths, DraftSource, TargetPath
 from specdec.stats import GenerationStats, StepRecord
 from specdec.tree import TokenTree
 from specdec.verification.base import AcceptRule, Verdict
@@ -83,20 +83,6 @@ class DecodeRequest:
 
 TokenCallback = Callable[[DecodeRequest, list[int]], None]
 """on_tokens(request, new_token_ids): a request's newly committed tokens (after EOS/budget cuts)"""
-
-
-def path_target_logprobs(logits: torch.Tensor, accepted_nodes: list[list[int]], active: list[bool], params: SamplingParams) -> list[torch.Tensor | None]:
-    """Per row, the target's log-distributions [1 + len(path), V] (after `params`) at the
-    root and at each accepted node: the distributions that decided each committed token.
-    logits: [B, N, V] of the verify forward. Inactive rows get None."""
-    out: list[torch.Tensor | None] = []
-    for row, path in enumerate(accepted_nodes):
-        if not active[row]:
-            out.append(None)
-            continue
-        index = torch.tensor([0, *path], dtype=torch.long, device=logits.device)
-        out.append(logits_to_logprobs(logits[row, index], params))
-    return out
 
 
 @dataclass
@@ -437,9 +423,6 @@ class DecodeSession:
         keep_valid = _arange(1 + longest, dev)[None, :] <= accepted_len[:, None]
         engine.target.commit(keep, keep_valid, dense=len(set(lengths)) == 1)
         if draft.builder is not None and engine.source is not None:
-            target_logprobs = None
-            if engine.source.needs_target_logprobs:  # adaptive sources learn from the target's distributions on the path
-                target_logprobs = path_target_logprobs(logits, result.accepted_nodes, was_active, params)
             engine.source.end_step(
                 AcceptedPaths(
                     nodes=origin_path,
@@ -447,7 +430,8 @@ class DecodeSession:
                     tokens=draft.builder.tokens,
                     host_nodes=result.accepted_origin,
                     host_tokens=result.accepted_tokens,
-                    target_logprobs=target_logprobs,
+                    host_active=was_active,
+                    target=TargetPath(logits, torch.arange(len(rows), device=dev), keep, params),  # read only by sources that learn from it
                 )
             )
         committed = [0] * len(rows)

@@ -11,7 +11,7 @@ from specdec.drafting.dynatree import DynaTreePolicy
 from specdec.drafting.policies import ARPolicy, ChainPolicy, Eagle2Policy, StaticTreePolicy
 from specdec.errors import SpecDecError
 
-POLICY_CLASSES: dict[str, type] = {
+POLICY_CLASSES: dict[str, type[TreePolicy]] = {
     "ar": ARPolicy,
     "chain": ChainPolicy,
     "static": StaticTreePolicy,
@@ -30,7 +30,12 @@ def method_options(method: str) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("name", "uses_draft")]
 
 
-def _policy_class(method: str) -> type:
+def method_uses_draft(method: str) -> bool:
+    """Whether `method` drafts at all (its policy's `uses_draft`; False only for plain AR)."""
+    return _policy_class(method).uses_draft
+
+
+def _policy_class(method: str) -> type[TreePolicy]:
     if method not in POLICY_CLASSES:
         raise SpecDecError(f"--method {method!r} is not known; choose one of {', '.join(POLICY_CLASSES)}")
     return POLICY_CLASSES[method]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,3 +42,22 @@ def test_cli_lookup_needs_no_draft(capsys, tiny_pair_dir):
     assert code == 0 and out["token_ids"]
     code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft-source", "ngram", "--prompt", "x"])
     assert code == 2 and "--draft-source 'ngram'" in capsys.readouterr().err
+
+
+def test_which_methods_and_sources_need_a_draft_model():
+    """One typed table answers it (the API, the server's lanes and bench-serve all ask it);
+    cost-aware policies are told apart by their protocol, not by probing attributes."""
+    from specdec.api import DRAFT_SOURCES, SpeculativeDecoder, needs_draft_model
+    from specdec.drafting.base import CostAwarePolicy
+    from specdec.methods import POLICY_CLASSES, method_uses_draft
+
+    assert DRAFT_SOURCES == ("model", "lookup", "tabed")
+    assert [m for m in POLICY_CLASSES if not method_uses_draft(m)] == ["ar"]
+    assert needs_draft_model("chain", "model") and needs_draft_model("cast", "tabed")
+    assert not needs_draft_model("chain", "lookup") and not needs_draft_model("ar", "model")
+    assert [m for m in POLICY_CLASSES if isinstance(make_policy(m), CostAwarePolicy)] == ["cast"]
+    target, tokenizer = tiny_model("llama", seed=0), SimpleNamespace(pad_token_id=0, eos_token_id=EOS)
+    lookup = SpeculativeDecoder(target, tokenizer, None, method="chain", draft_source="lookup")
+    assert not lookup.lacks_draft_for("chain") and isinstance(lookup.make_source(), LookupDraftSource)
+    plain = SpeculativeDecoder(target, tokenizer, None, method="ar")
+    assert plain.lacks_draft_for("chain") and not plain.lacks_draft_for("ar")

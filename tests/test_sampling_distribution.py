@@ -237,8 +237,6 @@ def test_broken_variant_fails_the_same_test(case, pair, peaked_pair, joints):
 class FixedDraft:
     """A draft source whose every distribution is `draft_probs` [V] (no model)."""
 
-    needs_target_logprobs = False
-
     def __init__(self, draft_probs: torch.Tensor) -> None:
         self.logprobs = draft_probs.log()
 

@@ -57,6 +57,37 @@ def test_grid_and_lists():
     assert heatmap_name(0.03) == "heatmap_tau_0.03.png"
 
 
+def test_bench_configs_share_one_declaration_of_their_common_fields():
+    """bench, bench-serve and sweep declare the prompts/pair fields once (and bench/sweep the
+    measurement fields once); the sweep's inner BenchConfig carries every one of them, and
+    the CLI fills the pair fields from one helper."""
+    import argparse
+    import dataclasses
+
+    from specdec.bench.config import MeasuredRunConfig, PairRunConfig
+    from specdec.bench.runner import BenchConfig
+    from specdec.bench.serving import ServeBenchConfig
+    from specdec.bench.sweep import bench_config
+    from specdec.cli import add_model_args, pair_fields
+
+    assert issubclass(BenchConfig, MeasuredRunConfig) and issubclass(SweepConfig, MeasuredRunConfig)
+    assert issubclass(ServeBenchConfig, PairRunConfig) and issubclass(MeasuredRunConfig, PairRunConfig)
+    config = SweepConfig(
+        prompts="p", out="o", num_prompts=5, target="t", draft="d", device="cpu", dtype="float32",
+        load_options={"revision": "r"}, max_new_tokens=9, repeats=4, seed=7, progress=False,
+    )
+    inner = bench_config(config)
+    for f in dataclasses.fields(MeasuredRunConfig):
+        assert getattr(inner, f.name) == getattr(config, f.name), f.name
+    assert inner.load_options is not config.load_options
+    assert inner.methods == ["ar"] and inner.verify == ["greedy"] and inner.batch_size == 1
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    pair = pair_fields(parser.parse_args(["--target", "t", "--device", "cpu"]))
+    assert set(pair) | {"prompts", "out", "num_prompts"} == {f.name for f in dataclasses.fields(PairRunConfig)}
+    assert pair["target"] == "t" and pair["device"] == "cpu" and pair["load_options"]["trust_remote_code"] is False
+
+
 def test_sweep_end_to_end(tiny_pair_dir, tmp_path, capsys):
     out = tmp_path / "out"
     args = _sweep_args(tiny_pair_dir, _prompts(tmp_path), out, "--depths", "2,3", "--branchings", "2", "--taus", "0.01,0.1")

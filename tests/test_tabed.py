@@ -15,7 +15,8 @@ from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.multimodal.views import CaptionView, ModelCaptioner, PassThroughView, PooledImageView, TextOnlyView, TruncatedView, parse_views
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, logits_to_logprobs
+from specdec.sources.base import AcceptedPaths, TargetPath
 from specdec.sources.ensemble import (
     EnsembleConfig,
     EnsembleDraftSource,
@@ -29,6 +30,33 @@ from specdec.training.lvlm import make_processor
 from specdec.verification import GreedyRule, SamplingRule
 
 POLICIES = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}}
+
+
+def test_target_path_logprobs_per_row_and_repeated():
+    """`TargetPath.logprobs()` is, in one gather, each row's target log-distributions at the
+    root and along its accepted path (the per-row loop the engine used to run for TABED);
+    `AcceptedPaths.repeat_rows` maps row r*m + j to row r without copying the logits."""
+    g = torch.Generator().manual_seed(0)
+    b, n, v = 3, 6, 11
+    logits = torch.randn(b, n, v, generator=g)
+    paths = [[2, 4], [], [1, 3]]
+    index = torch.tensor([[0, *p, *[0] * (2 - len(p))] for p in paths])
+    params = SamplingParams(temperature=0.7, top_k=5)
+    target = TargetPath(logits, torch.arange(b), index, params)
+    got = target.logprobs()
+    assert got.shape == (b, 3, v)
+    for row, path in enumerate(paths):
+        want = logits_to_logprobs(logits[row, torch.tensor([0, *path])], params)
+        torch.testing.assert_close(got[row, : 1 + len(path)], want)
+    accepted = AcceptedPaths(
+        nodes=index[:, 1:], length=torch.tensor([2, 0, 2]), tokens=torch.zeros(b, n, dtype=torch.long),
+        host_nodes=paths, host_tokens=[[7] * len(p) for p in paths], host_active=[True, False, True], target=target,
+    )
+    rep = accepted.repeat_rows(2)
+    assert rep.host_active == [True, True, False, False, True, True] and rep.host_nodes[4] == paths[2]
+    assert rep.target.logits is logits
+    torch.testing.assert_close(rep.target.logprobs(), got.repeat_interleave(2, dim=0))
+    assert rep.length.tolist() == [2, 2, 0, 0, 2, 2]
 
 
 def test_grid_weights():

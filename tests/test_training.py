@@ -93,3 +93,20 @@ def test_evaluate_pair_figures(tiny_pair_dir):
     assert 0 <= figures["top1_agreement"] <= 1
     assert set(figures["latency_ms"]["target"]) == {1, 16, 64} and all(v > 0 for v in figures["latency_ms"]["draft"].values())
     assert figures["target_params"] > figures["draft_params"]
+
+
+def test_one_bpe_builder_for_text_and_vision_tokenizers(tmp_path):
+    """The text pair's and the LVLM pair's tokenizers come from one builder: the same
+    specials in the same order (EOS = BOS, then pad, then the image token for LVLMs)."""
+    from specdec.multimodal.inputs import IMAGE_PLACEHOLDER
+    from specdec.training.lvlm import train_lvlm_tokenizer
+    from specdec.training.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer
+
+    texts = ["USER: <image>\nWhat is on the left? ASSISTANT: a red cube"] * 40 + ["def f(x):\n    return x + 1\n"] * 40
+    text = train_tokenizer(texts, tmp_path / "tok", vocab_size=320)
+    assert [text.convert_ids_to_tokens(i) for i in (0, 1)] == [EOS_TOKEN, PAD_TOKEN]
+    assert text.bos_token == text.eos_token == EOS_TOKEN and text.model_max_length == 2048
+    assert IMAGE_PLACEHOLDER not in text.get_vocab() and AutoTokenizer.from_pretrained(tmp_path / "tok").get_vocab() == text.get_vocab()
+    vision = train_lvlm_tokenizer(texts, None, 320)
+    assert vision.convert_ids_to_tokens(2) == IMAGE_PLACEHOLDER == vision.image_token and vision.model_max_length == 1024
+    assert vision("USER: <image>\nx").input_ids.count(2) == 1  # the placeholder is one special token

@@ -26,8 +26,6 @@ V = 8
 class FixedDraft:
     """Every node's children distribution is `logprobs` [V]."""
 
-    needs_target_logprobs = False
-
     def __init__(self, logprobs: torch.Tensor) -> None:
         self.logprobs = logprobs
 

@@ -31,25 +31,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.api import SpeculativeDecoder, resolve_verify
+from specdec.bench.config import MeasuredRunConfig
 from specdec.bench.defaults import BENCH_METHODS
 from specdec.bench.divergence import classify
+from specdec.bench.pair import LoadedPair, load_pair, pair_paths
 from specdec.bench.peers import PeerOutput, peer_needs_draft, run_peer, sync_device
 from specdec.bench.prompts import BenchPrompt, load_prompts, resolve_prompt_source
 from specdec.bench.quality import CODE_PROMPT_MODES, QualityScorer, is_code_prompt
 from specdec.bench.variants import BASELINE, Variant, make_variants, parse_method_specs
 from specdec.errors import SpecDecError
 from specdec.hostwork import HostWorkCounter
-from specdec.methods import make_policy
-from specdec.models.loading import (
-    bundled_draft,
-    bundled_target,
-    check_same_tokenizer,
-    load_model,
-    load_processor,
-    load_tokenizer,
-    pair_load_options,
-)
-from specdec.multimodal.inputs import MultimodalPrompt, is_multimodal
+from specdec.methods import method_uses_draft
+from specdec.multimodal.inputs import MultimodalPrompt
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats, batch_stats, mean_nll
 from specdec.verification import make_rule
@@ -78,29 +71,18 @@ TURN_SEPARATOR = "\n\n"
 
 
 @dataclass
-class BenchConfig:
-    """Everything that defines a benchmark run (saved in results.json)."""
+class BenchConfig(MeasuredRunConfig):
+    """Everything that defines a benchmark run (saved in results.json): the prompts, pair and
+    measurement fields of `MeasuredRunConfig`, and these."""
 
-    prompts: str
-    """'stdlib-heldout' or a JSONL(.gz) file"""
-    out: str
+    num_prompts: int | None = 10
     methods: list[str] = field(default_factory=lambda: DEFAULT_METHODS.split(","))
     """`--methods` items, e.g. `chain`, `chain:k=3`, `dynatree:phase=0`, `chain@mars:theta=0.9`"""
     verify: list[str] = field(default_factory=lambda: ["auto"])
-    max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     batch_size: int = 1
-    repeats: int = 3
-    num_prompts: int | None = 10
-    """N prompts spread evenly over the set; None = all"""
-    seed: int = 0
-    """seeds the method order shuffle and every sampled call (the same seed for every method)"""
-    target: str | None = None
-    draft: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """per method: the options set on the command line that apply to it"""
     mars_theta: float | None = None
@@ -111,12 +93,9 @@ class BenchConfig:
     """score every completion after the measurement: NLL under the target, code parse share (and AR agreement)"""
     code_prompts: str = "auto"
     """which prompts count as code for the parse share: auto, all, none (`specdec.bench.quality.is_code_prompt`)"""
-    progress: bool = True
     draft_source: str = "model"
     """where engine methods get drafts: the draft model, or n-gram `lookup` (the HF peers keep the draft model)"""
     lookup_ngram: int = 3
-    load_options: dict[str, Any] = field(default_factory=dict)
-    """loading keywords of `SpeculativeDecoder.from_pretrained` (device_map, quantization, revision, ...)"""
 
 
 @dataclass
@@ -326,54 +305,29 @@ def fit_context(ids: list[int], max_context: int | None, max_new_tokens: int) ->
 # ----- the run ------------------------------------------------------------------------
 
 
-@dataclass
-class _Models:
-    target: PreTrainedModel
-    draft: PreTrainedModel | None
-    tokenizer: PreTrainedTokenizerBase
-    target_path: str
-    draft_path: str | None
-    processor: Any = None
-    """the target's image+text processor (vision-language targets only)"""
-
-
-def _load_models(config: BenchConfig, variants: Sequence[Variant]) -> _Models:
-    target_path, draft_path = config.target, config.draft
-    if target_path is None:
-        target_path = bundled_target()
-        draft_path = draft_path or bundled_draft()
+def _load_models(config: BenchConfig, variants: Sequence[Variant]) -> LoadedPair:
+    target_path, draft_path = pair_paths(config)
     needs_draft = [
-        v.method for v in variants if (v.peer and peer_needs_draft(v.method)) or (not v.peer and make_policy(v.method).uses_draft)
+        v.method for v in variants if (v.peer and peer_needs_draft(v.method)) or (not v.peer and method_uses_draft(v.method))
     ]
     if needs_draft and draft_path is None:
         raise SpecDecError(
             f"--methods {', '.join(dict.fromkeys(needs_draft))} need a draft model; pass --draft PATH or drop them from --methods"
         )
-    target_load, draft_load = pair_load_options(**config.load_options)
-    tokenizer = load_tokenizer(target_path, "target", target_load)
-    draft = None
-    if needs_draft and draft_path is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(draft_path, "draft", draft_load))
-        draft = load_model(draft_path, "draft", config.device, config.dtype, draft_load)
-    target = load_model(target_path, "target", config.device, config.dtype, target_load)
-    processor = load_processor(target_path, "target", target_load) if is_multimodal(target) else None
-    return _Models(
-        target=target, draft=draft, tokenizer=tokenizer, target_path=target_path, draft_path=draft_path if draft is not None else None,
-        processor=processor,
-    )
+    return load_pair(config, target_path, draft_path if needs_draft else None)
 
 
 class _Runner:
     """Runs one variant on one group of prompts (all turns); holds the shared models."""
 
-    def __init__(self, config: BenchConfig, models: _Models, variants: Sequence[Variant]) -> None:
+    def __init__(self, config: BenchConfig, models: LoadedPair, variants: Sequence[Variant]) -> None:
         self.config = config
         self.models = models
         self.params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
         self.decoders: dict[str, SpeculativeDecoder] = {}
         for v in variants:
             if not v.peer:
-                draft = models.draft if make_policy(v.method).uses_draft else None
+                draft = models.draft if method_uses_draft(v.method) else None
                 self.decoders[v.label] = SpeculativeDecoder(
                     models.target, models.tokenizer, draft, method=v.method, verify=v.verify, verify_options=v.rule_options,
                     draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, processor=models.processor, **v.options,
@@ -642,7 +596,7 @@ def _classify_divergences(records: Sequence[CallRecord], target: PreTrainedModel
 def _score_quality(
     records: Sequence[CallRecord],
     prompts: Sequence[BenchPrompt],
-    models: _Models,
+    models: LoadedPair,
     eos_token_ids: Sequence[int],
     config: BenchConfig,
 ) -> None:

@@ -28,14 +28,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from specdec.api import SpeculativeDecoder
+from specdec.api import SpeculativeDecoder, needs_draft_model
+from specdec.bench.config import PairRunConfig
 from specdec.bench.defaults import DEFAULT_CONCURRENCY as DEFAULT_CONCURRENCY  # re-exported
 from specdec.bench.defaults import SERVE_METHODS
+from specdec.bench.pair import load_pair, pair_paths
 from specdec.bench.prompts import load_prompts, resolve_prompt_source
 from specdec.bench.variants import BASELINE, Variant, make_variants
 from specdec.errors import SpecDecError
-from specdec.methods import POLICY_CLASSES, make_policy
-from specdec.models.loading import bundled_draft, bundled_target, check_same_tokenizer, load_model, load_tokenizer, pair_load_options
+from specdec.methods import POLICY_CLASSES, method_uses_draft
 
 DEFAULT_METHODS = SERVE_METHODS
 WARMUP_TOKENS = 8
@@ -43,31 +44,22 @@ REQUEST_TIMEOUT_S = 600.0
 
 
 @dataclass
-class ServeBenchConfig:
-    """Everything that defines a bench-serve run (saved in results.json)."""
+class ServeBenchConfig(PairRunConfig):
+    """Everything that defines a bench-serve run (saved in results.json): the prompts and pair
+    fields of `PairRunConfig`, and these."""
 
-    prompts: str
-    out: str
     methods: list[str] = field(default_factory=lambda: DEFAULT_METHODS.split(","))
     """`--methods` items (same syntax as `specdec bench`: METHOD[@RULE][:NAME=VALUE,...])"""
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     requests_per_client: int = 4
     max_tokens: int = 64
     temperature: float = 0.0
-    num_prompts: int | None = None
-    """N prompts spread evenly over the set; None = all"""
     max_batch_size: int | None = None
     """the server's --max-batch-size (default: the largest concurrency)"""
-    target: str | None = None
-    draft: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     mars_theta: float | None = None
     verify: str = "auto"
     decoder_options: dict[str, Any] = field(default_factory=dict)
-    load_options: dict[str, Any] = field(default_factory=dict)
-    """loading keywords of `SpeculativeDecoder.from_pretrained` (device_map, quantization, revision, ...)"""
     """further `SpeculativeDecoder` arguments of every method (draft_source, lookup_ngram, ...)"""
 
 
@@ -295,20 +287,12 @@ def run_serve_bench(config: ServeBenchConfig, argv: Sequence[str] = (), progress
     texts = [p.turns[0] for p in items if not p.images]
     if not texts:
         raise SpecDecError(f"--prompts {config.prompts!r} has no text-only prompt; the server takes text prompts only")
-    target_path, draft_path = config.target, config.draft
-    if target_path is None:
-        target_path = bundled_target()
-        draft_path = draft_path or bundled_draft()
-    needs_draft = any(make_policy(v.method).uses_draft for v in variants) and config.decoder_options.get("draft_source", "model") != "lookup"
+    target_path, draft_path = pair_paths(config)
+    needs_draft = any(needs_draft_model(v.method, config.decoder_options.get("draft_source", "model")) for v in variants)
     if needs_draft and draft_path is None:
         raise SpecDecError("--methods include a drafting method but no draft model was given; pass --draft PATH or use --methods ar")
-    target_load, draft_load = pair_load_options(**config.load_options)
-    tokenizer = load_tokenizer(target_path, "target", target_load)
-    draft = None
-    if needs_draft and draft_path is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(draft_path, "draft", draft_load))
-        draft = load_model(draft_path, "draft", config.device, config.dtype, draft_load)
-    target = load_model(target_path, "target", config.device, config.dtype, target_load)
+    pair = load_pair(config, target_path, draft_path if needs_draft else None)
+    target, draft, tokenizer = pair.target, pair.draft, pair.tokenizer
     device = target.device
 
     max_batch = config.max_batch_size or max(config.concurrency)
@@ -317,7 +301,7 @@ def run_serve_bench(config: ServeBenchConfig, argv: Sequence[str] = (), progress
     texts_by_level: dict[tuple[str, int], dict[int, str]] = {}
     prompts: list[str] = []
     for v in variants:
-        uses_draft = make_policy(v.method).uses_draft
+        uses_draft = method_uses_draft(v.method)
         decoder = SpeculativeDecoder(
             target, tokenizer, draft if uses_draft else None, method=v.method, verify=v.verify, verify_options=v.rule_options,
             **config.decoder_options, **v.options,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.config import MeasuredRunConfig, shared_fields
 from specdec.bench.defaults import DEFAULT_BRANCHINGS, DEFAULT_DEPTHS, DEFAULT_TAUS
 from specdec.bench.defaults import estimate_text as estimate_text  # re-exported
 from specdec.bench.defaults import estimate_tokens as estimate_tokens  # re-exported
@@ -39,11 +40,12 @@ D_MAX_FLOOR = 8
 
 
 @dataclass
-class SweepConfig:
-    """Everything that defines a sweep (saved in sweep.json)."""
+class SweepConfig(MeasuredRunConfig):
+    """Everything that defines a sweep (saved in sweep.json): the prompts, pair and measurement
+    fields of `MeasuredRunConfig`, and the grid."""
 
-    prompts: str
-    out: str
+    num_prompts: int | None = 3
+    repeats: int = 2
     depths: list[int] = field(default_factory=lambda: [int(x) for x in DEFAULT_DEPTHS.split(",")])
     branchings: list[int] = field(default_factory=lambda: [int(x) for x in DEFAULT_BRANCHINGS.split(",")])
     taus: list[float] = field(default_factory=lambda: [float(x) for x in DEFAULT_TAUS.split(",")])
@@ -51,17 +53,6 @@ class SweepConfig:
     """dynatree phase of every point (0: the paper's fixed tree)"""
     max_nodes: int = 256
     """N_max, draft tokens per step (the paper's 256)"""
-    max_new_tokens: int = 128
-    repeats: int = 2
-    num_prompts: int | None = 3
-    seed: int = 0
-    target: str | None = None
-    draft: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    progress: bool = True
-    load_options: dict[str, Any] = field(default_factory=dict)
-    """loading keywords of `SpeculativeDecoder.from_pretrained` (device_map, quantization, revision, ...)"""
 
 
 @dataclass(frozen=True)
@@ -167,24 +158,7 @@ def grid_variants(config: SweepConfig) -> list[Variant]:
 
 def bench_config(config: SweepConfig) -> BenchConfig:
     """The `BenchConfig` the sweep runs under (greedy, batch size 1)."""
-    return BenchConfig(
-        prompts=config.prompts,
-        out=config.out,
-        methods=[BASELINE],
-        verify=["greedy"],
-        max_new_tokens=config.max_new_tokens,
-        temperature=0.0,
-        batch_size=1,
-        repeats=config.repeats,
-        num_prompts=config.num_prompts,
-        seed=config.seed,
-        target=config.target,
-        draft=config.draft,
-        device=config.device,
-        dtype=config.dtype,
-        progress=config.progress,
-        load_options=dict(config.load_options),
-    )
+    return BenchConfig(**shared_fields(config, MeasuredRunConfig), methods=[BASELINE], verify=["greedy"], temperature=0.0, batch_size=1)
 
 
 # ----- the run -------------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from specdec.drafting.builder import Draft, DraftContext
 
 if TYPE_CHECKING:
+    from specdec.cost.profile import CostTableResolver
     from specdec.sources.base import DraftSource
     from specdec.stats import StepRecord
 
@@ -26,4 +27,17 @@ class TreePolicy(Protocol):
 
     def feedback(self, record: StepRecord) -> None:
         """Called after every verification step with its record (adaptive policies learn here)."""
+        ...
+
+
+@runtime_checkable
+class CostAwarePolicy(TreePolicy, Protocol):
+    """A policy that shapes its trees from the pair's forward costs (CAST): the decoder binds
+    it to the loaded models once, sharing one cost-table resolver per `cost_profile`."""
+
+    cost_profile: str | None
+    """a JSON file from `specdec profile`, or None (measure or use an injected table)"""
+
+    def bind_models(self, target: torch.nn.Module, draft: torch.nn.Module | None, resolver: CostTableResolver | None = None) -> None:
+        """Attach the target and draft models (and a shared resolver of their cost tables)."""
         ...

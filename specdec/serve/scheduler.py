@@ -87,7 +87,7 @@ def resolve_lane(decoder: SpeculativeDecoder, temperature: float, top_p: float, 
     method = opts.method if opts.method is not None else decoder.method
     if method not in POLICY_CLASSES:
         raise APIError(400, f"specdec.method {method!r} is not known; choose one of {', '.join(POLICY_CLASSES)}", param="specdec.method")
-    if getattr(POLICY_CLASSES[method], "uses_draft", True) and decoder.draft is None and decoder.draft_source != "lookup":
+    if decoder.lacks_draft_for(method):
         raise APIError(
             400,
             f"specdec.method {method!r} needs a draft model, but this server was started without one (--method {decoder.method}); "

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, logits_to_logprobs
 
 if TYPE_CHECKING:
     from specdec.stats import StepRecord
@@ -34,6 +34,31 @@ class NodeBatch:
 
 
 @dataclass(frozen=True)
+class TargetPath:
+    """The target's distributions on the accepted paths, computed only when asked for."""
+
+    logits: torch.Tensor
+    """[B0, N, V] the verify forward's logits over the step's tree (the engine's own tensor, not a copy)"""
+    rows: torch.Tensor
+    """[B] int64 the `logits` row of each row (arange(B0) unless rows were repeated)"""
+    index: torch.Tensor
+    """[B, 1 + D] int64 the tree positions in `logits` of the root and of each accepted node
+    (entries past 1 + the row's accepted length are padding)"""
+    params: SamplingParams
+    """the step's sampling parameters"""
+
+    def logprobs(self) -> torch.Tensor:
+        """[B, 1 + D, V] float32: the target's log-distributions (after `params`) at the root
+        and at each accepted node, the distributions that decided each committed token; one
+        batched gather, on the logits' device."""
+        return logits_to_logprobs(self.logits[self.rows[:, None], self.index], self.params)
+
+    def repeat_rows(self, m: int) -> TargetPath:
+        """Each row repeated m times in place (no copy of the logits)."""
+        return TargetPath(self.logits, self.rows.repeat_interleave(m), self.index.repeat_interleave(m, dim=0), self.params)
+
+
+@dataclass(frozen=True)
 class AcceptedPaths:
     """What the accept rule kept this step, in the builder's node indices."""
 
@@ -47,9 +72,24 @@ class AcceptedPaths:
     """per row, `nodes[b, :length[b]]` on the host (read once per step by the engine)"""
     host_tokens: list[list[int]]
     """per row, the accepted tokens on the host"""
-    target_logprobs: list[torch.Tensor | None] | None = None
-    """only for sources with `needs_target_logprobs`: per row [1 + length, V], the target's
-    log-distributions at the root and each accepted node (None for finished rows)"""
+    host_active: list[bool]
+    """per row, whether it ran this step (finished rows did not)"""
+    target: TargetPath
+    """the target's distributions at the root and on the accepted path (adaptive sources learn
+    from them; nothing is computed unless a source calls `target.logprobs()`)"""
+
+    def repeat_rows(self, m: int) -> AcceptedPaths:
+        """Each row repeated m times in place (row r -> rows r*m .. r*m + m - 1), for a source
+        that runs m rows of its own per row of the batch."""
+        return AcceptedPaths(
+            nodes=self.nodes.repeat_interleave(m, dim=0),
+            length=self.length.repeat_interleave(m, dim=0),
+            tokens=self.tokens.repeat_interleave(m, dim=0),
+            host_nodes=[p for p in self.host_nodes for _ in range(m)],
+            host_tokens=[t for t in self.host_tokens for _ in range(m)],
+            host_active=[a for a in self.host_active for _ in range(m)],
+            target=self.target.repeat_rows(m),
+        )
 
 
 class DraftSource(Protocol):
@@ -82,11 +122,9 @@ class DraftSource(Protocol):
         each node's children: [B, k, V] float32."""
         ...
 
-    needs_target_logprobs: bool
-    """whether `end_step` wants the target's distributions on the accepted path"""
-
     def end_step(self, accepted: AcceptedPaths) -> None:
-        """The verdict of the step: keep what the accepted path needs, drop the rest."""
+        """The verdict of the step: keep what the accepted path needs, drop the rest (an
+        adaptive source may also learn from `accepted.target.logprobs()` here)."""
         ...
 
     def feedback(self, record: StepRecord) -> None:

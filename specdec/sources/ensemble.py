@@ -184,8 +184,6 @@ def _repeat_rows(t: torch.Tensor, m: int) -> torch.Tensor:
 class EnsembleDraftSource:
     """m drafting views of one draft model, batched, mixed with test-time adaptive weights."""
 
-    needs_target_logprobs = True
-
     def __init__(
         self, model: PreTrainedModel, views: Sequence[PromptView], config: EnsembleConfig | None = None, prior: EnsemblePrior | None = None,
         vocab: VocabFit | None = None,
@@ -269,25 +267,15 @@ class EnsembleDraftSource:
         return mixture_logprobs(view_logprobs, self.weights)
 
     def end_step(self, accepted: AcceptedPaths) -> None:
-        m = self.m
-        self.inner.end_step(
-            AcceptedPaths(
-                nodes=_repeat_rows(accepted.nodes, m),
-                length=_repeat_rows(accepted.length, m),
-                tokens=_repeat_rows(accepted.tokens, m),
-                host_nodes=[p for p in accepted.host_nodes for _ in range(m)],
-                host_tokens=[t for t in accepted.host_tokens for _ in range(m)],
-            )
-        )
-        if accepted.target_logprobs is None:
-            return
-        for row, (path, p_log) in enumerate(zip(accepted.host_nodes, accepted.target_logprobs, strict=True)):
-            if p_log is None:
+        self.inner.end_step(accepted.repeat_rows(self.m))
+        p_logs = accepted.target.logprobs()  # [B, 1 + D, V]
+        for row, path in enumerate(accepted.host_nodes):
+            if not accepted.host_active[row]:
                 continue
             for i, node in enumerate([0, *path]):  # the distributions that decided each committed token
                 q_log = self._root_q[row] if node == 0 else self._node_q(row, node)
                 if q_log is not None:
-                    self._observe(row, p_log[i], q_log)
+                    self._observe(row, p_logs[row, i], q_log)
 
     def _node_q(self, row: int, node: int) -> torch.Tensor | None:
         """The views' [m, V] children distributions of builder node `node`, if it was expanded."""

@@ -44,7 +44,6 @@ class LookupDraftSource:
     """longest n-gram matched"""
     min_ngram: int = 1
     """shortest n-gram matched"""
-    needs_target_logprobs = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:

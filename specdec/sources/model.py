@@ -45,8 +45,6 @@ class ModelDraftSource:
     ancestors' slots, never its siblings'. Everything stays on the device: no host reads.
     """
 
-    needs_target_logprobs = False
-
     def __init__(self, model: PreTrainedModel, view: PromptView | None = None, vocab: VocabFit | None = None) -> None:
         """view: how the draft sees a prompt (e.g. text only, for a text-only draft of a
         vision-language target); None = the target's own token ids and image inputs.

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import ByteLevelBPETokenizer
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast
 
 from specdec.errors import SpecDecError
 from specdec.multimodal.inputs import IMAGE_PLACEHOLDER
+from specdec.training.tokenizer import bpe_tokenizer
 
 EOS = "</s>"
 PAD = "<pad>"
@@ -100,18 +100,7 @@ def lvlm_config(size: LvlmSize, tokenizer: PreTrainedTokenizerFast) -> LlavaConf
 
 def train_lvlm_tokenizer(texts: Iterable[str], out_dir: Path | None = None, vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     """Byte-level BPE with `</s>` (EOS), `<pad>` and `<image>` as special tokens."""
-    bpe = ByteLevelBPETokenizer(add_prefix_space=False, trim_offsets=True)
-    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD, IMAGE_PLACEHOLDER])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=EOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=None,
-        extra_special_tokens={"image_token": IMAGE_PLACEHOLDER},
-        model_max_length=1024,
-        clean_up_tokenization_spaces=False,
-    )
+    tokenizer = bpe_tokenizer(texts, vocab_size, EOS, PAD, max_length=1024, image_token=IMAGE_PLACEHOLDER)
     tokenizer.chat_template = CHAT_TEMPLATE
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,23 +14,26 @@ EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
 
+def bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int, eos: str, pad: str, max_length: int, min_frequency: int = 2, image_token: str | None = None
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on `texts`, with `eos` (also BOS) and `pad` (and `image_token`,
+    for vision-language pairs) as special tokens, wrapped for transformers."""
+    bpe = ByteLevelBPETokenizer(add_prefix_space=False, trim_offsets=True)
+    specials = [eos, pad, *([image_token] if image_token is not None else [])]
+    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials)
+    extra = {"extra_special_tokens": {"image_token": image_token}} if image_token is not None else {}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token=eos, eos_token=eos, pad_token=pad, unk_token=None, model_max_length=max_length,
+        clean_up_tokenization_spaces=False, **extra,
+    )
+
+
 def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 8192, min_frequency: int = 2) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on `texts` and save it so `AutoTokenizer.from_pretrained(out_dir)` loads it."""
     if vocab_size < 300:
         raise SpecDecError(f"vocab_size={vocab_size} is too small for byte-level BPE (256 bytes + specials); use >= 300")
-    bpe = ByteLevelBPETokenizer(add_prefix_space=False, trim_offsets=True)
-    bpe.train_from_iterator(
-        texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS_TOKEN, PAD_TOKEN]
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=EOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        unk_token=None,
-        pad_token=PAD_TOKEN,
-        model_max_length=2048,
-        clean_up_tokenization_spaces=False,
-    )
+    tokenizer = bpe_tokenizer(texts, vocab_size, EOS_TOKEN, PAD_TOKEN, max_length=2048, min_frequency=min_frequency)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     return tokenizer
