@@ -117,6 +117,8 @@ class BenchConfig:
     lookup_ngram: int = 3
     load_options: dict[str, Any] = field(default_factory=dict)
     """loading keywords of `SpeculativeDecoder.from_pretrained` (device_map, quantization, revision, ...)"""
+    cuda_graphs: str = "auto"
+    """CUDA graphs of the engine methods' forwards: auto (on for CUDA), on, off"""
 
 
 @dataclass
@@ -373,7 +375,8 @@ class _Runner:
                 draft = models.draft if make_policy(v.method).uses_draft else None
                 self.decoders[v.label] = SpeculativeDecoder(
                     models.target, models.tokenizer, draft, method=v.method, verify=v.verify, verify_options=v.rule_options,
-                    draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, processor=models.processor, **v.options,
+                    draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, processor=models.processor,
+                    cuda_graphs=config.cuda_graphs, **v.options,
                 )
         probe = SpeculativeDecoder(models.target, models.tokenizer, models.draft, method=BASELINE, processor=models.processor)
         self.probe = probe
@@ -383,6 +386,19 @@ class _Runner:
         self.process = psutil.Process()
         self.assistant_start = models.draft.generation_config.num_assistant_tokens if models.draft is not None else None
         self.truncated: set[tuple[str, int]] = set()
+
+    def capture_graphs(self, groups: Sequence[Sequence[BenchPrompt]]) -> None:
+        """With CUDA graphs on, capture every node-count bucket's forwards of both models before
+        anything is timed (caches sized for the longest prompt plus the new tokens); shapes this
+        misses (a cache that grew wider) are captured on first use, in the first repeat."""
+        decoders = [d for d in self.decoders.values() if d.cuda_graphs]
+        if not decoders:
+            return
+        longest = max(len(self.models.tokenizer(TURN_SEPARATOR.join(p.turns))["input_ids"]) for g in groups for p in g)
+        if self.max_context:
+            longest = min(longest, self.max_context)
+        with_draft = next((d for d in decoders if d.draft is not None), decoders[0])
+        with_draft.warm_up([len(groups[0])], context=longest + self.config.max_new_tokens)
 
     def seed(self, repeat: int, group: int, turn: int) -> int:
         """The same seed for every method on the same call."""
@@ -555,6 +571,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
     rng = random.Random(config.seed)
     records: list[CallRecord] = []
     t_start = time.perf_counter()
+    runner.capture_graphs(groups)
     with _progress(config.progress) as progress:
         warm = progress.add_task("warm-up", total=len(variants))
         kept: list[Variant] = []

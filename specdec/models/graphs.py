@@ -53,6 +53,20 @@ def resolve_cuda_graphs(mode: str | bool | None, device: torch.device | str) -> 
     return mode == "on" or (mode == "auto" and device_type == "cuda")
 
 
+def check_cuda_graphs(mode: str | bool | None, device: str | torch.device | None) -> None:
+    """Fail early (before loading models) on a bad mode, or 'on' with a device that is not CUDA;
+    device None or 'auto' is checked later, against where the model was placed."""
+    if device is None or str(device) == "auto":
+        if mode not in (*CUDA_GRAPH_MODES, None, True, False):
+            raise SpecDecError(f"--cuda-graphs {mode!r} must be one of {', '.join(CUDA_GRAPH_MODES)}")
+        return
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return  # a malformed device is reported where the model is loaded
+    resolve_cuda_graphs(mode, torch_device)
+
+
 def _graph_pool(device: torch.device) -> Any:
     index = device.index if device.index is not None else torch.cuda.current_device()
     pool = _POOLS.get(index)

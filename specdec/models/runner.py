@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.graphs import CudaGraphRunner
-from specdec.models.static import StaticInputs, StoragePool, node_bucket, shared_state
+from specdec.models.static import BUCKETS, StaticInputs, StoragePool, node_bucket, shared_state
 
 CAPACITY_STEP = 256
 """cache capacity grows in multiples of this many slots"""
@@ -572,6 +573,32 @@ class ModelRunner:
         self._map_storage(randomize)
         self.slot_valid = torch.ones(batch_size, context, dtype=torch.bool, device=self.device)
         cache.length = context
+
+    @torch.inference_mode()
+    def warm_up(self, batch_sizes: Sequence[int], context: int = 0, max_tokens: int = 64) -> int:
+        """Run one static-shape forward of every node-count bucket up to `max_tokens` at each
+        batch size, over a cache with room for `context` slots (capturing CUDA graphs when they
+        are on), so that capture costs are paid here and not inside a timed call. The caches go
+        back to the model's pool, where a later prefill of the same batch size and a similar
+        context takes them (their addresses are what the graphs captured). Returns the number
+        of forwards run: 0 without static shapes. Leaves the runner empty (reset it before use)."""
+        if not self.static_shapes:
+            return 0
+        runs = 0
+        buckets = [m for m in BUCKETS if m <= node_bucket(max(1, max_tokens))]
+        for b in batch_sizes:
+            self.reset(b, capacity=context + CAPACITY_STEP)
+            one = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+            self.forward(one, one, torch.ones(b, 1, 1, dtype=torch.bool, device=self.device))  # allocates every layer (eager)
+            self.rollback()
+            for m in buckets:
+                ids = torch.zeros(b, m, dtype=torch.long, device=self.device)
+                self.forward(ids, ids, torch.zeros(b, m, 0, dtype=torch.bool, device=self.device))  # each token sees only itself
+                self.rollback()
+                runs += 1
+        self._release()
+        self.reset(0)
+        return runs
 
     @torch.inference_mode()
     def compact_if_wasteful(self, max_waste: float = 0.25, min_slots: int = 64) -> None:
