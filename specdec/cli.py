@@ -455,6 +455,7 @@ def _add_bench(sub) -> None:
         help="'stdlib-heldout' (the bundled set; the default) or a JSONL(.gz) file with 'prompt' or 'turns' lines; with --synthetic: the pair's random-token prompts",
     )
     add_model_args(bench)
+    add_graphs_arg(bench)
     add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS, extra_methods=PEERS)
     add_sampling_args(bench)
     bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by the engine (peers only run at 1)")
