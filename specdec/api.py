@@ -16,6 +16,7 @@ from specdec.drafting.base import CostAwarePolicy, TreePolicy
 from specdec.engine import EngineOutput, SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy, method_uses_draft
+from specdec.models.graphs import check_cuda_graphs, resolve_cuda_graphs
 from specdec.models.loading import (
     LoadOptions,
     bundled_draft,
@@ -150,9 +151,16 @@ class SpeculativeDecoder:
         draft_processor: Any = None,
         views: str | Sequence[str] = "M,T",
         ensemble_options: Mapping[str, Any] | None = None,
+        *,
+        cuda_graphs: str | bool = "auto",
+        static_shapes: bool = False,
         **method_options: Any,
     ) -> None:
-        """processor / draft_processor: the image+text processors of LLaVA-family models
+        """cuda_graphs: 'auto' (on for a target on one CUDA device, off elsewhere), 'on' (needs
+        CUDA) or 'off': capture the draft and verify forwards as CUDA graphs per batch size and
+        node-count bucket (`specdec.models.graphs`); static_shapes: the capturable forward mode
+        without graphs (implied by graphs; on CPU for tests);
+        processor / draft_processor: the image+text processors of LLaVA-family models
         (prompts with images need the target's);
         views, ensemble_options: for draft_source="tabed", the drafting views ("M,T,C,P",
         tailN) and the weight rule (EnsembleConfig fields: policy, distance, window, ...);
@@ -161,6 +169,8 @@ class SpeculativeDecoder:
         draft_source: "model" (the draft model) or "lookup" (n-gram prompt lookup, no draft
         model; `lookup_ngram` is the longest n-gram matched)."""
         check_draft_source(draft_source, lookup_ngram)
+        self.cuda_graphs = _resolve_graphs(cuda_graphs, target)
+        self.static_shapes = static_shapes or self.cuda_graphs
         self.draft_source = draft_source
         self.lookup_ngram = lookup_ngram
         self.view_names = parse_views(views)
@@ -213,6 +223,8 @@ class SpeculativeDecoder:
         revision: str | None = None,
         draft_revision: str | None = None,
         trust_remote_code: bool = False,
+        cuda_graphs: str | bool = "auto",
+        static_shapes: bool = False,
         **method_options: Any,
     ) -> SpeculativeDecoder:
         """Load from local folders or hub ids, or take models already loaded; with no target,
@@ -233,9 +245,11 @@ class SpeculativeDecoder:
         attn_implementation: 'eager' or 'sdpa' for both models (tree masks rule out flash attention).
         revision / draft_revision: hub branch, tag or commit of the target / draft.
         trust_remote_code: run modelling code shipped with either checkpoint.
+        cuda_graphs: 'auto' (on for CUDA), 'on' (needs CUDA) or 'off'; static_shapes: see `__init__`.
         verify="mars" with mars_theta=0.9 (or verify_options={"theta": 0.9}) selects MARS.
         """
         make_policy(method, **method_options)  # fail on bad options before loading anything
+        check_cuda_graphs(cuda_graphs, device)  # a bad mode, or 'on' with a CPU device: fail before loading
         options = rule_options(verify, verify_options, mars_theta)
         check_draft_source(draft_source, lookup_ngram)
         make_ensemble_config(ensemble_options, len(parse_views(views)))
@@ -281,7 +295,7 @@ class SpeculativeDecoder:
         return cls(
             target_model, tokenizer, draft_model, method=method, verify=verify, verify_options=options,
             draft_source=draft_source, lookup_ngram=lookup_ngram, processor=processor, draft_processor=draft_processor,
-            views=views, ensemble_options=ensemble_options, **method_options,
+            views=views, ensemble_options=ensemble_options, cuda_graphs=cuda_graphs, static_shapes=static_shapes, **method_options,
         )
 
     def draft_view(self) -> PromptView | None:
@@ -338,8 +352,23 @@ class SpeculativeDecoder:
         if self.draft is None:
             return None
         if self.draft_source == "tabed":
-            return EnsembleDraftSource(self.draft, self.ensemble_views(), dataclasses.replace(self.ensemble_config), self.ensemble_prior, vocab=self.vocab_fit)
-        return ModelDraftSource(self.draft, view=self.draft_view(), vocab=self.vocab_fit)
+            return EnsembleDraftSource(
+                self.draft, self.ensemble_views(), dataclasses.replace(self.ensemble_config), self.ensemble_prior, vocab=self.vocab_fit, **self._draft_modes()
+            )
+        return ModelDraftSource(self.draft, view=self.draft_view(), vocab=self.vocab_fit, **self._draft_modes())
+
+    def _draft_modes(self) -> dict[str, bool]:
+        """The draft runner's forward mode: the target's (graphs only when the draft is on CUDA too)."""
+        assert self.draft is not None
+        on_cuda = next(self.draft.parameters()).device.type == "cuda"
+        return {"static_shapes": self.static_shapes, "cuda_graphs": self.cuda_graphs and on_cuda}
+
+    def warm_up(self, batch_sizes: Sequence[int] = (1,), context: int = 0, max_tokens: int = 64) -> int:
+        """Capture the CUDA graphs (with graphs on) of both models' forwards for every node-count
+        bucket up to `max_tokens` at each batch size, over caches with room for `context` slots,
+        so that capture costs are not paid inside a timed call (`SpeculativeEngine.warm_up`).
+        Returns the number of forwards run; 0 without static shapes."""
+        return self.engine(resolve_verify(self.verify, 0.0)).warm_up(batch_sizes, context=context, max_tokens=max_tokens)
 
     def ensemble_views(self) -> list[PromptView]:
         """The TABED views (built once; the caption view keeps its captions across calls)."""
@@ -390,6 +419,8 @@ class SpeculativeDecoder:
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             max_context=self.max_context,
+            static_shapes=self.static_shapes,
+            cuda_graphs=self.cuda_graphs,
         )
 
     def encode(self, prompt: str, images: Sequence[str | Path | Image.Image] | None = None) -> Sequence[int]:
@@ -472,3 +503,14 @@ class SpeculativeDecoder:
     def _result(self, out: EngineOutput) -> GenerationResult:
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return GenerationResult(text=text, token_ids=out.token_ids, finish_reason=out.finish_reason, stats=out.stats)
+
+
+def _resolve_graphs(mode: str | bool, target: PreTrainedModel) -> bool:
+    """`resolve_cuda_graphs` for a loaded target: 'auto' is off for a model spread over several
+    devices (a device map), where one graph cannot hold the forward."""
+    placement = getattr(target, "hf_device_map", None) or {}
+    devices = {str(d) for d in placement.values()}
+    device = next(target.parameters()).device
+    if len(devices) > 1 and mode in ("auto", None):
+        return False
+    return resolve_cuda_graphs(mode, device)

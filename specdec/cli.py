@@ -54,6 +54,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true", help="run modelling code shipped with a checkpoint (only for checkpoints you trust)")
 
 
+def add_graphs_arg(p: argparse.ArgumentParser) -> None:
+    """--cuda-graphs, for the commands that run decoding forwards."""
+    p.add_argument(
+        "--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+        help="capture the draft and verify forwards as CUDA graphs per batch size and node-count bucket: auto (default: on for CUDA, off elsewhere), on (needs CUDA), off",
+    )
+
+
+def check_graphs_arg(args: argparse.Namespace) -> None:
+    """`--cuda-graphs on` with a device that is not CUDA: a one-line error before loading."""
+    from specdec.models.graphs import check_cuda_graphs
+
+    check_cuda_graphs(args.cuda_graphs, args.device)
+
+
 def load_kwargs(args: argparse.Namespace) -> dict:
     """The loading flags as `SpeculativeDecoder.from_pretrained` keywords."""
     return {
@@ -192,6 +207,7 @@ def ensemble_options(args: argparse.Namespace) -> dict:
 def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
     add_model_args(gen)
+    add_graphs_arg(gen)
     add_method_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", default=[], help="the text to continue (repeat for several prompts)")
@@ -220,10 +236,11 @@ def _decoder_for(args: argparse.Namespace, target: str | None, draft: str | None
     options = collect_method_options(args, args.method)
     if args.mars_theta is not None and args.verify != "mars":
         raise SpecDecError(f"--mars-theta applies only to --verify mars (got --verify {args.verify})")
+    check_graphs_arg(args)
     return SpeculativeDecoder.from_pretrained(
         target, draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta,
         draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, views=args.views, ensemble_options=ensemble_options(args),
-        **load_kwargs(args), **options,
+        cuda_graphs=args.cuda_graphs, **load_kwargs(args), **options,
     )
 
 
@@ -311,6 +328,7 @@ def _add_serve(sub) -> None:
         "method, rule or MARS theta in their `specdec` field. Design, API and metrics: docs/serving.md.",
     )
     add_model_args(srv)
+    add_graphs_arg(srv)
     add_method_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 for every interface)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port (8000)")
@@ -352,6 +370,7 @@ def check_port_free(host: str, port: int) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     require(None, "serve", "specdec serve")
     _check_server_args(args)
+    check_graphs_arg(args)
     check_port_free(args.host, args.port)
     from specdec.serve import create_app, serve
 
@@ -374,6 +393,7 @@ def _add_bench_serve(sub) -> None:
     )
     bench.add_argument("--prompts", default="stdlib-heldout", help="'stdlib-heldout' (the bundled set) or a JSONL(.gz) file with 'prompt' or 'turns' lines")
     add_model_args(bench)
+    add_graphs_arg(bench)
     add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS)
     bench.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help=f"comma-separated numbers of concurrent clients ({DEFAULT_CONCURRENCY})")
     bench.add_argument("--requests-per-client", type=int, default=4, help="requests each client sends, one after another (4)")
@@ -401,6 +421,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         raise SpecDecError(f"--mars-theta applies only to --verify mars or items METHOD@mars (got --verify {args.verify})")
     if args.num_prompts < 0:
         raise SpecDecError(f"--num-prompts {args.num_prompts} must be 0 (all) or more")
+    check_graphs_arg(args)
     config = ServeBenchConfig(
         prompts=args.prompts,
         out=args.out,
@@ -417,6 +438,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         verify=args.verify,
         decoder_options={
             "draft_source": args.draft_source, "lookup_ngram": args.lookup_ngram, "views": args.views, "ensemble_options": ensemble_options(args),
+            "cuda_graphs": args.cuda_graphs,
         },
     )
     outputs = run_serve_bench(config, getattr(args, "argv", ()))
@@ -434,6 +456,7 @@ def _add_bench(sub) -> None:
         help="'stdlib-heldout' (the bundled set; the default) or a JSONL(.gz) file with 'prompt' or 'turns' lines; with --synthetic: the pair's random-token prompts",
     )
     add_model_args(bench)
+    add_graphs_arg(bench)
     add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS, extra_methods=PEERS)
     add_sampling_args(bench)
     bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by the engine (peers only run at 1)")
@@ -576,7 +599,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         draft_source=args.draft_source,
         lookup_ngram=args.lookup_ngram,
+        cuda_graphs=args.cuda_graphs,
     )
+    check_graphs_arg(args)
     if args.synthetic is not None:
         return _cmd_whatif(args, config)
     if args.batch_sizes:
@@ -816,6 +841,7 @@ def _cmd_train_evaluate(args: argparse.Namespace) -> int:
 def _add_profile(sub) -> None:
     prof = sub.add_parser("profile", help="measure target/draft forward latencies f(B, c, n) for --method cast")
     add_model_args(prof)
+    add_graphs_arg(prof)
     prof.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated batch sizes B (default 1,2,4,8,16)")
     prof.add_argument("--context-step", type=int, default=256, help="L: contexts are L, 2L, ..., M*L tokens (256)")
     prof.add_argument("--contexts", type=int, default=4, help="M: number of context buckets (4)")
@@ -843,9 +869,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     draft_name = args.draft or (bundled_draft() if args.target is None else None)
     if draft_name is None:
         raise SpecDecError("--draft is required with --target: a cost profile covers both models of the pair")
+    check_graphs_arg(args)
     target_load, draft_load = pair_load_options(**load_kwargs(args))
     target = load_model(target_name, "target", args.device, args.dtype, target_load)
     draft = load_model(draft_name, "draft", args.device, args.dtype, draft_load)
+    from specdec.models.graphs import resolve_cuda_graphs
+
+    graphs = resolve_cuda_graphs(args.cuda_graphs, next(target.parameters()).device)
     longest = grid.context_step * grid.num_contexts + grid.n_grid[-1]  # positions of the longest measured forward
     limits = [c for c in (context_length(target), context_length(draft)) if c]
     if limits and longest > min(limits):
@@ -855,7 +885,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             f"beyond the models' context of {min(limits)}; use --context-step {step} or less (or fewer --contexts, a smaller --n-grid)"
         )
     print(f"profiling {grid.points()} points per model (batch sizes {list(grid.batch_sizes)}, contexts up to {grid.context_step * grid.num_contexts})", file=sys.stderr)
-    table = profile_models(target, draft, grid, progress=lambda line: print(line, file=sys.stderr))
+    table = profile_models(target, draft, grid, progress=lambda line: print(line, file=sys.stderr), cuda_graphs=graphs)
     path = table.save(args.out)
     print(describe(table))
     print(f"cost profile: {path} ({table.meta['seconds']} s)")

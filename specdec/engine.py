@@ -173,10 +173,14 @@ class SpeculativeEngine:
         eos_token_ids: Sequence[int] = (),
         pad_token_id: int = 0,
         max_context: int | None = None,
+        static_shapes: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
+        """static_shapes, cuda_graphs: the target runner's forward mode (`ModelRunner`; the
+        draft source's runner gets its own)."""
         if policy.uses_draft and source is None:
             raise SpecDecError(f"method {policy.name!r} needs a draft model; pass --draft or use --method ar")
-        self.target = ModelRunner(target)
+        self.target = ModelRunner(target, static_shapes=static_shapes, cuda_graphs=cuda_graphs)
         self.policy = policy
         self.rule = rule
         self.source = source if policy.uses_draft else None
@@ -273,6 +277,17 @@ class SpeculativeEngine:
             assert request.finish_reason is not None
             results.append(EngineOutput(token_ids=request.token_ids, finish_reason=request.finish_reason, stats=request.stats, steps=session.records))
         return results
+
+    def warm_up(self, batch_sizes: Sequence[int], context: int = 0, max_tokens: int = 64) -> int:
+        """Run (with CUDA graphs: capture) the static-shape forwards of the target and the draft
+        model for every node-count bucket up to `max_tokens` at each batch size, over caches with
+        room for `context` slots, so that capture costs land here and not in a timed call.
+        Returns the number of forwards run; 0 without static shapes. Resets both caches."""
+        runners = [self.target]
+        draft_runner = getattr(self.source, "runner", None)
+        if isinstance(draft_runner, ModelRunner) and draft_runner is not self.target:
+            runners.append(draft_runner)
+        return sum(runner.warm_up(batch_sizes, context=context, max_tokens=max_tokens) for runner in runners)
 
     def _forward_s(self) -> float:
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)

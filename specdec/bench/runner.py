@@ -96,6 +96,8 @@ class BenchConfig(MeasuredRunConfig):
     draft_source: str = "model"
     """where engine methods get drafts: the draft model, or n-gram `lookup` (the HF peers keep the draft model)"""
     lookup_ngram: int = 3
+    cuda_graphs: str = "auto"
+    """CUDA graphs of the engine methods' forwards: auto (on for CUDA), on, off"""
 
 
 @dataclass
@@ -330,7 +332,8 @@ class _Runner:
                 draft = models.draft if method_uses_draft(v.method) else None
                 self.decoders[v.label] = SpeculativeDecoder(
                     models.target, models.tokenizer, draft, method=v.method, verify=v.verify, verify_options=v.rule_options,
-                    draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, processor=models.processor, **v.options,
+                    draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, processor=models.processor,
+                    cuda_graphs=config.cuda_graphs, **v.options,
                 )
         probe = SpeculativeDecoder(models.target, models.tokenizer, models.draft, method=BASELINE, processor=models.processor)
         self.probe = probe
@@ -350,6 +353,19 @@ class _Runner:
             for source in decoder.prepare_costs(self.config.batch_size, progress=self.config.progress).values():
                 sources[label] = source.to_dict()
         return sources
+
+    def capture_graphs(self, groups: Sequence[Sequence[BenchPrompt]]) -> None:
+        """With CUDA graphs on, capture every node-count bucket's forwards of both models before
+        anything is timed (caches sized for the longest prompt plus the new tokens); shapes this
+        misses (a cache that grew wider) are captured on first use, in the first repeat."""
+        decoders = [d for d in self.decoders.values() if d.cuda_graphs]
+        if not decoders:
+            return
+        longest = max(len(self.models.tokenizer(TURN_SEPARATOR.join(p.turns))["input_ids"]) for g in groups for p in g)
+        if self.max_context:
+            longest = min(longest, self.max_context)
+        with_draft = next((d for d in decoders if d.draft is not None), decoders[0])
+        with_draft.warm_up([len(groups[0])], context=longest + self.config.max_new_tokens)
 
     def seed(self, repeat: int, group: int, turn: int) -> int:
         """The same seed for every method on the same call."""
@@ -523,6 +539,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
     records: list[CallRecord] = []
     t_start = time.perf_counter()
     cost_profiles = runner.prepare_costs()  # before the progress bars below: its own bar, and no measuring in a timed call
+    runner.capture_graphs(groups)
     with _progress(config.progress) as progress:
         warm = progress.add_task("warm-up", total=len(variants))
         kept: list[Variant] = []

@@ -163,15 +163,17 @@ def profile_models(
     grid: ProfileGrid | None = None,
     progress: Callable[[str], None] | None = None,
     on_point: Callable[[], None] | None = None,
+    cuda_graphs: bool = False,
 ) -> CostTable:
     """Measure f_T and f_D on `grid`; returns a CostTable with its provenance in `meta`.
 
     progress: gets a line per batch size and model; on_point: called after every grid point
-    (2 * grid.points() calls: target and draft)."""
+    (2 * grid.points() calls: target and draft). cuda_graphs: measure the forwards as the
+    engine runs them with CUDA graphs (bucketed, replayed)."""
     grid = grid or ProfileGrid()
     generator_dev = next(target.parameters()).device
     generator = torch.Generator(device=generator_dev).manual_seed(0)
-    runners = {"target": ModelRunner(target), "draft": ModelRunner(draft)}
+    runners = {"target": ModelRunner(target, cuda_graphs=cuda_graphs), "draft": ModelRunner(draft, cuda_graphs=cuda_graphs)}
     tables: dict[str, dict[int, list[list[float]]]] = {"target": {}, "draft": {}}
     t_start = time.perf_counter()
     contexts = [(k + 1) * grid.context_step for k in range(grid.num_contexts)]

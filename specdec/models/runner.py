@@ -20,7 +20,9 @@ explicit `position_ids`), so any decoder-only architecture with a standard cache
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,6 +32,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
+from specdec.models.graphs import CudaGraphRunner
+from specdec.models.static import BUCKETS, StaticInputs, StoragePool, node_bucket, shared_state
 
 CAPACITY_STEP = 256
 """cache capacity grows in multiples of this many slots"""
@@ -56,10 +60,14 @@ class SlotLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self.cache
+        keys, values = cache.kv(self.index)
+        if cache.static is not None:  # static shapes: write at the slot indices of a device tensor, attend over the full capacity
+            keys.index_copy_(2, cache.static.slots, key_states)  # slots [n]: the same step slots in every row
+            values.index_copy_(2, cache.static.slots, value_states)
+            return keys, values  # [B, H, capacity, D]; the mask hides every slot that is not visible
         start, n = cache.length, key_states.shape[2]
         if start + n > cache.capacity:
             raise RuntimeError(f"SlotCache overflow: {start} + {n} > capacity {cache.capacity} (ModelRunner reserves room before forwards)")
-        keys, values = cache.kv(self.index)
         keys[:, :, start : start + n].copy_(key_states)
         values[:, :, start : start + n].copy_(value_states)
         return keys[:, :, : start + n], values[:, :, : start + n]
@@ -87,6 +95,8 @@ class SlotLayer(CacheLayerMixin):
             raise AttributeError("SlotLayer.values is a view of the SlotCache storage; write through ModelRunner")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.cache.static is not None:
+            return self.cache.capacity, 0
         return self.cache.length + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -105,24 +115,36 @@ class SlotCache(Cache):
     them); any other layer gets its own [2, B, H', capacity, D'] tensor in `extra`.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, capacity: int) -> None:
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, pool: StoragePool | None = None) -> None:
+        """pool: released storage tensors to take the storage from when one has the right shape
+        (stale contents, hidden: no slot is valid yet), so storage addresses, which CUDA graphs
+        capture, repeat across caches."""
         self.length = 0
         self.capacity = capacity
         self.rows = batch_size
         self.num_layers = num_layers
         self.storage: torch.Tensor | None = None
         self.extra: dict[int, torch.Tensor] = {}
+        self.static: StaticInputs | None = None
+        """set during a static-shape forward: layers write at `static.slots` and return the full capacity"""
+        self.pool = pool
         super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
+
+    def _zeros(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A storage tensor: a pooled one of this shape when there is one (stale values, never
+        visible before they are overwritten), else zeros."""
+        reused = self.pool.take(shape, like.dtype, like.device) if self.pool is not None else None
+        return reused if reused is not None else torch.zeros(shape, dtype=like.dtype, device=like.device)
 
     def _allocate_layer(self, index: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         if self.storage is None and key_states.shape == value_states.shape:
-            self.storage = torch.zeros(self.num_layers, 2, b, h, self.capacity, d, dtype=key_states.dtype, device=key_states.device)
+            self.storage = self._zeros((self.num_layers, 2, b, h, self.capacity, d), key_states)
         storage = self.storage
         if storage is not None and key_states.shape == value_states.shape and storage.shape[3] == h and storage.shape[5] == d and index not in self.extra:
             return
         shape = (2, b, max(h, value_states.shape[1]), self.capacity, max(d, value_states.shape[3]))
-        self.extra[index] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.extra[index] = self._zeros(shape, key_states)
 
     def kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Storage views of layer `index`: keys, values [B, H, capacity, D]."""
@@ -149,12 +171,26 @@ class SlotCache(Cache):
 
 
 class ModelRunner:
-    """Runs one model over a batch of rows with a KV cache it can commit and roll back."""
+    """Runs one model over a batch of rows with a KV cache it can commit and roll back.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    static_shapes: every forward is padded to a node-count bucket, attends over the cache's full
+    capacity and reads its inputs from fixed buffers (`specdec.models.static`): capturable.
+    cuda_graphs: static shapes, and bucketed forwards are captured and replayed as CUDA graphs
+    (`specdec.models.graphs`; needs a CUDA device).
+    """
+
+    def __init__(self, model: PreTrainedModel, static_shapes: bool = False, cuda_graphs: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.static_shapes = static_shapes or cuda_graphs
+        self._shared = shared_state(model) if self.static_shapes else None
+        self.graphs: CudaGraphRunner | None = None
+        if cuda_graphs:
+            assert self._shared is not None
+            if self._shared.graphs is None:
+                self._shared.graphs = CudaGraphRunner(model, self.device)
+            self.graphs = self._shared.graphs
         self.num_layers = _num_cache_layers(model)
         self.cache: SlotCache | None = None
         self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S_past]
@@ -191,12 +227,28 @@ class ModelRunner:
         return self.slot_valid.sum(dim=1)
 
     def reset(self, batch_size: int, capacity: int = CAPACITY_STEP) -> None:
-        self.cache = SlotCache(self.num_layers, batch_size, _round_up(max(capacity, 1)))
+        capacity = _round_up(max(capacity, 1))
+        pool = None
+        if self._shared is not None:  # static shapes: storage comes from (and returns to) the model's pool
+            pool = self._shared.pool
+            self._release()
+            capacity = pool.capacity_for(batch_size, capacity) or capacity
+        self.cache = SlotCache(self.num_layers, batch_size, capacity, pool=pool)
         self.slot_valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
         self.step_len = 0
         self._compact_checked_at = 0
         self.dense = False
         """True while the host knows every committed slot is valid (set by `prefill(dense=True)`, kept by dense commits)"""
+
+    def _release(self) -> None:
+        """Hand the cache's storage back to the model's pool (static shapes)."""
+        if self._shared is not None and self.cache is not None:
+            self._shared.pool.give(self.cache.tensors())
+            self.cache.storage, self.cache.extra = None, {}
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # (at interpreter shutdown)
+            self._release()
 
     def reserve(self, slots: int) -> None:
         """Make room for `slots` slots per row in total (grows the storage; rare)."""
@@ -210,8 +262,32 @@ class ModelRunner:
             shape[slot_dim] = new_capacity - t.shape[slot_dim]
             return torch.cat([t, t.new_zeros(shape)], dim=slot_dim)
 
-        cache.map_tensors(grow)
+        self._map_storage(grow)
         cache.capacity = new_capacity
+
+    def _map_storage(self, fn: Any) -> None:
+        """`cache.map_tensors(fn)`; with static shapes each result lands in storage that keeps
+        addresses repeating (CUDA graphs captured on them stay valid): the old tensor when the
+        shape is unchanged, else a pooled one of the new shape; replaced storage goes to the pool."""
+        cache = self._cache()
+        if self._shared is None:
+            cache.map_tensors(fn)
+            return
+        pool = self._shared.pool
+        old = cache.tensors()
+
+        def place(t: torch.Tensor, batch_dim: int, slot_dim: int) -> torch.Tensor:
+            new = fn(t, batch_dim, slot_dim)
+            if new is t:
+                return t
+            if new.shape == t.shape:
+                return t.copy_(new)
+            pooled = pool.take(tuple(new.shape), new.dtype, new.device)
+            return new if pooled is None else pooled.copy_(new)
+
+        cache.map_tensors(place)
+        kept = {id(t) for t, _, _ in cache.tensors()}
+        pool.give([entry for entry in old if id(entry[0]) not in kept])
 
     def _cache(self) -> SlotCache:
         if self.cache is None:
@@ -246,6 +322,26 @@ class ModelRunner:
         s_past, s_step = self.past_len, self.step_len
         if step_visibility.shape not in ((b, n, s_step + n), (b, n, s_step)):
             raise ValueError(f"step_visibility shape {tuple(step_visibility.shape)} != {(b, n, s_step + n)} or {(b, n, s_step)}")
+        if self.static_shapes:
+            timer = self._start_timer()
+            logits = self._forward_static(input_ids, position_ids, step_visibility, logits_to_keep, model_inputs)
+        else:
+            timer = self._start_timer()
+            logits = self._forward_dynamic(input_ids, position_ids, step_visibility, logits_to_keep, model_inputs)
+        self._stop_timer(timer)
+        self.step_len += n
+        cache.length = s_past + self.step_len
+        self.forward_calls += 1
+        self.forward_tokens += b * n
+        return logits
+
+    def _forward_dynamic(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, step_visibility: torch.Tensor, logits_to_keep: int, model_inputs: dict[str, Any] | None
+    ) -> torch.Tensor:
+        """Attention over the used slots only (shapes change every step); logits [B, n or logits_to_keep, V] float32."""
+        cache = self._cache()
+        b, n = input_ids.shape
+        s_past, s_step = self.past_len, self.step_len
         self.reserve(s_past + s_step + n)
         cache.length = s_past + s_step
         eye = self._eye.get(n)
@@ -259,7 +355,6 @@ class ModelRunner:
             else:
                 visible = torch.cat([committed, step_visibility[:, :, :s_step], step_visibility[:, :, s_step:] | eye], dim=2)
             mask = torch.where(visible, *self._mask_values)[:, None]  # [B, 1, n, S] additive: 0 where visible, dtype min elsewhere
-        timer = self._start_timer()
         with uncounted(), _attention_backends(self.device):
             out = self.model(
                 input_ids=input_ids,
@@ -270,13 +365,60 @@ class ModelRunner:
                 logits_to_keep=logits_to_keep,
                 **(model_inputs or {}),
             )
-        logits = out.logits.float()
-        self._stop_timer(timer)
-        self.step_len += n
-        cache.length = s_past + self.step_len
-        self.forward_calls += 1
-        self.forward_tokens += b * n
-        return logits
+        return out.logits.float()
+
+    def _forward_static(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, step_visibility: torch.Tensor, logits_to_keep: int, model_inputs: dict[str, Any] | None
+    ) -> torch.Tensor:
+        """Attention over the full capacity, inputs in fixed buffers, n padded to a bucket m;
+        replayed as a CUDA graph when graphs are on. Logits [B, n or logits_to_keep, V] float32.
+
+        The m - n padding tokens write step slots past the n real ones; `step_len` advances by
+        n only, so the next forward overwrites them and no commit can keep them (commit keeps
+        step slots < step_len). Each padding token sees only its own slot.
+        A forward with model inputs (a multimodal prefill) or logits_to_keep (a prefill) is not
+        padded (its one-off width would be wasted) and always runs eagerly.
+        """
+        cache = self._cache()
+        shared = self._shared
+        assert shared is not None
+        b, n = input_ids.shape
+        s_past, s_step = self.past_len, self.step_len
+        bucketed = logits_to_keep == 0 and not model_inputs
+        m = node_bucket(n) if bucketed else n
+        self.reserve(s_past + s_step + m)
+        capacity = cache.capacity
+        with shared.lock:  # the buffers are the model's, shared by its runners: fill, run and read out in one go
+            if bucketed:
+                buf = shared.inputs(b, m, capacity, self.dtype, self.device)
+            else:
+                buf = StaticInputs.allocate(b, m, capacity, self.dtype, self.device)
+            buf.fill(input_ids, position_ids, s_past + s_step, self.slot_valid, step_visibility)
+            cache.length = s_past + s_step
+            cache.static = buf
+            try:
+                with uncounted(), _attention_backends(self.device):
+                    if self.graphs is not None and bucketed and cache.tensors():  # (the first forward allocates the storage: eager)
+                        key = (b, m, capacity, *(t.data_ptr() for t, _, _ in cache.tensors()), buf.mask.data_ptr(), buf.input_ids.data_ptr())
+                        out = self.graphs.run(key, lambda: self._call_static(buf, 0, None), keepalive=buf)
+                        return out[:, :n].to(torch.float32, copy=True)  # [B, n, V]; the graph's output is overwritten by its next replay
+                    out = self._call_static(buf, logits_to_keep, model_inputs)
+            finally:
+                cache.static = None
+        return out[:, :n].float() if bucketed else out.float()
+
+    def _call_static(self, buf: StaticInputs, logits_to_keep: int, model_inputs: dict[str, Any] | None) -> torch.Tensor:
+        """The model on the static buffers (cache.static is set): logits [B, m, V] in the model's dtype."""
+        out = self.model(
+            input_ids=buf.input_ids,
+            attention_mask=buf.mask,
+            position_ids=buf.position_ids,
+            past_key_values=self._cache(),
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **(model_inputs or {}),
+        )
+        return out.logits
 
     def _start_timer(self) -> Any:
         if self.device.type == "cuda":
@@ -353,7 +495,7 @@ class ModelRunner:
         if self.step_len:
             raise RuntimeError("keep_rows needs a committed cache (call it between steps)")
         rows = rows.to(self.device)
-        cache.map_tensors(lambda t, batch_dim, slot_dim: t.index_select(batch_dim, rows))
+        self._map_storage(lambda t, batch_dim, slot_dim: t.index_select(batch_dim, rows))
         cache.rows = rows.shape[0]
         self.slot_valid = self.slot_valid.index_select(0, rows)
         self.compact_if_wasteful()
@@ -428,9 +570,35 @@ class ModelRunner:
             noise = torch.randn(t.shape, generator=generator, device="cpu" if generator.device.type == "cpu" else t.device, dtype=torch.float32)
             return noise.to(device=t.device, dtype=t.dtype)
 
-        cache.map_tensors(randomize)
+        self._map_storage(randomize)
         self.slot_valid = torch.ones(batch_size, context, dtype=torch.bool, device=self.device)
         cache.length = context
+
+    @torch.inference_mode()
+    def warm_up(self, batch_sizes: Sequence[int], context: int = 0, max_tokens: int = 64) -> int:
+        """Run one static-shape forward of every node-count bucket up to `max_tokens` at each
+        batch size, over a cache with room for `context` slots (capturing CUDA graphs when they
+        are on), so that capture costs are paid here and not inside a timed call. The caches go
+        back to the model's pool, where a later prefill of the same batch size and a similar
+        context takes them (their addresses are what the graphs captured). Returns the number
+        of forwards run: 0 without static shapes. Leaves the runner empty (reset it before use)."""
+        if not self.static_shapes:
+            return 0
+        runs = 0
+        buckets = [m for m in BUCKETS if m <= node_bucket(max(1, max_tokens))]
+        for b in batch_sizes:
+            self.reset(b, capacity=context + CAPACITY_STEP)
+            one = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+            self.forward(one, one, torch.ones(b, 1, 1, dtype=torch.bool, device=self.device))  # allocates every layer (eager)
+            self.rollback()
+            for m in buckets:
+                ids = torch.zeros(b, m, dtype=torch.long, device=self.device)
+                self.forward(ids, ids, torch.zeros(b, m, 0, dtype=torch.bool, device=self.device))  # each token sees only itself
+                self.rollback()
+                runs += 1
+        self._release()
+        self.reset(0)
+        return runs
 
     @torch.inference_mode()
     def compact_if_wasteful(self, max_waste: float = 0.25, min_slots: int = 64) -> None:
@@ -461,7 +629,7 @@ class ModelRunner:
             out.narrow(slot_dim, 0, width).copy_(t.gather(slot_dim, idx))
             return out
 
-        cache.map_tensors(gather)
+        self._map_storage(gather)
         self.dense = False
         self.slot_valid = new_valid
         self._compact_checked_at = width

@@ -187,6 +187,8 @@ class EnsembleDraftSource:
     def __init__(
         self, model: PreTrainedModel, views: Sequence[PromptView], config: EnsembleConfig | None = None, prior: EnsemblePrior | None = None,
         vocab: VocabFit | None = None,
+        static_shapes: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         if len(views) < 1:
             raise SpecDecError("the ensemble needs at least one view")
@@ -194,7 +196,7 @@ class EnsembleDraftSource:
         self.m = len(self.views)
         self.config = config or EnsembleConfig()
         self.config.validate(self.m)
-        self.inner = ModelDraftSource(model, vocab=vocab)  # vocab: the draft's logits at the target's width
+        self.inner = ModelDraftSource(model, vocab=vocab, static_shapes=static_shapes, cuda_graphs=cuda_graphs)  # vocab: the draft's logits at the target's width
         self.device = self.inner.runner.device
         self.prior = prior if prior is not None else EnsemblePrior()
         # [C, m] weight candidates (the grid policy only)

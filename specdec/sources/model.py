@@ -45,11 +45,14 @@ class ModelDraftSource:
     ancestors' slots, never its siblings'. Everything stays on the device: no host reads.
     """
 
-    def __init__(self, model: PreTrainedModel, view: PromptView | None = None, vocab: VocabFit | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, view: PromptView | None = None, vocab: VocabFit | None = None, static_shapes: bool = False, cuda_graphs: bool = False
+    ) -> None:
         """view: how the draft sees a prompt (e.g. text only, for a text-only draft of a
         vision-language target); None = the target's own token ids and image inputs.
-        vocab: brings the draft's logits to the target's width (`specdec.models.vocab`); None = same width."""
-        self.runner = ModelRunner(model)
+        vocab: brings the draft's logits to the target's width (`specdec.models.vocab`); None = same width.
+        static_shapes, cuda_graphs: the draft runner's forward mode (`ModelRunner`)."""
+        self.runner = ModelRunner(model, static_shapes=static_shapes, cuda_graphs=cuda_graphs)
         self.vocab = vocab
         self.view = view
         self.multimodal = is_multimodal(model)

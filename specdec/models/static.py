@@ -1,0 +1,168 @@
+"""Static-shape forwards: the pieces that make a `ModelRunner` forward capturable.
+
+In static-shape mode a forward of `n` tokens is padded to a node-count *bucket* `m`
+(`node_bucket`), attends over the cache's full capacity and reads its inputs from
+preallocated buffers (`StaticInputs`): token ids, position ids, the slot indices its new
+keys and values are written at (one `index_copy_` per layer) and the 4D additive mask. Every
+shape then depends only on (batch size, bucket, capacity), and nothing in the forward reads
+a device value on the host, so the forward can be captured as a CUDA graph
+(`specdec.models.graphs`) and replayed after the buffers are refilled.
+
+What must stay put for a captured graph to be replayed is shared per model (`shared_state`):
+the buffers (keyed by shape, reused by every runner of the model) and a pool of released KV
+storage tensors (`StoragePool`), from which a new cache of the same shape takes its storage, so
+the addresses a graph captured repeat across runs and engines.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specdec.models.graphs import CudaGraphRunner
+
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256)
+"""node-count buckets: a forward of n tokens runs as one of the smallest bucket >= n"""
+
+BUCKET_STEP_BEYOND = 128
+"""past the last bucket, forwards are padded to a multiple of this"""
+
+MAX_BUFFERS = 32
+"""static input buffers kept per model (least recently used dropped first)"""
+
+MAX_POOLED = 8
+"""released storage tensors kept per model for reuse"""
+
+
+def node_bucket(n: int) -> int:
+    """The padded token count of a forward of `n` tokens."""
+    for bucket in BUCKETS:
+        if n <= bucket:
+            return bucket
+    return -(-n // BUCKET_STEP_BEYOND) * BUCKET_STEP_BEYOND
+
+
+@dataclass
+class StaticInputs:
+    """The inputs of a static-shape forward of B rows and m tokens over `capacity` cache slots."""
+
+    input_ids: torch.Tensor  # [B, m] int64
+    position_ids: torch.Tensor  # [B, m] int64
+    slots: torch.Tensor  # [m] int64: the cache slots the m tokens write (the same in every row)
+    mask: torch.Tensor  # [B, 1, m, capacity] additive: 0 = visible, dtype min = hidden
+    arange: torch.Tensor  # [m] int64: 0 .. m-1 (slots = arange + first slot, one op)
+    min_value: float
+
+    @classmethod
+    def allocate(cls, b: int, m: int, capacity: int, dtype: torch.dtype, device: torch.device) -> StaticInputs:
+        min_value = torch.finfo(dtype).min if dtype.is_floating_point else torch.finfo(torch.float32).min
+        return cls(
+            input_ids=torch.zeros(b, m, dtype=torch.long, device=device),
+            position_ids=torch.zeros(b, m, dtype=torch.long, device=device),
+            slots=torch.arange(m, dtype=torch.long, device=device),
+            mask=torch.full((b, 1, m, capacity), min_value, dtype=dtype if dtype.is_floating_point else torch.float32, device=device),
+            arange=torch.arange(m, dtype=torch.long, device=device),
+            min_value=min_value,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, m, capacity)"""
+        b, _, m, capacity = self.mask.shape
+        return b, m, capacity
+
+    def fill(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        first_slot: int,
+        slot_valid: torch.Tensor,
+        step_visibility: torch.Tensor,
+    ) -> None:
+        """Copy a forward's inputs in; tokens past the n real ones are padding.
+
+        input_ids, position_ids: [B, n] (n <= m). Padding columns keep whatever ids and
+        positions they held (valid values; their outputs are dropped).
+        first_slot: S_past + step_len, where the first new token's keys go.
+        slot_valid: [B, S_past] committed slots; step_visibility: [B, n, w] the step slots
+        S_past .. S_past + w that each new token sees (w = step_len or step_len + n).
+        Each of the m tokens also sees its own slot; padding tokens see nothing else, and
+        every slot at or past first_slot + m is hidden (unwritten, or stale padding).
+        """
+        b, n = input_ids.shape
+        s_past = slot_valid.shape[1]
+        m = self.slots.shape[0]
+        self.input_ids[:, :n].copy_(input_ids)
+        self.position_ids[:, :n].copy_(position_ids)
+        torch.add(self.arange, first_slot, out=self.slots)
+        mask = self.mask[:, 0]  # [B, m, capacity]
+        mask.fill_(self.min_value)
+        mask[:, :n, :s_past].masked_fill_(slot_valid[:, None, :], 0.0)
+        mask[:, :n, s_past : s_past + step_visibility.shape[2]].masked_fill_(step_visibility, 0.0)
+        mask[:, :, first_slot : first_slot + m].diagonal(dim1=1, dim2=2).fill_(0.0)  # each token's own slot
+
+
+@dataclass(eq=False)
+class StoragePool:
+    """Released KV storage tensors of one model. A new cache of the same rows takes its storage
+    from here (stale values, hidden by the mask until overwritten), so storage addresses repeat
+    across runs. Entries: (tensor, batch dim, slot dim), most recently released last."""
+
+    free: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+    max_tensors: int = MAX_POOLED
+
+    def give(self, entries: list[tuple[torch.Tensor, int, int]]) -> None:
+        self.free.extend(entries)
+        del self.free[: max(0, len(self.free) - self.max_tensors)]
+
+    def capacity_for(self, rows: int, needed: int) -> int | None:
+        """The capacity of a pooled storage for `rows` rows that fits `needed` slots without
+        being much wider (attention in static mode spans the whole capacity): the smallest such."""
+        fits = [t.shape[slot_dim] for t, batch_dim, slot_dim in self.free if t.shape[batch_dim] == rows and needed <= t.shape[slot_dim] <= 2 * needed + 256]
+        return min(fits) if fits else None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        for i in range(len(self.free) - 1, -1, -1):
+            t = self.free[i][0]
+            if tuple(t.shape) == shape and t.dtype == dtype and t.device == device:
+                del self.free[i]
+                return t
+        return None
+
+
+@dataclass(eq=False)
+class SharedState:
+    """Per-model static-shape state shared by every runner of the model."""
+
+    pool: StoragePool = field(default_factory=StoragePool)
+    buffers: OrderedDict[tuple[int, int, int], StaticInputs] = field(default_factory=OrderedDict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """held from filling the buffers to reading the forward's output"""
+    graphs: CudaGraphRunner | None = None
+
+    def inputs(self, b: int, m: int, capacity: int, dtype: torch.dtype, device: torch.device) -> StaticInputs:
+        key = (b, m, capacity)
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = StaticInputs.allocate(b, m, capacity, dtype, device)
+            while len(self.buffers) > MAX_BUFFERS:
+                self.buffers.popitem(last=False)
+        else:
+            self.buffers.move_to_end(key)
+        return buf
+
+
+_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, SharedState] = weakref.WeakKeyDictionary()
+
+
+def shared_state(model: torch.nn.Module) -> SharedState:
+    state = _SHARED.get(model)
+    if state is None:
+        state = _SHARED[model] = SharedState()
+    return state

@@ -1,0 +1,267 @@
+"""Static-shape forwards (the capturable mode CUDA graphs replay) equal the dynamic ones; CUDA
+graph capture, replay and fallback (those tests skip without CUDA); the --cuda-graphs flag."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from conftest import ARCHS, EOS, sharpen, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specdec.api import SpeculativeDecoder
+from specdec.cli import main
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.models.graphs import resolve_cuda_graphs
+from specdec.models.runner import ModelRunner
+from specdec.models.static import BUCKETS, node_bucket
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def committed_keys(runner: ModelRunner, row: int) -> list[torch.Tensor]:
+    """Per layer: keys and values of the valid committed slots of `row`."""
+    valid = runner.slot_valid[row]
+    return [t[row][:, : runner.past_len][:, valid] for layer in range(runner.num_layers) for t in runner.cache.kv(layer)]
+
+
+def scripted_steps(runner: ModelRunner) -> list[torch.Tensor]:
+    """Prefill two left-padded rows, a tree step (root + 2 levels), a commit with a hole, a
+    step that is rolled back and one more; returns every forward's logits."""
+    dev = runner.device
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]], device=dev)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], device=dev)
+    out = [runner.prefill(ids, mask)]
+    base = runner.committed_len()[:, None]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=dev).expand(2, 3, 3)  # root, two children
+    out.append(runner.forward(torch.tensor([[9, 10, 11], [12, 13, 14]], device=dev), base + torch.tensor([0, 1, 1], device=dev), tree))
+    level = torch.tensor([[[1, 1, 0], [1, 0, 1]]], dtype=torch.bool, device=dev).expand(2, 2, 3)  # two grandchildren, no mutual visibility
+    out.append(runner.forward(torch.tensor([[20, 21], [22, 23]], device=dev), base + 2, level))
+    runner.commit(torch.tensor([[0, 1, 3], [0, 2, 4]], device=dev), torch.tensor([[True, True, True], [True, True, False]], device=dev))
+    base = runner.committed_len()[:, None]
+    one = torch.ones(2, 1, 1, dtype=torch.bool, device=dev)
+    out.append(runner.forward(torch.tensor([[30], [31]], device=dev), base, one))
+    runner.rollback()
+    out.append(runner.forward(torch.tensor([[32], [33]], device=dev), base, one))
+    runner.commit(torch.zeros(2, 1, dtype=torch.long, device=dev), torch.ones(2, 1, dtype=torch.bool, device=dev))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_forwards_equal_dynamic(arch):
+    model = sharpen(tiny_model(arch, seed=0))
+    dynamic, static = ModelRunner(model), ModelRunner(model, static_shapes=True)
+    for got, ref in zip(scripted_steps(static), scripted_steps(dynamic), strict=True):
+        assert got.shape == ref.shape
+        assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert static.past_len == dynamic.past_len
+    for row in range(2):
+        for got, ref in zip(committed_keys(static, row), committed_keys(dynamic, row), strict=True):
+            assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_buckets():
+    assert [node_bucket(n) for n in (1, 2, 3, 5, 17, 33, 49, 100, 256, 257, 300)] == [1, 2, 4, 8, 32, 48, 64, 128, 256, 384, 384]
+    assert list(BUCKETS) == sorted(BUCKETS)
+
+
+def test_bucket_padding_never_committed():
+    """A forward of 3 tokens runs as 4; the padding token's slot is never numbered as a step
+    slot (step_len advances by 3), the next forward overwrites it, and commits equal dynamic ones."""
+    model = sharpen(tiny_model("llama", seed=0))
+    runners = ModelRunner(model), ModelRunner(model, static_shapes=True)
+    for runner in runners:
+        ids = torch.tensor([[3, 4, 5]])
+        runner.prefill(ids, torch.ones_like(ids))
+        runner.forward(torch.tensor([[6, 7, 8]]), torch.tensor([[3, 4, 4]]), torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool))
+        assert runner.step_len == 3
+        runner.forward(torch.tensor([[9]]), torch.tensor([[5]]), torch.tensor([[[1, 1, 0]]], dtype=torch.bool))  # writes step slot 3 (the padding's)
+        assert runner.step_len == 4
+        runner.commit(torch.tensor([[0, 1, 3]]), torch.ones(1, 3, dtype=torch.bool))
+    for got, ref in zip(committed_keys(runners[1], 0), committed_keys(runners[0], 0), strict=True):
+        assert torch.allclose(got, ref, atol=1e-5)
+    # the padding token of a 3-token forward (bucket 4) in a fresh step: its slot is past step_len, so a commit cannot reach it
+    static = runners[1]
+    static.forward(torch.tensor([[10, 11, 12]]), torch.tensor([[6, 7, 7]]), torch.ones(1, 3, 3, dtype=torch.bool).tril())
+    static.commit(torch.tensor([[0, 1, 2, 5]]), torch.ones(1, 4, dtype=torch.bool))  # an out-of-range index is clamped to the last real slot
+    assert static.past_len == 10
+
+
+class _FlagHostReads(TorchDispatchMode):
+    """Records ops that read device values on the host or have data-dependent output shapes."""
+
+    FLAGGED = ("_local_scalar_dense", "nonzero", "masked_select", "item", "_unique2", "unique_consecutive", "unique_dim")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in self.FLAGGED or (name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()))):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_host_reads_in_static_forwards(arch):
+    """Everything a static forward does, the model call included, runs without a host read."""
+    model = tiny_model(arch, seed=0)
+    runner = ModelRunner(model, static_shapes=True)
+    ids = torch.tensor([[0, 5, 6, 7], [3, 4, 5, 6]])
+    runner.prefill(ids, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    base = runner.committed_len()[:, None]
+    with _FlagHostReads() as flags:
+        runner.forward(torch.tensor([[9, 10, 11], [12, 13, 14]]), base + torch.tensor([0, 1, 1]), torch.ones(2, 3, 3, dtype=torch.bool).tril())
+        runner.forward(torch.tensor([[20], [21]]), base + 2, torch.ones(2, 1, 3, dtype=torch.bool))
+        runner.commit(torch.tensor([[0, 1], [0, 2]]), torch.ones(2, 2, dtype=torch.bool))
+    assert flags.seen == []
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47], [20, 21]]
+METHODS = {"chain": {"k": 4}, "static": {"depth": 3, "branching": 2, "max_nodes": 12}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}}
+
+
+def reference(target, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_greedy_with_static_shapes_equals_target(arch, batch_size):
+    target = sharpen(tiny_model(arch, seed=0))
+    draft = sharpen(tiny_model(arch, seed=0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    refs = [reference(target, p, 20) for p in PROMPTS]
+    for method, options in METHODS.items():
+        engine = SpeculativeEngine(
+            target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[EOS], static_shapes=True
+        )
+        outs = engine.generate(PROMPTS, 20, batch_size=batch_size)
+        assert [o.token_ids for o in outs] == refs, f"{arch}/{method}/B={batch_size}"
+
+
+def test_storage_is_reused_across_runners():
+    """A new runner of the same model takes the storage a released one left (graph addresses repeat)."""
+    model = tiny_model("llama", seed=0)
+    first = ModelRunner(model, static_shapes=True)
+    ids = torch.tensor([[3, 4, 5]])
+    first.prefill(ids, torch.ones_like(ids))
+    address = first.cache.storage.data_ptr()
+    del first
+    second = ModelRunner(model, static_shapes=True)
+    second.prefill(torch.tensor([[7, 8]]), torch.ones(1, 2, dtype=torch.long))
+    assert second.cache.storage.data_ptr() == address
+    # and the stale contents stay hidden: same logits as a dynamic runner
+    step = torch.tensor([[9, 10]]), torch.tensor([[2, 3]]), torch.ones(1, 2, 2, dtype=torch.bool).tril()
+    ref = ModelRunner(model)
+    ref.prefill(torch.tensor([[7, 8]]), torch.ones(1, 2, dtype=torch.long))
+    assert torch.allclose(second.forward(*step), ref.forward(*step), atol=1e-5)
+
+
+def test_warm_up_runs_every_bucket():
+    model = tiny_model("llama", seed=0)
+    engine = SpeculativeEngine(model, make_policy("chain", k=4), GreedyRule(), ModelDraftSource(tiny_model("llama", seed=1), static_shapes=True), static_shapes=True)
+    assert engine.warm_up([1, 2], context=32, max_tokens=8) == 2 * 2 * 4  # two models, two batch sizes, buckets 1, 2, 4, 8
+    out = engine.generate([PROMPTS[0]], 6)[0]
+    assert out.token_ids == reference(model, PROMPTS[0], 6)
+    plain = SpeculativeEngine(model, make_policy("ar"), GreedyRule(), None)
+    assert plain.warm_up([1]) == 0
+
+
+# ----- the option -------------------------------------------------------------------------
+def test_resolve_cuda_graphs():
+    assert resolve_cuda_graphs("auto", "cpu") is False
+    assert resolve_cuda_graphs("off", "cpu") is False
+    assert resolve_cuda_graphs("auto", "cuda:0") is True
+    with pytest.raises(SpecDecError, match="--cuda-graphs on needs a CUDA device; the device is cpu; use auto or off"):
+        resolve_cuda_graphs("on", "cpu")
+    with pytest.raises(SpecDecError, match="must be one of"):
+        resolve_cuda_graphs("sometimes", "cpu")
+
+
+def test_api_cuda_graphs_on_cpu(tiny_pair_dir):
+    with pytest.raises(SpecDecError, match="needs a CUDA device"):
+        SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), device="cpu", cuda_graphs="on")
+    decoder = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), device="cpu", static_shapes=True)
+    assert decoder.cuda_graphs is False and decoder.static_shapes is True
+    engine = decoder.engine("greedy")
+    assert engine.target.static_shapes and engine.source.runner.static_shapes
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve", "profile"])
+def test_cli_cuda_graphs_on_without_cuda(capsys, command, tmp_path):
+    extra = {"generate": ["--prompt", "x"], "bench": ["--out", str(tmp_path / "b")], "serve": ["--port", "0"], "profile": ["--out", str(tmp_path / "p.json")]}[command]
+    try:
+        code = main([command, "--device", "cpu", "--cuda-graphs", "on", *extra])
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "--cuda-graphs on needs a CUDA device; the device is cpu; use auto or off" in err
+
+
+def test_cli_cuda_graphs_choices(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "x", "--cuda-graphs", "maybe"])
+    assert exit_.value.code == 2
+    assert "--cuda-graphs" in capsys.readouterr().err
+
+
+# ----- CUDA only ------------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_graph_replay_equals_eager(arch):
+    model = sharpen(tiny_model(arch, seed=0)).cuda()
+    graphed, eager = ModelRunner(model, cuda_graphs=True), ModelRunner(model)
+    for _ in range(2):  # the second pass replays the graphs the first captured
+        for got, ref in zip(scripted_steps(graphed), scripted_steps(eager), strict=True):
+            assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert graphed.graphs is not None and graphed.graphs.failed is None
+    assert graphed.graphs.captures > 0 and graphed.graphs.replays > 0
+
+
+@needs_cuda
+def test_greedy_with_cuda_graphs_equals_target():
+    target = sharpen(tiny_model("llama", seed=0)).cuda()
+    draft = sharpen(tiny_model("llama", seed=0)).cuda()
+    refs = [reference(target.cpu(), p, 16) for p in PROMPTS]
+    target.cuda()
+    for method, options in METHODS.items():
+        engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft, cuda_graphs=True), eos_token_ids=[EOS], cuda_graphs=True)
+        outs = engine.generate(PROMPTS, 16, batch_size=3)
+        assert [o.token_ids for o in outs] == refs, method
+
+
+@needs_cuda
+def test_capture_failure_falls_back_once(caplog):
+    """A forward that reads a device value on the host cannot be captured: one warning naming
+    the model class, then eager forwards with the same results."""
+    model = sharpen(tiny_model("llama", seed=0)).cuda()
+    real_forward = model.forward
+
+    def syncing_forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs["input_ids"].sum().item() < 0:  # a host read: not capturable
+            raise AssertionError
+        return real_forward(*args, **kwargs)
+
+    model.forward = syncing_forward  # type: ignore[method-assign]
+    graphed, eager = ModelRunner(model, cuda_graphs=True), ModelRunner(model)
+    with caplog.at_level(logging.WARNING, logger="specdec.graphs"):
+        for _ in range(2):
+            for got, ref in zip(scripted_steps(graphed), scripted_steps(eager), strict=True):
+                assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    warnings = [r for r in caplog.records if r.name == "specdec.graphs"]
+    assert len(warnings) == 1 and "LlamaForCausalLM" in warnings[0].getMessage()
+    assert graphed.graphs is not None and graphed.graphs.failed
