@@ -28,9 +28,11 @@ def fresh_keys(model, tokens: list[int]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("policy", [ChainPolicy(k=4), StaticTreePolicy(depth=3, branching=2, max_nodes=10), Eagle2Policy(depth=4, top_k=3, total_tokens=10)], ids=lambda p: p.name)
-def test_caches_equal_fresh_prefill(arch, policy):
+@pytest.mark.parametrize("draft_seed", [0, 1], ids=["same-weights", "other-weights"])
+def test_caches_equal_fresh_prefill(arch, policy, draft_seed):
     target = sharpen(tiny_model(arch, seed=0))
-    draft = sharpen(tiny_model(arch, seed=0))  # same weights: long accepted paths, leaves get accepted
+    # same weights: long accepted paths, leaves get accepted; other weights: short paths, padded path columns
+    draft = sharpen(tiny_model(arch, seed=draft_seed))
     prompt = [5, 6, 7, 8, 9]
     for max_new in (2, 5, 9, 14):
         engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])

@@ -78,10 +78,15 @@ class TreeBuilder:
     level writes each buffer once (`torch.stack(..., out=...)`) and selecting nodes
     gathers each once:
 
-    - `_ints`   [B, 3, capacity] int64: token, parent (-1 for the root and invalid nodes), depth
+    - `_ints`   [B, 3, capacity] int64: token, parent (-1 for the root), depth
     - `_floats` [B, 3, capacity] float32: logq, cum_logq, score (-inf for invalid nodes)
     - `_flags`  [B, 2, capacity] bool: valid, sampled
     - `_anc`    [B, capacity, capacity] bool: [b, i, j] node j is node i or an ancestor of it
+      (the diagonal is set for every column up front, so adding a node ORs in its parent's row)
+
+    Invalid nodes keep the parent and ancestors they were proposed under (they are never
+    anyone's parent or ancestor: their children are invalid too); `finish` gives the
+    TokenTree's padding nodes parent -1 and only themselves as ancestors.
 
     A row that is not active gets a root with cum_logq -inf: every node added under it is invalid.
     """
@@ -103,7 +108,7 @@ class TreeBuilder:
         self._flags = torch.zeros(b, 2, cap, dtype=torch.bool, device=dev)
         self._flags[:, _VALID, 0] = True
         self._anc = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)
-        self._anc[:, 0, 0] = True
+        torch.diagonal(self._anc, dim1=1, dim2=2).fill_(True)  # every node is its own ancestor
         self.levels = 0
         """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
         self.keep_draft_probs = keep_draft_probs
@@ -135,6 +140,7 @@ class TreeBuilder:
 
     @property
     def parents(self) -> torch.Tensor:
+        """[B, N] parent of each node (-1 for the root; invalid nodes: the node they were proposed under)"""
         return self._ints[:, _PARENT, : self._n]
 
     @property
@@ -171,7 +177,8 @@ class TreeBuilder:
 
     @property
     def ancestors(self) -> torch.Tensor:
-        """[B, N, N] bool: [b, i, j] when node j is node i or one of its ancestors (invalid nodes: only themselves)"""
+        """[B, N, N] bool: [b, i, j] when node j is node i or one of its ancestors (an invalid node:
+        those of the node it was proposed under, and itself; no valid node descends from it)"""
         return self._anc[:, : self._n, : self._n]
 
     # ----- growing -----------------------------------------------------------------------
@@ -193,6 +200,7 @@ class TreeBuilder:
         self._floats = pad(self._floats, (2,))
         self._flags = pad(self._flags, (2,))
         self._anc = pad(self._anc, (1, 2))
+        torch.diagonal(self._anc, dim1=1, dim2=2)[:, cap:].fill_(True)
         if self._dist_slot is not None:
             self._dist_slot = pad(self._dist_slot, (1,))
 
@@ -225,18 +233,16 @@ class TreeBuilder:
         floats = self._floats[:, :, start:end]  # [B, 3, k] written in place
         torch.stack([logq, cum, cum if score is None else score], dim=1, out=floats).masked_fill_(invalid[:, None, :], float("-inf"))
         depth = self._ints[:, _DEPTH].gather(1, parents).add_(1)
-        torch.stack([tokens, parents.masked_fill(invalid, -1), depth], dim=1, out=self._ints[:, :, start:end])
+        torch.stack([tokens, parents, depth], dim=1, out=self._ints[:, :, start:end])
         if isinstance(sampled, torch.Tensor):
             torch.stack([valid, sampled & valid], dim=1, out=self._flags[:, :, start:end])
         elif sampled:
             torch.stack([valid, valid], dim=1, out=self._flags[:, :, start:end])
         else:
             self._flags[:, _VALID, start:end] = valid
-        # ancestor rows: the parent's row (valid nodes only) plus the node itself
+        # ancestor rows: the node itself (set up front) plus its parent's row
         cap = self._anc.shape[2]
-        rows = self._anc[:, start:end]  # [B, k, cap] written in place
-        torch.logical_and(self._anc.gather(1, parents[:, :, None].expand(b, k, cap)), valid[:, :, None], out=rows)
-        torch.diagonal(self._anc, offset=0, dim1=1, dim2=2)[:, start:end].fill_(True)
+        self._anc[:, start:end].logical_or_(self._anc.gather(1, parents[:, :, None].expand(b, k, cap)))  # [B, k, cap] in place
         self._n = end
         self._last = (start, end)
         self.levels += 1
@@ -327,16 +333,19 @@ class TreeBuilder:
         n, b = self._n, self.batch_size
         if keep is None:
             origin = _arange(n, self.device).expand(b, n)
-            valid = self.valid
+            valid, invalid = self.valid, ~self.valid
+            # padding nodes: parent -1, only themselves as ancestors (TokenTree's contract)
+            ancestors = self.ancestors.masked_fill(invalid[:, :, None], False)
+            torch.diagonal(ancestors, dim1=1, dim2=2).fill_(True)
             tree = TokenTree(
                 tokens=self.tokens,
-                parents=self.parents,
+                parents=self.parents.masked_fill(invalid, -1),
                 depths=self.depths,
-                logq=self.logq.masked_fill(~valid, 0.0),
+                logq=self.logq.masked_fill(invalid, 0.0),
                 cum_logq=self.cum_logq,
                 valid=valid,
                 sampled=self._flags[:, _SAMPLED, :n],
-                ancestors=self.ancestors,
+                ancestors=ancestors,
                 depth_bound=self.levels,
             )
         else:

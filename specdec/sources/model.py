@@ -144,11 +144,10 @@ class ModelDraftSource:
         b, d = path.shape
         s_step = self.runner.step_len
         on_path = _arange(d, path.device)[None, :] < length[:, None]  # [B, D]
-        # the step slot that holds each path node, if the draft forwarded it (path nodes are
-        # never the root, so the pending and root slots, which hold node 0, never match)
+        # the step slot that holds each path node, if the draft forwarded it
         hit = (path[:, :, None] == self._slot_node[:, None, :s_step]).logical_and_(self._slot_ok[:, None, :s_step])  # [B, D, S_step]
         forwarded, path_slots = hit.max(dim=2)  # [B, D] each: at most one slot per node
-        forwarded.logical_and_(on_path)
+        forwarded.logical_and_(on_path)  # padding entries (node 0) match the pending and root slots
         keep = torch.cat([_arange(2, path.device).expand(b, 2), path_slots], dim=1)  # [B, 2 + D]
         keep_valid = torch.cat([self._slot_ok[:, :2], forwarded], dim=1)
         last = (length - 1).clamp_(min=0)[:, None]  # [B, 1] the deepest accepted node's column
