@@ -162,6 +162,16 @@ class TreeBuilder:
         return self._flags[:, _VALID, : self._n]
 
     @property
+    def root(self) -> torch.Tensor:
+        """[B, 1] int64 the root's index (0), read-only: the frontier of the first level"""
+        return _constant(self.batch_size, 0, torch.long, self.device)
+
+    @property
+    def root_valid(self) -> torch.Tensor:
+        """[B, 1] bool True, read-only (a finished row's root has cum_logq -inf: nothing grows under it)"""
+        return _constant(self.batch_size, True, torch.bool, self.device)
+
+    @property
     def last_valid(self) -> torch.Tensor:
         """[B, k] validity of the k nodes the last `add` appended (a view: no op)"""
         start, end = self._last
@@ -247,6 +257,52 @@ class TreeBuilder:
         self._last = (start, end)
         self.levels += 1
         return _arange(end, self.device)[start:end].expand(b, k)
+
+    def add_children(
+        self,
+        nodes: torch.Tensor,
+        valid: torch.Tensor,
+        tokens: torch.Tensor,
+        logq: torch.Tensor,
+        sampled: bool = False,
+        score: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append k children under each of m nodes per row, node-major (the children of
+        nodes[:, 0] first); returns their indices [B, m*k]. The same nodes as
+        `add(parents=nodes repeated k times, ...)` with the parents' fields gathered once per
+        parent and broadcast, not copied k times (13 tensor ops whatever m and k).
+
+        nodes: [B, m] int64 existing nodes; valid: [B, m] bool (False: no children under that
+        entry); tokens, logq: [B, m, k]; score: [B, m, k] or None (= their cum_logq).
+        """
+        b, m, k = tokens.shape
+        start, end = self._n, self._n + m * k
+        self._reserve(end)
+        cum = self._floats[:, _CUM].gather(1, nodes)[:, :, None] + logq  # [B, m, k]
+        child_valid = (cum > float("-inf")).logical_and_(valid[:, :, None])  # [B, m, k]
+        invalid = ~child_valid
+        floats = self._floats[:, :, start:end].view(b, 3, m, k)  # written in place
+        torch.stack([logq, cum, cum if score is None else score], dim=1, out=floats).masked_fill_(invalid[:, None], float("-inf"))
+        depth = self._ints[:, _DEPTH].gather(1, nodes).add_(1)[:, :, None].expand(b, m, k)
+        torch.stack([tokens, nodes[:, :, None].expand(b, m, k), depth], dim=1, out=self._ints[:, :, start:end].view(b, 3, m, k))
+        flags = self._flags[:, :, start:end].view(b, 2, m, k)
+        if sampled:
+            torch.stack([child_valid, child_valid], dim=1, out=flags)
+        else:
+            flags[:, _VALID] = child_valid
+        cap = self._anc.shape[2]
+        parent_rows = self._anc.gather(1, nodes[:, :, None].expand(b, m, cap))  # [B, m, cap]
+        self._anc[:, start:end].view(b, m, k, cap).logical_or_(parent_rows[:, :, None, :])
+        self._n = end
+        self._last = (start, end)
+        self.levels += 1
+        return _arange(end, self.device)[start:end].expand(b, m * k)
+
+    def add_top_children(self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
+        """Append the k most likely children of each node [B, m] (distributions logprobs
+        [B, m, V], valid [B, m]) with `add_children`; returns their indices [B, m*k]."""
+        top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
+        return self.add_children(nodes, valid, top.indices, top.values)
 
     def expand(self, nodes: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """One draft forward over `nodes` [B, k]; returns their children's draft
@@ -423,6 +479,18 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     if t is None:
         t = _ARANGES[(size, device)] = torch.arange(size, device=device)
     return t[:n]
+
+
+_CONSTANTS: dict[tuple[int, object, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _constant(b: int, value: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [b, 1] tensor filled with `value`, made once per (b, value, dtype, device) (read-only)."""
+    key = (b, value, dtype, device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.full((b, 1), value, dtype=dtype, device=device)  # type: ignore[arg-type]
+    return t
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:

@@ -57,10 +57,8 @@ class ChainPolicy(_Stateless):
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         sampling = not ctx.params.greedy
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + self.k)
-        b = roots.shape[0]
         logprobs = builder.root_logprobs  # [B, V]
-        parent = torch.zeros(b, 1, dtype=torch.long, device=roots.device)
-        valid = torch.ones(b, 1, dtype=torch.bool, device=roots.device)  # add() drops the nodes of finished rows
+        parent, valid = builder.root, builder.root_valid  # [B, 1] each; add() drops the nodes of finished rows
         depth = min(self.k, ctx.max_depth)
         for level in range(1, depth + 1):
             if sampling:
@@ -100,9 +98,7 @@ class StaticTreePolicy(_Stateless):
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         sampled = ctx.samples_children(self.tree_sampling)
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + self.max_nodes)
-        b = roots.shape[0]
-        frontier = torch.zeros(b, 1, dtype=torch.long, device=roots.device)
-        frontier_valid = torch.ones(b, 1, dtype=torch.bool, device=roots.device)
+        frontier, frontier_valid = builder.root, builder.root_valid  # [B, 1] each
         logprobs = builder.root_logprobs[:, None, :]  # [B, m, V] children distributions of the frontier
         budget = self.max_nodes
         depth = min(self.depth, ctx.max_depth)
@@ -111,12 +107,15 @@ class StaticTreePolicy(_Stateless):
             keys = None
             if sampled:
                 parents, tokens, logq, valid, keys = builder.sample_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+            take = min(frontier.shape[1] * k, budget)  # a partial last level: the first children in BFS order
+            if sampled or take < frontier.shape[1] * k:
+                if not sampled:
+                    parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+                nodes = builder.add(
+                    parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take], sampled=sampled, score=None if keys is None else keys[:, :take]
+                )
             else:
-                parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
-            take = min(parents.shape[1], budget)  # a partial last level: the first children in BFS order
-            nodes = builder.add(
-                parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take], sampled=sampled, score=None if keys is None else keys[:, :take]
-            )
+                nodes = builder.add_top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
             budget -= take
             if level == depth or budget == 0:
                 break
@@ -171,7 +170,6 @@ class Eagle2Policy:
         sampled = ctx.samples_children(self.tree_sampling)
         self._last_tree = None
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + k + (self.depth - 1) * k * k)
-        b = roots.shape[0]
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)
         if depth == 0:
@@ -179,8 +177,7 @@ class Eagle2Policy:
             return Draft(tree, builder, origin)
         k = min(self.top_k, builder.root_logprobs.shape[-1])
         log_rates = self.ranks.log_rates(k, dev) if sampled else None  # [k]
-        root = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        frontier = self._children(builder, root, builder.root_logprobs[:, None, :], k, torch.ones(b, 1, dtype=torch.bool, device=dev), log_rates)  # [B, k]
+        frontier = self._children(builder, builder.root, builder.root_logprobs[:, None, :], k, builder.root_valid, log_rates)  # [B, k]
         for _ in range(2, depth + 1):
             frontier_valid = builder.valid.gather(1, frontier)
             logprobs = builder.expand(frontier, frontier_valid)  # [B, k, V]
@@ -203,7 +200,7 @@ class Eagle2Policy:
         """Add k children of each node [B, m]: its top-k, or k draws valued by the parent's value
         plus the log positional rate of their draw rank (log_rates [k]); returns them [B, m*k]."""
         if log_rates is None:
-            return builder.add(*builder.top_children(nodes, logprobs, k, valid))
+            return builder.add_top_children(nodes, logprobs, k, valid)
         parents, tokens, logq, child_valid, _ = builder.sample_children(nodes, logprobs, k, valid)
         score = builder.score.gather(1, parents) + log_rates.repeat(nodes.shape[1])  # [B, m*k]: token-free, non-increasing in the rank
         return builder.add(parents, tokens, logq, child_valid, sampled=True, score=score)

@@ -473,6 +473,7 @@ class Scheduler:
             job.emit(TextDelta(rest))
         finish_reason = "stop" if job.text.stopped or reason == "eos" else "length"
         assert request is not None
+        self._count_finish(job, finish_reason)  # before the client can see the end (and scrape /metrics)
         job.emit(
             Finished(
                 text=job.text.text,
@@ -483,13 +484,12 @@ class Scheduler:
                 lane=job.lane,
             )
         )
-        self._count_finish(job, finish_reason)
 
     def _fail(self, job: Job, error: APIError) -> None:
         if job.reported:
             return
+        self._count_finish(job, "error")  # before the client can see the end (and scrape /metrics)
         job.emit(Failed(error))
-        self._count_finish(job, "error")
 
     def _count_finish(self, job: Job, label: str) -> None:
         job.reported = True

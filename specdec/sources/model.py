@@ -104,13 +104,12 @@ class ModelDraftSource:
         self.pending_valid = self.pending_valid[index]
 
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        roots = fit_draft_inputs(roots, self.vocab)  # a target-emitted id the draft has no row for
         b = roots.shape[0]
         if self._slot_ok.shape[0] != b:
             self._slot_node = torch.zeros(b, _SLOT_BLOCK, dtype=torch.long, device=self.runner.device)
             self._slot_ok = torch.ones(b, _SLOT_BLOCK, dtype=torch.bool, device=self.runner.device)
         self._slot_ok[:, 0] = self.pending_valid  # slot 1 (the root) is always visible
-        ids = torch.stack([self.pending_token, roots], dim=1)  # [B, 2]: pending (maybe masked), root
+        ids = fit_draft_inputs(torch.stack([self.pending_token, roots], dim=1), self.vocab)  # [B, 2]: pending (maybe masked), root; target-emitted ids the draft has no row for -> 0
         base = self.runner.committed_len()  # [B]
         positions = torch.stack([base, base + self.pending_valid], dim=1)  # [B, 2]
         visibility = self._causal2 & self._slot_ok[:, None, :2]  # [B, 2, 2]
