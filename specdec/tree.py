@@ -36,6 +36,10 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
+_ROOT_ONLY: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
+"""the constant fields of `TokenTree.root_only` trees, per (batch size, device)"""
+
+
 @dataclass
 class TokenTree:
     """A batch of draft trees. All tensors share the leading shape [B, N]."""
@@ -86,19 +90,20 @@ class TokenTree:
     @classmethod
     def root_only(cls, roots: torch.Tensor) -> TokenTree:
         """A tree holding only the root of each row. roots: [B] int64."""
-        b = roots.shape[0]
-        zeros_f = torch.zeros(b, 1, device=roots.device)
-        return cls(
-            tokens=roots[:, None],
-            parents=torch.full((b, 1), -1, dtype=torch.long, device=roots.device),
-            depths=torch.zeros(b, 1, dtype=torch.long, device=roots.device),
-            logq=zeros_f,
-            cum_logq=zeros_f.clone(),
-            valid=torch.ones(b, 1, dtype=torch.bool, device=roots.device),
-            sampled=torch.zeros(b, 1, dtype=torch.bool, device=roots.device),
-            ancestors=torch.ones(b, 1, 1, dtype=torch.bool, device=roots.device),
-            depth_bound=0,
-        )
+        key = (roots.shape[0], roots.device)
+        fields = _ROOT_ONLY.get(key)
+        if fields is None:  # made once per (batch size, device); read-only, like every TokenTree
+            b, dev = key
+            fields = _ROOT_ONLY[key] = {
+                "parents": torch.full((b, 1), -1, dtype=torch.long, device=dev),
+                "depths": torch.zeros(b, 1, dtype=torch.long, device=dev),
+                "logq": torch.zeros(b, 1, device=dev),
+                "cum_logq": torch.zeros(b, 1, device=dev),
+                "valid": torch.ones(b, 1, dtype=torch.bool, device=dev),
+                "sampled": torch.zeros(b, 1, dtype=torch.bool, device=dev),
+                "ancestors": torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
+            }
+        return cls(tokens=roots[:, None], depth_bound=0, **fields)
 
     def max_depth(self) -> int:
         """Depth of the deepest valid node (a host read)."""

@@ -35,7 +35,8 @@ class ARPolicy(_Stateless):
     uses_draft = False
 
     def draft(self, source: DraftSource | None, roots: torch.Tensor, ctx: DraftContext) -> Draft:
-        return Draft(TokenTree.root_only(roots), None, torch.zeros(roots.shape[0], 1, dtype=torch.long, device=roots.device))
+        tree = TokenTree.root_only(roots)
+        return Draft(tree, None, tree.depths)  # origin: node 0 (the root-only tree's depths are that [B, 1] zero column)
 
 
 @dataclass

@@ -19,6 +19,9 @@ def greedy_accept(tree: TokenTree, target_argmax: torch.Tensor) -> Verdict:
     Example: tokens [r, a, b, c], parents [-1, 0, 0, 1], argmax [a, c, x, y] -> nodes 1 and 3
     match, path [1, 3], bonus = argmax at node 3 = y.
     """
+    if tree.num_nodes == 1:  # a root-only tree (AR): nothing to accept, the bonus is the target's choice at the root
+        zeros = _zeros(tree.batch_size, target_argmax.device)
+        return Verdict(path=zeros[:, None], accepted_len=zeros, bonus_tokens=target_argmax[:, 0], relaxed_count=zeros, fallback_count=zeros)
     parent_argmax = target_argmax.gather(1, tree.parents.clamp(min=0))  # [B, N]
     match = tree.tokens == parent_argmax  # the root's entry is unused (deepest_path never checks the root)
     deepest, _, path, accepted_len = deepest_path(tree, match)
