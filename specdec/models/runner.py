@@ -21,6 +21,7 @@ explicit `position_ids`), so any decoder-only architecture with a standard cache
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,8 @@ from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.graphs import CudaGraphRunner
 from specdec.models.static import BUCKETS, StaticInputs, StoragePool, node_bucket, shared_state
+
+_LOG = logging.getLogger("specdec.runner")
 
 CAPACITY_STEP = 256
 """cache capacity grows in multiples of this many slots"""
@@ -191,7 +194,13 @@ class ModelRunner:
             if self._shared.graphs is None:
                 self._shared.graphs = CudaGraphRunner(model, self.device)
             self.graphs = self._shared.graphs
-        self.num_layers = _num_cache_layers(model)
+        self.num_layers, self.window = _cache_layout(model)
+        if self.window is not None and self.static_shapes:  # one static mask buffer: no per-layer-type masks yet
+            _LOG.warning(
+                "%s has sliding-window attention layers; static shapes and CUDA graphs do not support them yet, so its forwards run eagerly",
+                type(model).__name__,
+            )
+            self.static_shapes, self._shared, self.graphs = False, None, None
         self.cache: SlotCache | None = None
         self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S_past]
         self.step_len = 0  # step slots appended since the last commit/rollback
@@ -202,6 +211,8 @@ class ModelRunner:
         self._eye: dict[int, torch.Tensor] = {}
         self._mask_values = (torch.zeros((), dtype=self.dtype, device=self.device), torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device))
         self._compact_checked_at = 0
+        self._step_pos = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, step_len] position ids of the step slots (sliding windows only)
+        self._layer_types = _layer_types(model) if self.window is not None else None
 
     # ----- state -------------------------------------------------------------------
     @property
@@ -347,14 +358,16 @@ class ModelRunner:
         eye = self._eye.get(n)
         if eye is None:
             eye = self._eye[n] = torch.eye(n, dtype=torch.bool, device=self.device)
-        mask = None  # a single token over a cache without holes sees everything: no mask (SDPA's fastest path)
-        if not (n == 1 and s_step == 0 and self.dense):
+        mask: torch.Tensor | dict[str, torch.Tensor] | None = None  # a single token over a cache without holes sees everything: no mask (SDPA's fastest path)
+        if not (n == 1 and s_step == 0 and self.dense and self.window is None):
             committed = self.slot_valid[:, None, :].expand(b, n, s_past)
             if step_visibility.shape[2] == s_step:  # the new block: each token sees only itself
                 visible = torch.cat([committed, step_visibility, eye.expand(b, n, n)], dim=2)  # [B, n, S]
             else:
                 visible = torch.cat([committed, step_visibility[:, :, :s_step], step_visibility[:, :, s_step:] | eye], dim=2)
             mask = torch.where(visible, *self._mask_values)[:, None]  # [B, 1, n, S] additive: 0 where visible, dtype min elsewhere
+            if self.window is not None:
+                mask = self._sliding_masks(visible, mask, position_ids)
         with uncounted(), _attention_backends(self.device):
             out = self.model(
                 input_ids=input_ids,
@@ -366,6 +379,27 @@ class ModelRunner:
                 **(model_inputs or {}),
             )
         return out.logits.float()
+
+    def _sliding_masks(self, visible: torch.Tensor, full: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The attention masks of a model with sliding-window layers: a key at position j is in
+        the window of a query at position i when j > i - window (as transformers' sliding
+        layers), positions being the keys' own position ids (committed slots: valid slots
+        before them; step slots: the ids they were forwarded with), so holes and tree branches
+        never shift the window. Returns the sliding mask alone when every layer slides (one 4D
+        mask, e.g. Mistral), else {layer type: mask} (mixed layers, e.g. Qwen2, Gemma-2/3).
+
+        visible: [B, n, S] bool; full: [B, 1, n, S] additive (the full-attention mask);
+        position_ids: [B, n]. Also records the new slots' positions for later forwards of the step.
+        """
+        assert self.window is not None
+        committed_pos = self.slot_valid.long().cumsum(dim=1) - 1  # [B, S_past]
+        self._step_pos = torch.cat([self._step_pos[:, : self.step_len], position_ids], dim=1) if self.step_len else position_ids  # [B, s_step + n]
+        key_pos = torch.cat([committed_pos, self._step_pos], dim=1)  # [B, S]
+        in_window = key_pos[:, None, :] > position_ids[:, :, None] - self.window  # [B, n, S]
+        sliding = torch.where(visible & in_window, *self._mask_values)[:, None]  # [B, 1, n, S]
+        if self._layer_types is None:
+            return sliding
+        return {"full_attention": full, "sliding_attention": sliding}
 
     def _forward_static(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, step_visibility: torch.Tensor, logits_to_keep: int, model_inputs: dict[str, Any] | None
@@ -640,15 +674,31 @@ def _round_up(slots: int) -> int:
     return -(-slots // CAPACITY_STEP) * CAPACITY_STEP
 
 
-def _num_cache_layers(model: PreTrainedModel) -> int:
-    """Decoder layers that keep a KV cache, as transformers lays them out for this config;
-    sliding-window layers are refused with a clear error."""
+def _cache_layout(model: PreTrainedModel) -> tuple[int, int | None]:
+    """(decoder layers that keep a KV cache, as transformers lays them out for this config;
+    the sliding window in tokens when some of them slide, else None)."""
     layers = DynamicCache(config=model.config).layers
-    if any(getattr(layer, "is_sliding", False) for layer in layers):
-        raise SpecDecError("sliding-window attention layers are not supported; load the model with sliding windows disabled")
     if not layers:
         raise SpecDecError(f"cannot tell how many decoder layers {type(model).__name__} has from its config")
-    return len(layers)
+    if not any(getattr(layer, "is_sliding", False) for layer in layers):
+        return len(layers), None
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window < 1:
+        raise SpecDecError(f"{type(model).__name__} has sliding-window layers but its config gives no sliding_window size ({window!r})")
+    return len(layers), window
+
+
+def _layer_types(model: PreTrainedModel) -> list[str] | None:
+    """The config's per-layer attention types when it declares them (mixed full and sliding
+    layers take a mask per type), None when it does not (every layer slides, e.g. Mistral)."""
+    types = getattr(model.config.get_text_config(), "layer_types", None)
+    if types is None:
+        return None
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise SpecDecError(f"{type(model).__name__} has attention layer types {unknown} that specdec cannot mask yet (supported: full_attention, sliding_attention)")
+    return list(types)
 
 
 class _attention_backends:

@@ -323,7 +323,7 @@ def target_config(shape: Shape, dtype: str) -> tuple[PretrainedConfig, list[str]
         notes.append("embeddings untied (the head gets the scale and the draft's noise; the embeddings keep neither); cost per forward is unchanged")
     fields["tie_word_embeddings"] = False
     if fields.get("sliding_window") is not None and (fields.get("use_sliding_window", True) or fields.get("model_type") == "mistral"):
-        notes.append(f"sliding window {fields['sliding_window']} dropped (the engine does not support sliding-window attention yet)")
+        notes.append(f"sliding window {fields['sliding_window']} dropped (static shapes and CUDA graphs do not support sliding-window models yet)")
     if "sliding_window" in fields:
         fields["sliding_window"] = None
     if "use_sliding_window" in fields:
