@@ -69,6 +69,9 @@ class TokenTree:
     depth_bound: int | None = None
     """an upper bound on the depth of any valid node known without reading the device (the
     levels the builder drafted); None = read it from `depths`"""
+    chain: bool = False
+    """known on the host: node i > 0 of every row is the only child of node i - 1 (a chain;
+    rows may end early with invalid nodes). Lets rules take tensor-only fast paths."""
 
     @property
     def batch_size(self) -> int:

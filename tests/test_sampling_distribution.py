@@ -32,7 +32,7 @@ from specdec.methods import make_policy
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources import ModelDraftSource
 from specdec.verification import MarsRule, SamplingRule, Verdict
-from specdec.verification.sampling import SiblingTests
+from specdec.verification.sampling import ChainTests, SiblingTests
 
 V = 6
 PROMPT = [1, 4, 2, 5]
@@ -190,6 +190,14 @@ class NoResidual(SiblingTests):
         return target_probs
 
 
+class ChainNoResidual(ChainTests):
+    """Broken chain tests (on the device): after a rejection the bonus is drawn from the
+    unchanged target distribution instead of the residual."""
+
+    def residual(self, target_probs, draft_probs, token, sampled):
+        return target_probs
+
+
 class RankedByOwnLogq:
     """Broken drafting: draws 3 root children without replacement, keeps the one the draft
     likes best (highest logq), verified as if it were the first draw. The exact version keeps
@@ -221,6 +229,7 @@ BROKEN = {
     "keeps-earlier-siblings": (lambda: make_policy("static", **TREES["static"][1]), lambda: SamplingRule(tests=KeepsEarlierSiblings()), "peaked", "t0.7"),
     "no-residual-update": (lambda: make_policy("static", **TREES["static"][1]), lambda: SamplingRule(tests=NoResidual()), "peaked", "t0.7"),
     "ranked-by-own-logq": (lambda: RankedByOwnLogq("logq"), SamplingRule, "mild", "t1"),
+    "chain-no-residual": (lambda: make_policy("chain", k=3), lambda: SamplingRule(chain_tests=ChainNoResidual()), "peaked", "t0.7"),
 }
 
 

@@ -72,6 +72,7 @@ class ChainPolicy(_Stateless):
                 logprobs = builder.expand(node, builder.last_valid)[:, 0]
             parent = node
         tree, origin = builder.finish()
+        tree.chain = True  # node i's parent is node i - 1
         return Draft(tree, builder, origin)
 
 

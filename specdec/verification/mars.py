@@ -57,7 +57,9 @@ from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict, deepest_path
-from specdec.verification.sampling import HostBatch, RelaxHook, verdict_of
+from specdec.verification.sampling import HostBatch, RelaxHook, SamplingRule, verdict_of
+
+_LOSSLESS = SamplingRule()
 
 DEFAULT_THETA = 0.9
 """the paper's default logit-ratio threshold"""
@@ -131,6 +133,8 @@ class MarsRule:
         self.theta = validate_theta(theta)
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
+        if not params.greedy and self.theta >= 1:  # no relaxation: exactly the lossless rule (and its tensor-only chain path)
+            return _LOSSLESS.verify(tree, target_logits, params, generator)
         m = margins(target_logits, self.theta)
         if params.greedy:
             return self._verify_greedy(tree, m)

@@ -29,6 +29,9 @@ before them, never by their own tokens (docs/ARCHITECTURE.md).
 
 The walk runs per row on the host: each row's tree fields, target and draft distributions and
 pre-drawn uniforms (one per test and one for the bonus, `[B, N]` in one draw) are read once.
+A chain (`TokenTree.chain`: one child per node) needs no walk: `ChainTests` runs the same
+tests for every position and row at once on the device (Leviathan et al.'s rule), with no
+host read.
 """
 
 from __future__ import annotations
@@ -235,21 +238,75 @@ def verdict_of(walks: list[RowWalk], device: torch.device) -> Verdict:
     return Verdict.from_lists([w.path for w in walks], [w.bonus for w in walks], [w.relaxed for w in walks], [w.fallbacks for w in walks], device)
 
 
+class ChainTests:
+    """The exact tests of a chain, every position and row at once, on the device (no host read).
+
+    Node i (i = 1..K) is the only child of node i - 1; it is accepted with probability
+    min(1, p_i / q_i), p_i the target's probability of its token at node i - 1 and q_i its
+    proposal's (the draft's for a sampled node, 1 for a deterministic one). The accepted
+    length a is the number of leading accepts; the bonus token is drawn at node a from the
+    residual of the rejected node a + 1 (`residual`), or from the target distribution when the
+    chain ended there. The same maths as `SiblingTests` with one child per node.
+    """
+
+    def residual(self, target_probs: torch.Tensor, draft_probs: torch.Tensor | None, token: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """[B, V] the distribution left at a node after its child (token [B], drawn from
+        draft_probs [B, V] where `sampled` [B], else a point mass) was rejected:
+        norm(max(0, target - proposal)), unnormalised; target_probs where nothing is left."""
+        point = target_probs.scatter(1, token[:, None], 0.0)  # a point-mass proposal: the token removed
+        res = point if draft_probs is None else torch.where(sampled[:, None], (target_probs - draft_probs).clamp_(min=0.0), point)
+        return torch.where(res.sum(dim=1, keepdim=True) > _EPS, res, target_probs)
+
+    def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
+        b, n = tree.tokens.shape
+        k = n - 1
+        target_probs = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]
+        draft_probs = None if tree.draft_logprobs is None else tree.draft_logprobs.exp()  # [B, N, V]
+        child = tree.tokens[:, 1:]  # [B, K] node i's token, child of node i - 1
+        p = target_probs[:, :k].gather(2, child[:, :, None]).squeeze(2)  # [B, K]
+        q = None
+        if draft_probs is not None:
+            q = draft_probs[:, :k].gather(2, child[:, :, None]).squeeze(2).masked_fill_(~tree.sampled[:, 1:], 1.0)  # [B, K]
+        u = torch.rand(b, k, generator=generator, device=p.device)
+        accept = (u * q < p) if q is not None else (u < p)  # u < p / q without dividing by a tiny q
+        accepted_len = accept.logical_and_(tree.valid[:, 1:]).cumprod(dim=1).sum(dim=1)  # [B] leading accepts
+        cols = torch.arange(1, n, device=p.device)  # [K]
+        path = torch.where(cols[None, :] <= accepted_len[:, None], cols[None, :], 0)  # [B, K], padding 0
+        at = accepted_len[:, None]  # [B, 1] the node the bonus is drawn at
+        probs = target_probs.gather(1, at[:, :, None].expand(b, 1, target_probs.shape[2])).squeeze(1)  # [B, V]
+        nxt = (at + 1).clamp_(max=k)  # [B, 1] its child (when the chain goes on)
+        rejected = (accepted_len < k) & tree.valid.gather(1, nxt).squeeze(1)  # [B] a child was tested and rejected
+        drafts = None if draft_probs is None else draft_probs.gather(1, at[:, :, None].expand_as(probs[:, None, :])).squeeze(1)
+        residual = self.residual(probs, drafts, tree.tokens.gather(1, nxt).squeeze(1), tree.sampled.gather(1, nxt).squeeze(1))
+        probs = torch.where(rejected[:, None], residual, probs)
+        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs (exponential race)
+        zeros = torch.zeros_like(accepted_len)
+        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
+
+
+EXACT_CHAIN = ChainTests()
+"""the lossless chain tests"""
+
+
 class SamplingRule:
     """Lossless speculative sampling (see the module docstring).
 
-    tests: the per-node tests (`EXACT`; the distribution tests pass deliberately wrong ones).
+    tests: the per-node tests of the host walk (`EXACT`); chain_tests: those of chains on the
+    device (`EXACT_CHAIN`). The distribution tests pass deliberately wrong ones.
     """
 
     name = "sampling"
 
-    def __init__(self, tests: SiblingTests = EXACT) -> None:
+    def __init__(self, tests: SiblingTests = EXACT, chain_tests: ChainTests = EXACT_CHAIN) -> None:
         self.tests = tests
+        self.chain_tests = chain_tests
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
         if params.greedy:
             from specdec.verification.greedy import GreedyRule
 
             return GreedyRule().verify(tree, target_logits, params, generator)
+        if tree.chain and tree.num_nodes > 1 and type(self.tests) is SiblingTests:  # (a deliberately wrong walk keeps the walk)
+            return self.chain_tests.verify(tree, target_logits, params, generator)
         host = HostBatch.read(tree, target_logits, params, generator)
         return verdict_of([host.walk(row, tests=self.tests) for row in range(tree.batch_size)], target_logits.device)
