@@ -721,6 +721,11 @@ def _add_train(sub) -> None:
     add_model_args(ev)
     ev.add_argument("--corpus", nargs="*", default=[], help="the corpus the pair was trained on (default: the standard library)")
     ev.add_argument("--max-tokens", type=int, default=65536, help="held-out tokens to score")
+    ev.add_argument("--no-latency", action="store_true", help="skip the latency figures (quality only; cheap on a busy machine)")
+    ev.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ev.add_argument("--loops", action="store_true", help="also the share of the target's greedy completions of --prompts that end in a short loop")
+    ev.add_argument("--prompts", default="stdlib-heldout", help="prompt set for --loops (default: the bundled stdlib-heldout set)")
+    ev.add_argument("--loop-tokens", type=int, default=128, help="new tokens per --loops completion (128, as `specdec bench`)")
     ev.add_argument("--out", default=None, help="also write the figures to this JSON file")
     ev.set_defaults(func=_cmd_train_evaluate)
 
@@ -856,8 +861,22 @@ def _cmd_train_evaluate(args: argparse.Namespace) -> int:
     from specdec.api import SpeculativeDecoder
     from specdec.training.evaluate import evaluate_pair
 
+    if args.max_tokens <= 0 or args.loop_tokens <= 0:
+        raise SpecDecError(f"--max-tokens={args.max_tokens} and --loop-tokens={args.loop_tokens} must be positive integers")
+    if args.threads < 0:
+        raise SpecDecError(f"--threads={args.threads} must be >= 0")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
-    figures = evaluate_pair(decoder.target, decoder.draft, decoder.tokenizer, [Path(c) for c in args.corpus] or None, args.max_tokens)
+    figures = evaluate_pair(decoder.target, decoder.draft, decoder.tokenizer, [Path(c) for c in args.corpus] or None, args.max_tokens, latency=not args.no_latency)
+    if args.loops:
+        from specdec.bench.prompts import load_prompts, resolve_prompt_source
+        from specdec.training.evaluate import greedy_loop_share
+
+        prompts = [p.turns[0] for p in load_prompts(resolve_prompt_source(args.prompts))]
+        figures.update(greedy_loop_share(decoder.target, decoder.tokenizer, prompts, args.loop_tokens))
     text = json.dumps(figures, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

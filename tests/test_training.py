@@ -96,6 +96,8 @@ def test_evaluate_pair_figures(tiny_pair_dir):
     assert 0 <= figures["top1_agreement"] <= 1
     assert set(figures["latency_ms"]["target"]) == {1, 16, 64} and all(v > 0 for v in figures["latency_ms"]["draft"].values())
     assert figures["target_params"] > figures["draft_params"]
+    quality_only = evaluate_pair(dec.target, dec.draft, dec.tokenizer, [STDLIB / "json"], max_tokens=256, window=64, latency=False)
+    assert "latency_ms" not in quality_only and quality_only["target_perplexity"] == pytest.approx(figures["target_perplexity"])
 
 
 # --- issue #17: more code (licence-filtered packages), warm start, a schedule that can be extended ---
@@ -298,3 +300,19 @@ def test_warm_start_refuses_another_tokenizer(tmp_path, capsys):
     assert main([*base, "--out", str(tmp_path / "third"), "--tokenizer", str(other / "tokenizer"), "--init-target", str(first / "target")]) == 2
     err = capsys.readouterr().err
     assert "another tokenizer" in err and f"--tokenizer {first / 'target'}" in err
+
+
+def test_greedy_loop_share(tiny_pair_dir):
+    from specdec.stats import ends_in_loop
+    from specdec.training.evaluate import greedy_loop_share
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target").eval()
+    tok = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+    prompts = ["def add(a, b):\n", "for i in range(10):\n", "class A:\n"]
+    figures = greedy_loop_share(model, tok, prompts, max_new_tokens=12)
+    assert figures["loop_prompts"] == 3 and len(figures["loops"]) == 3
+    assert figures["loop_share"] == sum(figures["loops"]) / 3
+    for prompt, flag in zip(prompts, figures["loops"], strict=True):
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+        assert flag == ends_in_loop([t for t in out[0, ids.shape[1]:].tolist() if t != tok.eos_token_id])
