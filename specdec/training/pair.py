@@ -247,7 +247,13 @@ def train_stage(
         row = {"step": step, "heldout_loss": loss, "heldout_ppl": math.exp(loss), "lr": lr_at(max(0, step - 1), cfg),
                "elapsed_s": time.time() - t0, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         record(curve_path, row)
+        rate = (step - start) / max(1e-9, row["elapsed_s"]) * 3600
+        progress.console.print(
+            f"{row['time']} {name} step {step}: held-out loss {loss:.4f} (perplexity {row['heldout_ppl']:.2f}), "
+            f"train loss {last_ce:.3f}, lr {row['lr']:.2e}, {rate:.0f} steps/h", highlight=False, soft_wrap=True
+        )
 
+    last_ce = float("nan")
     columns = [TextColumn(f"[bold]{name}"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn()]
     t0 = time.time()
     with Progress(*columns) as progress:
@@ -272,7 +278,8 @@ def train_stage(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
-            progress.update(task, advance=1, loss=ce.item())
+            last_ce = ce.item()
+            progress.update(task, advance=1, loss=last_ce)
             if step % 10 == 0 or step == cfg.steps - 1:
                 row = {"stage": name, "step": step, "ce": ce.item(), "lr": lr_at(step, cfg), "elapsed_s": time.time() - t0}
                 record(log_path, row)
