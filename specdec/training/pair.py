@@ -3,7 +3,10 @@
 `train_pair` runs: tokenizer (unless one is given) -> tokenise corpus -> train target ->
 train draft (optionally distilled from the target's logits) -> save both in float16
 safetensors with the tokenizer beside each, plus the `stdlib-heldout` prompt set.
-Every stage checkpoints periodically and resumes from its last checkpoint.
+Every stage checkpoints periodically and resumes from its last checkpoint, logs its training
+loss and a held-out loss curve to JSONL files as it goes, and can warm-start from trained
+weights (`init_target`, `init_draft`); `packages` adds installed packages' sources to the
+training split (`specdec.training.packages`). docs/bundled-pair.md, "Continuing training".
 """
 
 from __future__ import annotations
@@ -165,9 +168,11 @@ def heldout_sample(stream: np.ndarray, windows: int, seq_len: int, max_tokens: i
     """A fixed held-out sample: `windows` rows of `seq_len + 1` tokens, evenly spaced over the
     non-overlapping windows of the first `max_tokens` tokens that `specdec train evaluate` scores
     (a subset of its windows, so the two figures are comparable). [windows, seq_len + 1] int64."""
-    available = max(1, min(len(stream) - 1, max_tokens) // seq_len)
     if len(stream) < seq_len + 1:
-        raise ValueError(f"held-out stream has {len(stream)} tokens, fewer than seq_len + 1 = {seq_len + 1}; use a shorter --seq-len")
+        from specdec.errors import SpecDecError
+
+        raise SpecDecError(f"the held-out stream has {len(stream)} tokens, fewer than --seq-len + 1 = {seq_len + 1}; use a shorter --seq-len or --heldout-windows 0")
+    available = max(1, min(len(stream) - 1, max_tokens) // seq_len)
     picks = sorted({int(i * available / windows) for i in range(min(windows, available))})
     return torch.stack([torch.from_numpy(stream[w * seq_len : w * seq_len + seq_len + 1].astype(np.int64)) for w in picks])
 
