@@ -695,6 +695,21 @@ def _add_train(sub) -> None:
     pair.add_argument("--seq-len", type=int, default=512)
     pair.add_argument("--distill-weight", type=float, default=0.5, help="weight of KL(target||draft) in the draft loss; 0 disables distillation")
     pair.add_argument("--target-from", default=None, help="reuse this trained target folder (train only a draft)")
+    pair.add_argument("--with-packages", action="store_true",
+                      help="also train on the licence-filtered, deduplicated .py sources of installed packages (held-out figures stay standard-library only)")
+    pair.add_argument("--site-packages", default=None, help="the site-packages folder for --with-packages (default: this interpreter's)")
+    pair.add_argument("--init-target", default=None, help="warm start: initialise the target from this trained model folder (fresh optimizer and LR schedule)")
+    pair.add_argument("--init-draft", default=None, help="warm start: initialise the draft from this trained model folder")
+    pair.add_argument("--target-lr", type=float, default=1e-3, help="peak learning rate of the target (1e-3)")
+    pair.add_argument("--target-batch-size", type=int, default=None, help="target sequences per step (default 4; 2 with --tiny)")
+    pair.add_argument("--target-warmup", type=int, default=50, help="linear warm-up steps of the target (50)")
+    pair.add_argument("--target-decay-steps", type=int, default=None,
+                      help="hold the peak LR after warm-up and decay (cosine) only over the last N of --target-steps; "
+                           "lets a run be extended by raising --target-steps (default: cosine over all steps)")
+    pair.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints of each stage (100)")
+    pair.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses on the fixed held-out sample (50)")
+    pair.add_argument("--heldout-windows", type=int, default=16, help="windows of --seq-len tokens in that sample (16; 0 disables it)")
+    pair.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     pair.add_argument("--tiny", action="store_true", help="tiny shapes and batches (for tests and smoke runs)")
     pair.set_defaults(func=_cmd_train_pair)
 
@@ -724,6 +739,11 @@ def _add_train(sub) -> None:
     add_model_args(ev)
     ev.add_argument("--corpus", nargs="*", default=[], help="the corpus the pair was trained on (default: the standard library)")
     ev.add_argument("--max-tokens", type=int, default=65536, help="held-out tokens to score")
+    ev.add_argument("--no-latency", action="store_true", help="skip the latency figures (quality only; cheap on a busy machine)")
+    ev.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ev.add_argument("--loops", action="store_true", help="also the share of the target's greedy completions of --prompts that end in a short loop")
+    ev.add_argument("--prompts", default="stdlib-heldout", help="prompt set for --loops (default: the bundled stdlib-heldout set)")
+    ev.add_argument("--loop-tokens", type=int, default=128, help="new tokens per --loops completion (128, as `specdec bench`)")
     ev.add_argument("--out", default=None, help="also write the figures to this JSON file")
     ev.set_defaults(func=_cmd_train_evaluate)
 
@@ -741,11 +761,31 @@ def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
 def _cmd_train_pair(args: argparse.Namespace) -> int:
     from specdec.training.pair import ModelShape, PairConfig, StageConfig, train_pair
 
-    for name in ("target_steps", "draft_steps", "seq_len"):
+    for name in ("target_steps", "draft_steps", "seq_len", "checkpoint_every", "eval_every"):
         if getattr(args, name) <= 0:
             raise SpecDecError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive integer")
+    for name in ("target_batch_size", "target_decay_steps"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise SpecDecError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive integer")
+    for name in ("target_warmup", "heldout_windows", "threads"):
+        if getattr(args, name) < 0:
+            raise SpecDecError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
+    if not args.target_lr > 0:
+        raise SpecDecError(f"--target-lr={args.target_lr} must be positive")
     if not 0 <= args.distill_weight <= 1:
         raise SpecDecError(f"--distill-weight={args.distill_weight} must be in [0, 1]")
+    if args.target_from and args.init_target:
+        raise SpecDecError("--target-from (reuse a target unchanged) and --init-target (train a warm-started target) exclude each other; pass one")
+    if args.site_packages and not args.with_packages:
+        raise SpecDecError(f"--site-packages {args.site_packages} needs --with-packages")
+    if args.threads:
+        import os
+
+        import torch
+
+        torch.set_num_threads(args.threads)
+        os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))  # the tokenizers library's thread pool
+    tokenizer_dir = args.tokenizer or args.init_target  # a warm start keeps its model's tokenizer
     batch_t, batch_d = (2, 2) if args.tiny else (4, 8)
     cfg = PairConfig(
         out_dir=args.out,
@@ -753,15 +793,25 @@ def _cmd_train_pair(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         seed=args.seed,
         target_from=args.target_from,
-        target=StageConfig(steps=args.target_steps, batch_size=batch_t, seq_len=args.seq_len, lr=1e-3, warmup_steps=min(50, args.target_steps)),
+        init_target=args.init_target,
+        init_draft=args.init_draft,
+        packages=args.with_packages,
+        site_packages=args.site_packages,
+        heldout_sample_windows=args.heldout_windows,
+        target=StageConfig(
+            steps=args.target_steps, batch_size=args.target_batch_size or batch_t, seq_len=args.seq_len, lr=args.target_lr,
+            warmup_steps=min(args.target_warmup, args.target_steps), decay_steps=args.target_decay_steps,
+            checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+        ),
         draft=StageConfig(
-            steps=args.draft_steps, batch_size=batch_d, seq_len=args.seq_len, lr=2e-3, warmup_steps=min(50, args.draft_steps), distill_weight=args.distill_weight
+            steps=args.draft_steps, batch_size=batch_d, seq_len=args.seq_len, lr=2e-3, warmup_steps=min(50, args.draft_steps), distill_weight=args.distill_weight,
+            checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
         ),
     )
     if args.tiny:
         cfg.target_shape = ModelShape(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
         cfg.draft_shape = ModelShape(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64)
-    summary = train_pair(cfg, tokenizer_dir=Path(args.tokenizer) if args.tokenizer else None)
+    summary = train_pair(cfg, tokenizer_dir=Path(tokenizer_dir) if tokenizer_dir else None)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -829,8 +879,22 @@ def _cmd_train_evaluate(args: argparse.Namespace) -> int:
     from specdec.api import SpeculativeDecoder
     from specdec.training.evaluate import evaluate_pair
 
+    if args.max_tokens <= 0 or args.loop_tokens <= 0:
+        raise SpecDecError(f"--max-tokens={args.max_tokens} and --loop-tokens={args.loop_tokens} must be positive integers")
+    if args.threads < 0:
+        raise SpecDecError(f"--threads={args.threads} must be >= 0")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
-    figures = evaluate_pair(decoder.target, decoder.draft, decoder.tokenizer, [Path(c) for c in args.corpus] or None, args.max_tokens)
+    figures = evaluate_pair(decoder.target, decoder.draft, decoder.tokenizer, [Path(c) for c in args.corpus] or None, args.max_tokens, latency=not args.no_latency)
+    if args.loops:
+        from specdec.bench.prompts import load_prompts, resolve_prompt_source
+        from specdec.training.evaluate import greedy_loop_share
+
+        prompts = [p.turns[0] for p in load_prompts(resolve_prompt_source(args.prompts))]
+        figures.update(greedy_loop_share(decoder.target, decoder.tokenizer, prompts, args.loop_tokens))
     text = json.dumps(figures, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

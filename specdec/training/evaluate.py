@@ -47,6 +47,22 @@ def perplexity_and_agreement(target: PreTrainedModel, draft: PreTrainedModel, st
     }
 
 
+@torch.inference_mode()
+def greedy_loop_share(model: PreTrainedModel, tokenizer, prompts: list[str], max_new_tokens: int = 128) -> dict:
+    """Share of greedy completions (plain `generate`, `max_new_tokens` each, EOS dropped) that
+    end in a short loop (`specdec.stats.ends_in_loop`, the `loops` figure of `specdec bench
+    --quality`), with each prompt's flag."""
+    from specdec.stats import ends_in_loop, loop_share
+
+    eos = tokenizer.eos_token_id
+    flags = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        flags.append(ends_in_loop([t for t in out[0, ids.shape[1] :].tolist() if t != eos]))
+    return {"loop_share": loop_share(flags), "loop_prompts": len(flags), "loop_max_new_tokens": max_new_tokens, "loops": flags}
+
+
 def forward_latency_ms(model: PreTrainedModel, context: int = 512, new_tokens: tuple[int, ...] = (1, 16, 64), repeats: int = 20) -> dict[int, float]:
     """Median wall time (ms) of one engine forward of n new tokens (causal among themselves)
     after `context` committed tokens, for each n; the step slots are rolled back each time."""
@@ -81,11 +97,14 @@ def evaluate_pair(
     max_tokens: int = 65536,
     window: int = 512,
     latency_context: int = 512,
+    latency: bool = True,
 ) -> dict:
     """Model-card figures: held-out perplexity of both models, top-1 agreement, forward latency
-    after `latency_context` tokens of context (1-, 16- and 64-token forwards)."""
+    after `latency_context` tokens of context (1-, 16- and 64-token forwards; not with `latency=False`)."""
     stream = heldout_stream(tokenizer, corpus)
     quality = perplexity_and_agreement(target, draft, stream, window=window, max_tokens=max_tokens)
+    if not latency:
+        return {"target_params": sum(p.numel() for p in target.parameters()), "draft_params": sum(p.numel() for p in draft.parameters()), **quality}
     latency = {name: forward_latency_ms(model, context=latency_context) for name, model in (("target", target), ("draft", draft))}
     return {
         "target_params": sum(p.numel() for p in target.parameters()),

@@ -3,14 +3,20 @@
 `train_pair` runs: tokenizer (unless one is given) -> tokenise corpus -> train target ->
 train draft (optionally distilled from the target's logits) -> save both in float16
 safetensors with the tokenizer beside each, plus the `stdlib-heldout` prompt set.
-Every stage checkpoints periodically and resumes from its last checkpoint.
+Every stage checkpoints periodically and resumes from its last checkpoint, logs its training
+loss and a held-out loss curve to JSONL files as it goes, and can warm-start from trained
+weights (`init_target`, `init_draft`); `packages` adds installed packages' sources to the
+training split (`specdec.training.packages`). docs/bundled-pair.md, "Continuing training".
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import shutil
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,7 +26,8 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, PreTrainedModel
 
-from specdec.training.corpus import build_prompt_set, iter_texts, list_sources, split_sources
+from specdec.training.corpus import SourceFile, build_prompt_set, iter_texts, list_sources, split_sources
+from specdec.training.packages import package_sources
 from specdec.training.tokenizer import train_tokenizer
 
 
@@ -80,6 +87,13 @@ class StageConfig:
     """steps between checkpoints (resume restarts from the last one)"""
     distill_weight: float = 0.0
     """draft only: weight of KL(target || draft) in the loss; 0 = plain next-token loss"""
+    decay_steps: int | None = None
+    """None: cosine decay over all `steps` after warm-up. A number: warm-up, then the peak LR
+    held constant, then cosine decay over only the last `decay_steps` steps (a
+    warmup-stable-decay schedule). The LR of every step before `steps - decay_steps` does not
+    depend on `steps`, so a run can be extended by re-running with a larger `steps`."""
+    eval_every: int = 50
+    """steps between held-out losses on the fixed held-out sample (when one is given)"""
 
 
 @dataclass
@@ -98,27 +112,84 @@ class PairConfig:
     prompt_lines: int = 24
     target_from: str | None = None
     """reuse this trained target folder instead of training one (e.g. to train another draft)"""
+    init_target: str | None = None
+    """warm start: initialise the target from this trained model folder (fresh optimizer and schedule)"""
+    init_draft: str | None = None
+    """warm start: initialise the draft from this trained model folder"""
+    packages: bool = False
+    """also train on the licence-filtered sources of installed packages (`training.packages`)"""
+    site_packages: str | None = None
+    """the site-packages folder for `packages` (None: the running interpreter's)"""
+    heldout_sample_windows: int = 16
+    """windows of seq_len tokens in the fixed held-out sample scored every `eval_every` steps"""
 
 
 def lr_at(step: int, cfg: StageConfig) -> float:
-    """Linear warm-up then cosine decay to `min_lr_ratio * lr`."""
+    """Linear warm-up then cosine decay to `min_lr_ratio * lr`: over all remaining steps, or
+    with `decay_steps` only over the last `decay_steps` (constant peak LR before them)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    if cfg.decay_steps is not None:
+        decay_start = max(cfg.warmup_steps, cfg.steps - cfg.decay_steps)
+        progress = (step - decay_start) / max(1, cfg.steps - decay_start) if step >= decay_start else 0.0
+    else:
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-def tokenize_corpus(tokenizer, texts: list[str]) -> np.ndarray:
-    """One token stream (uint16 ids): every file's tokens followed by EOS."""
+def tokenize_corpus(tokenizer, texts: Iterable[str]) -> np.ndarray:
+    """One token stream (uint16 ids): every file's tokens followed by EOS.
+
+    Built in numpy chunks of 256 files, so tens of millions of tokens stay cheap in memory."""
     eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    batch = 256
-    for i in range(0, len(texts), batch):
-        for enc in tokenizer(texts[i : i + batch], add_special_tokens=False)["input_ids"]:
+    dtype = np.uint16 if len(tokenizer) < 65536 else np.int32
+    chunks: list[np.ndarray] = []
+    batch: list[str] = []
+
+    def flush() -> None:
+        ids: list[int] = []
+        for enc in tokenizer(batch, add_special_tokens=False)["input_ids"]:
             ids.extend(enc)
             ids.append(eos)
-    return np.asarray(ids, dtype=np.uint16 if tokenizer.vocab_size < 65536 else np.int32)
+        chunks.append(np.asarray(ids, dtype=dtype))
+        batch.clear()
+
+    for text in texts:
+        batch.append(text)
+        if len(batch) == 256:
+            flush()
+    if batch:
+        flush()
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+
+
+def heldout_sample(stream: np.ndarray, windows: int, seq_len: int, max_tokens: int = 65536) -> torch.Tensor:
+    """A fixed held-out sample: `windows` rows of `seq_len + 1` tokens, evenly spaced over the
+    non-overlapping windows of the first `max_tokens` tokens that `specdec train evaluate` scores
+    (a subset of its windows, so the two figures are comparable). [windows, seq_len + 1] int64."""
+    if len(stream) < seq_len + 1:
+        from specdec.errors import SpecDecError
+
+        raise SpecDecError(f"the held-out stream has {len(stream)} tokens, fewer than --seq-len + 1 = {seq_len + 1}; use a shorter --seq-len or --heldout-windows 0")
+    available = max(1, min(len(stream) - 1, max_tokens) // seq_len)
+    picks = sorted({int(i * available / windows) for i in range(min(windows, available))})
+    return torch.stack([torch.from_numpy(stream[w * seq_len : w * seq_len + seq_len + 1].astype(np.int64)) for w in picks])
+
+
+@torch.inference_mode()
+def sample_loss(model: PreTrainedModel, sample: torch.Tensor, batch: int = 4) -> float:
+    """Mean next-token cross-entropy (nats) of `model` on a held-out sample [N, T + 1]."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(sample), batch):
+        rows = sample[i : i + batch]
+        logits = model(rows[:, :-1]).logits.float()
+        total += F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
+        count += rows[:, 1:].numel()
+    model.train(was_training)
+    return total / count
 
 
 def sample_batch(stream: np.ndarray, cfg: StageConfig, gen: torch.Generator) -> torch.Tensor:
@@ -143,11 +214,20 @@ def train_stage(
     seed: int,
     teacher: PreTrainedModel | None = None,
     log: list[dict] | None = None,
+    eval_sample: torch.Tensor | None = None,
+    on_checkpoint: Callable[[PreTrainedModel, int], None] | None = None,
 ) -> PreTrainedModel:
     """Train `model` on random windows of `stream`, checkpointing to `work_dir/{name}.ckpt`.
 
     With `teacher` and `cfg.distill_weight > 0` the loss is
     `(1 - w) * CE(labels) + w * KL(teacher_probs || model_probs)` per token.
+
+    Every record of `log` (training loss) is also appended to `work_dir/{name}_log.jsonl` as it
+    is made, so an interrupted run keeps its history. With `eval_sample` ([N, T + 1] held-out tokens) the
+    held-out loss is measured every `cfg.eval_every` steps (and at the last step) and
+    appended to `work_dir/{name}_heldout.jsonl` as `{"step", "heldout_loss",
+    "heldout_ppl", "lr", "elapsed_s", "time"}`; `step` counts optimizer steps done.
+    `on_checkpoint(model, step)` runs after each checkpoint (e.g. to save a loadable snapshot).
     """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -161,10 +241,31 @@ def train_stage(
         gen.set_state(state["gen"])
         start = state["step"]
     model.train()
+    log_path, curve_path = work_dir / f"{name}_log.jsonl", work_dir / f"{name}_heldout.jsonl"
+
+    def record(path: Path, row: dict) -> None:
+        with path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def evaluate(step: int) -> None:
+        loss = sample_loss(model, eval_sample)
+        row = {"step": step, "heldout_loss": loss, "heldout_ppl": math.exp(loss), "lr": lr_at(max(0, step - 1), cfg),
+               "elapsed_s": time.time() - t0, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        record(curve_path, row)
+        rate = (step - start) / max(1e-9, row["elapsed_s"]) * 3600
+        progress.console.print(
+            f"{row['time']} {name} step {step}: held-out loss {loss:.4f} (perplexity {row['heldout_ppl']:.2f}), "
+            f"train loss {last_ce:.3f}, lr {row['lr']:.2e}, {rate:.0f} steps/h", highlight=False, soft_wrap=True
+        )
+
+    last_ce = float("nan")
     columns = [TextColumn(f"[bold]{name}"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn()]
     t0 = time.time()
     with Progress(*columns) as progress:
         task = progress.add_task(name, total=cfg.steps, completed=start, loss=float("nan"))
+        logged = {json.loads(line)["step"] for line in curve_path.read_text().splitlines()} if curve_path.exists() else set()
+        if eval_sample is not None and start < cfg.steps and start not in logged:
+            evaluate(start)
         for step in range(start, cfg.steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
@@ -182,11 +283,19 @@ def train_stage(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
-            progress.update(task, advance=1, loss=ce.item())
-            if log is not None and (step % 10 == 0 or step == cfg.steps - 1):
-                log.append({"stage": name, "step": step, "ce": ce.item(), "lr": lr_at(step, cfg), "elapsed_s": time.time() - t0})
+            last_ce = ce.item()
+            progress.update(task, advance=1, loss=last_ce)
+            if step % 10 == 0 or step == cfg.steps - 1:
+                row = {"stage": name, "step": step, "ce": ce.item(), "lr": lr_at(step, cfg), "elapsed_s": time.time() - t0}
+                record(log_path, row)
+                if log is not None:
+                    log.append(row)
+            if eval_sample is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                evaluate(step + 1)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 _save_checkpoint(ckpt, model, opt, step + 1, gen)
+                if on_checkpoint is not None:
+                    on_checkpoint(model, step + 1)
     model.eval()
     return model
 
@@ -207,39 +316,71 @@ def train_pair(cfg: PairConfig, tokenizer_dir: Path | None = None) -> dict:
     if not train_files or not heldout_files:
         raise ValueError(f"corpus has {len(train_files)} train and {len(heldout_files)} held-out files; it needs both (add more files)")
     n_prompts = build_prompt_set(heldout_files, out / "stdlib-heldout.jsonl", prompt_lines=cfg.prompt_lines)
+    package_train: list[SourceFile] = []
+    corpus_info: dict = {}
+    if cfg.packages:
+        packages = package_sources(Path(cfg.site_packages) if cfg.site_packages else None, corpus=files, heldout=heldout_files)
+        package_train, package_heldout = split_sources(packages.files)
+        corpus_info["packages"] = {**packages.summary(), "train_files": len(package_train), "heldout_files_unused": len(package_heldout)}
 
     tok_dir = tokenizer_dir or out / "tokenizer"
     if tokenizer_dir is None and not (tok_dir / "tokenizer.json").exists():
         train_tokenizer(iter_texts(train_files), tok_dir, vocab_size=cfg.vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    t_tok = time.time() - t_start
 
-    stream_path, heldout_path = work / "train_tokens.npy", out / "heldout_tokens.npy"
-    if stream_path.exists() and heldout_path.exists():
-        stream, heldout_stream = np.load(stream_path), np.load(heldout_path)
+    stream_path, heldout_path, manifest_path = work / "train_tokens.npy", out / "heldout_tokens.npy", work / "corpus.json"
+    fingerprint = _corpus_fingerprint(train_files + package_train, heldout_files, tokenizer)
+    cached = manifest_path.exists() and json.loads(manifest_path.read_text()).get("fingerprint") == fingerprint
+    if stream_path.exists() and heldout_path.exists() and (cached or not manifest_path.exists() and not cfg.packages):
+        stream, heldout_stream = np.load(stream_path, mmap_mode="r"), np.load(heldout_path)
     else:
-        stream = tokenize_corpus(tokenizer, list(iter_texts(train_files)))
-        heldout_stream = tokenize_corpus(tokenizer, list(iter_texts(heldout_files)))
+        base_stream = tokenize_corpus(tokenizer, iter_texts(train_files))
+        package_stream = tokenize_corpus(tokenizer, iter_texts(package_train))
+        stream = np.concatenate([base_stream, package_stream])
+        heldout_stream = tokenize_corpus(tokenizer, iter_texts(heldout_files))
         np.save(stream_path, stream)
         np.save(heldout_path, heldout_stream)
+        corpus_info.update(
+            fingerprint=fingerprint,
+            base_train_files=len(train_files),
+            base_train_tokens=int(len(base_stream)),
+            package_train_files=len(package_train),
+            package_train_tokens=int(len(package_stream)),
+            heldout_files=len(heldout_files),
+            heldout_tokens=int(len(heldout_stream)),
+        )
+        manifest_path.write_text(json.dumps(corpus_info, indent=1))
     vocab = len(tokenizer)
     log: list[dict] = []
-    timings = {"tokenizer_and_data_s": t_tok}
+    timings = {"tokenizer_and_data_s": time.time() - t_start}
+    sample = heldout_sample(heldout_stream, cfg.heldout_sample_windows, cfg.target.seq_len) if cfg.heldout_sample_windows > 0 else None
 
     t0 = time.time()
     if cfg.target_from:
         target = AutoModelForCausalLM.from_pretrained(cfg.target_from, dtype=torch.float32).eval()
     else:
-        torch.manual_seed(cfg.seed)
-        target = AutoModelForCausalLM.from_config(cfg.target_shape.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id))
-        target = train_stage("target", target, stream, cfg.target, work, cfg.seed, log=log)
+        if cfg.init_target:
+            target = load_init(cfg.init_target, tokenizer, "--init-target")
+        else:
+            torch.manual_seed(cfg.seed)
+            target = AutoModelForCausalLM.from_config(cfg.target_shape.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id))
+        target = train_stage(
+            "target", target, stream, cfg.target, work, cfg.seed, log=log, eval_sample=sample,
+            on_checkpoint=lambda model, step: save_snapshot(model, tokenizer, work / "target-latest", step),
+        )
     timings["target_s"] = time.time() - t0
 
     t0 = time.time()
-    torch.manual_seed(cfg.seed + 1)
-    draft = AutoModelForCausalLM.from_config(cfg.draft_shape.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id))
+    if cfg.init_draft:
+        draft = load_init(cfg.init_draft, tokenizer, "--init-draft")
+    else:
+        torch.manual_seed(cfg.seed + 1)
+        draft = AutoModelForCausalLM.from_config(cfg.draft_shape.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id))
     teacher = target if cfg.draft.distill_weight > 0 else None
-    draft = train_stage("draft", draft, stream, cfg.draft, work, cfg.seed + 1, teacher=teacher, log=log)
+    draft = train_stage(
+        "draft", draft, stream, cfg.draft, work, cfg.seed + 1, teacher=teacher, log=log, eval_sample=sample,
+        on_checkpoint=lambda model, step: save_snapshot(model, tokenizer, work / "draft-latest", step),
+    )
     timings["draft_s"] = time.time() - t0
 
     for name, model in (("target", target), ("draft", draft)):
@@ -247,16 +388,55 @@ def train_pair(cfg: PairConfig, tokenizer_dir: Path | None = None) -> dict:
     summary = {
         "train_tokens": int(len(stream)),
         "heldout_tokens": int(len(heldout_stream)),
-        "train_files": len(train_files),
+        "train_files": len(train_files) + len(package_train),
         "heldout_files": len(heldout_files),
         "prompts": n_prompts,
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
+        "corpus": json.loads(manifest_path.read_text()) if manifest_path.exists() else {},
         "timings_s": timings,
         "total_s": time.time() - t_start,
     }
-    (out / "train_log.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1))
+    curves = {name: [json.loads(line) for line in path.read_text().splitlines()] for name in ("target", "draft") if (path := work / f"{name}_heldout.jsonl").exists()}
+    (out / "train_log.json").write_text(json.dumps({"summary": summary, "log": log, "heldout_curve": curves}, indent=1))
     return summary
+
+
+def _corpus_fingerprint(train: list[SourceFile], heldout: list[SourceFile], tokenizer) -> str:
+    """Identifies the token caches: file lists with sizes and the tokenizer's vocabulary size."""
+    h = hashlib.sha1(f"{len(tokenizer)}|{tokenizer.eos_token_id}".encode())
+    for tag, files in (("train", train), ("heldout", heldout)):
+        for f in files:
+            h.update(f"{tag}|{f.module}|{f.path.stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def load_init(folder: str, tokenizer, flag: str) -> PreTrainedModel:
+    """A trained model to warm-start from (float32, train mode), checked against the tokenizer."""
+    from specdec.errors import SpecDecError
+
+    if not (Path(folder) / "config.json").exists():
+        raise SpecDecError(f"{flag} {folder} is not a model folder (no config.json); pass a trained model folder such as specdec/assets/pair/target")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    own = AutoTokenizer.from_pretrained(folder).get_vocab() if (Path(folder) / "tokenizer.json").exists() else None
+    if model.config.vocab_size != len(tokenizer) or (own is not None and own != tokenizer.get_vocab()):
+        raise SpecDecError(
+            f"{flag} {folder} was trained with another tokenizer ({model.config.vocab_size} tokens; this run's has {len(tokenizer)} "
+            f"or maps them differently); pass --tokenizer {folder} so the warm start keeps its own tokenizer"
+        )
+    return model
+
+
+def save_snapshot(model: PreTrainedModel, tokenizer, dest: Path, step: int) -> None:
+    """Replace `dest` with a loadable float16 copy of `model` (and `step.txt`), written beside it first."""
+    import copy
+
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_half(copy.deepcopy(model), tokenizer, tmp)  # a copy: the float16 round trip must not touch the trained weights
+    (tmp / "step.txt").write_text(f"{step}\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
 
 
 def save_half(model: PreTrainedModel, tokenizer, out_dir: Path) -> None:
