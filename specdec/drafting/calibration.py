@@ -60,6 +60,7 @@ class AcceptanceCalibrator:
         self._dirty = False
         self._updates = 0
         self._child = np.full(ranks, 0.5)  # child_rate per rank, as of the last refit
+        self._edges: dict[torch.device, torch.Tensor] = {}  # log q bin edges per device
         self._set_rates(np.tile(self.centers, (ranks, 1)))  # the identity until verdicts arrive
 
     @property
@@ -121,6 +122,32 @@ class AcceptanceCalibrator:
             self._flat_log_rate = self._flat_log_rate.to(logq.device)
         return self._flat_log_rate[cell].masked_fill_(~torch.isfinite(logq), float("-inf"))
 
+    def cells(self, logq: torch.Tensor, rank_offset: torch.Tensor) -> torch.Tensor:
+        """The table cell of tokens with local draft log-probs `logq`: (rank - 1) * bins + q bin,
+        with `rank_offset` = (min(rank, ranks) - 1) * bins given (`rank_offsets`); a -inf logq
+        falls in the q = 0 bin. Two ops: a bucketize and an add (broadcasting)."""
+        edges = self._edges.get(logq.device)
+        if edges is None:
+            edges = self._edges[logq.device] = torch.log(torch.arange(1, self.bins, device=logq.device, dtype=torch.float32) / self.bins)
+        return torch.bucketize(logq, edges, right=True) + rank_offset
+
+    def rank_offsets(self, ranks: torch.Tensor) -> torch.Tensor:
+        """(min(rank, ranks) - 1) * bins for 1-based sibling ranks (cache it: it depends on the shape only)."""
+        return (ranks.long() - 1).clamp(0, self.ranks - 1) * self.bins
+
+    def log_rate(self, cells: torch.Tensor) -> torch.Tensor:
+        """Calibrated log acceptance of the tokens in `cells` (finite everywhere: mask invalid nodes yourself)."""
+        if self._flat_log_rate.device != cells.device:
+            self._flat_log_rate = self._flat_log_rate.to(cells.device)
+        return self._flat_log_rate[cells]
+
+    def observe_cells(self, cells: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor) -> None:
+        """`observe` for tokens given by their table cells (`cells`); only entries where `mask`
+        is True count."""
+        if cells.numel() == 0:
+            return
+        self._accumulate(torch.where(mask, cells, self.ranks * self.bins).flatten(), mask.sum(), accepted)
+
     def observe(self, logq: torch.Tensor, rank: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Record verdicts: logq, rank, accepted (and mask) have one shape; the entries where
         mask is True (all when None) are verified nodes whose parent was reached. The counts
@@ -131,16 +158,20 @@ class AcceptanceCalibrator:
         use = torch.isfinite(logq) if mask is None else (mask & torch.isfinite(logq))
         r, b = self._cells(logq, rank)
         size = self.ranks * self.bins
-        dev = logq.device
+        self._accumulate(torch.where(use, r * self.bins + b, size).flatten(), use.sum(), accepted)
+
+    def _accumulate(self, cell: torch.Tensor, n: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Add observations (cell per entry, the overflow cell for unobserved ones; n observed) on the device."""
+        size = self.ranks * self.bins
+        dev = cell.device
         if self._acc is None or self._acc.device != dev:
             self._acc = torch.zeros(3, size + 1, dtype=torch.float64, device=dev)
             self._acc[0, :size] = torch.from_numpy(self._seen.reshape(-1))
             self._acc[1, :size] = torch.from_numpy(self._hits.reshape(-1))
             self._acc[2, 0] = float(self._observations)
-        cell = torch.where(use, r * self.bins + b, size).flatten()
-        n = use.sum().double()
+        n = n.double()
         # decay the counts by decay ** (new observations), then add the new ones
-        self._acc[:2].mul_(torch.pow(torch.tensor(self.decay, dtype=torch.float64, device=dev), n))
+        self._acc[:2].mul_(torch.pow(self.decay, n))
         ones = torch.ones_like(cell, dtype=torch.float64)
         self._acc[0].index_add_(0, cell, ones)
         self._acc[1].index_add_(0, cell, accepted.flatten().double())

@@ -493,20 +493,20 @@ class CastPolicy:
     """draft tokens per row kept for verification at the last step (before per-row validity)"""
     _buffers: DepthBuffers = field(init=False, repr=False)
     _skipped: dict[int, int] = field(default_factory=dict, init=False, repr=False)
-    _value: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
+    _values: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    """this step's node values (log v(u) or calibrated log acceptance), [B, n] per add in creation order"""
+    _cells: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    """this step's calibration cells per node (calibrate only), like `_values`"""
     _ranks: dict[tuple[int, int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    """cached sibling ranks 1..k repeated per parent, [1, m * k]"""
+    """cached calibration rank offsets of k children per parent, m parents, [1, m * k]"""
     _weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
     """[B, 1] float64: each row's weight in the batch-averaged utilities (1 / active rows, or 0)"""
-    _rank: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1, dtype=torch.long), init=False, repr=False)
-    _local: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
-    """[B, N] the calibrator's input per node: logq for top-k children, the parent's feature for sampled ones"""
     _sampled: bool = field(default=False, init=False, repr=False)
     """this step's children are drawn (set by `draft`)"""
     _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
     overheads: StepOverheads = field(default_factory=lambda: StepOverheads(), init=False, repr=False)
     """the engine's measured time per draft forward and per verification beyond the tables"""
-    _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _feedback_ms: float = field(default=0.0, init=False, repr=False)
     """how long the previous feedback took (part of the step's time outside drafting and verification)"""
     _plan: list[int] | None = field(default=None, init=False, repr=False)
@@ -639,29 +639,29 @@ class CastPolicy:
         st.forward_ms = forward_ms
         st.drafted_ms = forward_ms + o_step
 
-        self._weights = rows.to(torch.float64)[:, None] / len(active_rows)  # [B, 1]: utilities average the active rows
+        self._weights = rows[:, None] / float(len(active_rows))  # [B, 1]: utilities average the active rows
         # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's path
-        self._value = torch.zeros(b, 1, device=dev)  # [B, N]
-        self._rank = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, N] rank among siblings (1 = draft's favourite)
-        self._local = torch.zeros(b, 1, device=dev)
+        zero = torch.zeros(b, 1, device=dev)
+        self._values = [zero]  # per add: [B, n] values in creation order (the root's 0 first)
+        self._cells = [zero.long()]  # per add: calibration cells (calibrate only)
         root = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        candidates = self._add(builder, root, builder.root_logprobs[:, None, :], torch.ones(b, 1, dtype=torch.bool, device=dev), k)  # [B, k] by value, descending
+        candidates, cand_value = self._add(builder, root, zero, builder.root_logprobs[:, None, :], root >= 0, k)  # [B, k] best first
         if self.prune_rule == "break-even":
-            count = self._draft_planned(builder, st, candidates)
+            count = self._draft_planned(builder, st, candidates, cand_value)
         else:
-            count = self._draft_layerwise(builder, st, candidates, t_verify)
-        keep = builder.top_by_score(self._value, count)
+            count = self._draft_layerwise(builder, st, candidates, cand_value)
+        keep = builder.top_by_score(self._all_values(), count)
         tree, origin = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
         if self.calibrate:
-            self._last_tree = (origin, self._local.gather(1, origin), self._rank.gather(1, origin), tree.parents, tree.valid)
+            self._last_tree = (torch.cat(self._cells, dim=1).gather(1, origin), tree.parents, tree.valid)
         if self._learns_costs:
             nodes = min(tree.num_nodes, len(t_verify) - 1)
             self.overheads.expect(st.forward_ms, builder.draft_forwards - 1, st.expanded, t_verify[nodes], nodes)
         return Draft(tree, builder, origin)
 
-    def _expand(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, width: int, kept_before: int) -> torch.Tensor:
+    def _expand(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor, width: int, kept_before: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expand the best `width` candidates of a layer (one draft forward); returns their
-        children sorted by value, descending ([B, width * k]), and books the layer's cost."""
+        children and values sorted by value, descending ([B, width * k] each), and books the layer's cost."""
         f_draft = st.table.draft_cost(st.b, st.n0 + 1 + kept_before, width)  # the draft cache: committed tokens, the root, kept layers
         st.forward_ms += f_draft
         st.drafted_ms += f_draft + st.o_node * width + st.o_draft
@@ -669,9 +669,9 @@ class CastPolicy:
         frontier = candidates[:, :width]  # [B, n_i]
         frontier_valid = builder.valid.gather(1, frontier)
         logprobs = builder.expand(frontier, frontier_valid)  # [B, n_i, V]
-        return self._add(builder, frontier, logprobs, frontier_valid, st.k)
+        return self._add(builder, frontier, cand_value[:, :width], logprobs, frontier_valid, st.k)
 
-    def _draft_planned(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor) -> int:
+    def _draft_planned(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor) -> int:
         """Break-even pruning with few reads. The layers' widths come from the plan made at the
         end of the previous step (`_replan`) and are drafted without looking at their values;
         then the layers' and the pool's utilities are read in one transfer. If the last layer
@@ -680,93 +680,70 @@ class CastPolicy:
         was too deep is corrected at the next step. From all the numbers read, the verified
         count (this step) and the next step's plan are decided. Returns the count."""
         widths = list(self._plan[: max(st.depth - 1, 0)]) if self._plan is not None else []
-        m = self.total_tokens
-        b, dev = st.b, builder.device
-        weights = self._weights[None]  # [1, B, 1]
-        layer_scores = [self._value.gather(1, candidates)]  # per layer [B, k]: its candidates' values, best first
-        pool = torch.topk(torch.cat([torch.full((b, m), float("-inf"), device=dev), layer_scores[0]], dim=1), m, dim=1).values  # [B, m]
-        pools = [pool]  # per layer: the best m values of the nodes drafted up to it
+        m, k = self.total_tokens, st.k
+        # per layer [B, k + m]: its candidates' values (best first), then the best m values of every
+        # node drafted up to it; -inf where missing
+        pool = torch.full((st.b, m), float("-inf"), device=builder.device)
+        pool = torch.topk(torch.cat([pool, cand_value[:, :m]], dim=1), m, dim=1).values
+        rows = [torch.cat([cand_value[:, :k], pool], dim=1)]
         drafted_at = [st.drafted_ms]  # the step's draft time when each layer's candidates are known
         kept_before = 0
-        for width in widths:
-            children = self._expand(builder, st, candidates, width, kept_before)  # [B, width * k] best first
-            candidates = children[:, : st.k]
-            layer_scores.append(self._value.gather(1, candidates))
-            pool = torch.topk(torch.cat([pool, self._value.gather(1, children[:, :m])], dim=1), m, dim=1).values
-            pools.append(pool)
+
+        def layer(width: int) -> None:
+            nonlocal candidates, cand_value, pool, kept_before
+            candidates, cand_value = self._expand(builder, st, candidates, cand_value, width, kept_before)  # best first
+            pool = torch.topk(torch.cat([pool, cand_value[:, :m]], dim=1), m, dim=1).values
+            rows.append(torch.cat([cand_value[:, :k], pool], dim=1))
             drafted_at.append(st.drafted_ms)
             kept_before += width
+
+        for width in widths:
+            layer(width)
         layers: list[list[float]] = []
-        pools_u: list[list[float]] = []
-        read = 0  # layers read so far
+        pools: list[list[float]] = []
         while True:
-            # one transfer: the unread layers' candidates' and pools' batch-averaged cumulative utilities
-            layer_u = (torch.stack(layer_scores[read:]).double().exp() * weights).sum(dim=1).cumsum(dim=-1)  # [L', k]
-            pool_u = (torch.stack(pools[read:]).double().exp() * weights).sum(dim=1).cumsum(dim=-1)  # [L', m]
-            flat = torch.cat([layer_u.flatten(), pool_u.flatten()]).tolist()
-            n_new, k = layer_u.shape
-            layers += [_trim_flat(flat[i * k : (i + 1) * k]) for i in range(n_new)]
-            pools_u += [_trim_flat(flat[n_new * k + i * m : n_new * k + (i + 1) * m]) for i in range(n_new)]
-            read = len(layers)
+            # one transfer: the unread layers' batch-averaged values (cumulated on the host)
+            flat = (torch.stack(rows[len(layers) :]).exp() * self._weights).sum(dim=1).tolist()  # [L', k + m]
+            for values in flat:
+                layers.append(_trim_flat(_cumsum(values[:k])))
+                pools.append(_trim_flat(_cumsum(values[k:])))
             level = len(layers)
             if level >= st.depth or not layers[-1]:
                 break
-            width, grow = self._decide(st, level, layers[-1], pools_u[-1], drafted_at[-1], st.n0 + 1 + kept_before, None)
+            width, grow = self._decide(st, level, layers[-1], pools[-1], drafted_at[-1], st.n0 + 1 + kept_before, None)
             if not grow:
                 break
             widths.append(width)
-            children = self._expand(builder, st, candidates, width, kept_before)
-            candidates = children[:, : st.k]
-            layer_scores.append(self._value.gather(1, candidates))
-            pools.append(torch.topk(torch.cat([pools[-1], self._value.gather(1, children[:, :m])], dim=1), m, dim=1).values)
-            drafted_at.append(st.drafted_ms)
-            kept_before += width
-        n_layers = len(layers)
+            layer(width)
         if not self.calibrate:  # the paper's gain ratios phi_i, for each pair of drafted layers
-            for i in range(1, n_layers):
+            for i in range(1, len(layers)):
                 below = widths[i] if i < len(widths) else len(layers[i])
                 above = layers[i - 1][min(widths[i - 1], len(layers[i - 1])) - 1] if layers[i - 1] else 0.0
                 if above > 0 and layers[i]:
                     self._buffers.push(i, layers[i][min(below, len(layers[i])) - 1] / above)
-        self._plan = self._replan(st, layers, pools_u, drafted_at)
+        self._plan = self._replan(st, layers, pools, drafted_at)
         self.last_widths = [*widths, len(layers[-1])]
-        return self._verify_count(st, pools_u[-1], st.drafted_ms)
+        return self._verify_count(st, pools[-1], st.drafted_ms)
 
-    def _draft_layerwise(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, t_verify: list[float]) -> int:
-        """The per-layer decisions as the paper makes them: each layer's utilities are read when
-        the layer is drafted (one read per layer). Used by the threshold rules, and by break-even
-        pruning for its first step (which has no plan yet); returns the verified count."""
-        break_even = self.prune_rule == "break-even"
+    def _draft_layerwise(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor) -> int:
+        """The paper's threshold rules, layer by layer: each layer's utilities are read when it is
+        drafted (one read per layer); returns the verified count."""
         kept_before = 0  # sum_{j<i} n_j
         prev_utility: float | None = None
-        pool: list[float] = []
         for level in range(1, st.depth + 1):
-            score = self._value.gather(1, candidates)  # [B, m], rows descending, -inf where missing
-            # the layer's candidates' utilities and (break-even) the pool's, in one transfer
-            layer_u = _utility_tensor(score, self._weights, score.shape[1], presorted=True)
-            pool_n = min(builder.num_nodes - 1, self.total_tokens) if break_even or self.rerank_rule == "break-even" else 0
-            if pool_n > 0:
-                both = torch.cat([layer_u, _utility_tensor(self._value[:, 1:], self._weights, pool_n, presorted=False)]).tolist()
-                utility, pool = _trim_flat(both[: layer_u.shape[0]]), _trim_flat(both[layer_u.shape[0] :])
-            else:
-                utility, pool = _trim_flat(layer_u.tolist()), []
-            ctx_i = st.n0 + 1 + kept_before
-            if break_even:
-                width, grow = self._decide(st, level, utility, pool, st.drafted_ms, ctx_i, prev_utility)
-            else:
-                width, grow = self._decide_threshold(st, level, utility, ctx_i, prev_utility)
+            utility = _trim_flat(_utility_tensor(cand_value, self._weights, cand_value.shape[1], presorted=True).tolist())
+            width, grow = self._decide_threshold(st, level, utility, st.n0 + 1 + kept_before, prev_utility)
             self.last_widths.append(width)
             if level == st.depth or not grow:
                 break
-            children = self._expand(builder, st, candidates, width, kept_before)
-            candidates = children[:, : st.k]
+            candidates, cand_value = self._expand(builder, st, candidates, cand_value, width, kept_before)
+            candidates, cand_value = candidates[:, : st.k], cand_value[:, : st.k]
             kept_before += width
             prev_utility = utility[width - 1]
-        if break_even:
-            self._plan = self.last_widths[:-1]
-        if self.rerank_rule == "threshold" and self.dynamic_rerank:
-            n = min(builder.num_nodes - 1, self.total_tokens)
-            pool = _trim_flat(_utility(self._value[:, 1:], self._weights, n, presorted=False)) if n > 0 else []
+        pool: list[float] = []
+        n = min(builder.num_nodes - 1, self.total_tokens)
+        if self.dynamic_rerank and n > 0:
+            pool = _trim_flat(_utility(self._all_values()[:, 1:], self._weights, n, presorted=False))
         return self._verify_count(st, pool, st.drafted_ms)
 
     def _decide_threshold(self, st: _Step, level: int, utility: list[float], ctx_i: int, prev_utility: float | None) -> tuple[int, bool]:
@@ -881,10 +858,14 @@ class CastPolicy:
             self.last_verified = rerank_count(pool, cost, st.c3) if n else 0
         return self.last_verified
 
-    def _add(self, builder: TreeBuilder, nodes: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-        """Add k children of each node [B, m] (distributions logprobs [B, m, V]), laid out k per
-        parent in the draft's order (top-k, or draw order), give them values, and return their
-        indices sorted by value, descending ([B, m * k]).
+    def _add(
+        self, builder: TreeBuilder, nodes: torch.Tensor, parent_value: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add k children of each node [B, m] (values parent_value [B, m], distributions logprobs
+        [B, m, V]), laid out k per parent in the draft's order (top-k, or draw order), give them
+        values, and return their indices and values sorted by value, descending ([B, m * k] each).
+        The values are kept in creation order (`_values`) for reranking; with calibration each
+        node's calibration cell too (`_cells`), for feedback.
 
         Top-k children are valued by their own draft probability (cum_logq, or calibrated from
         logq and rank). A sampled child must not be: whether it is kept may not depend on its
@@ -900,30 +881,35 @@ class CastPolicy:
         b, m, _ = logprobs.shape
         if self._sampled:
             parents, tokens, logq, child_valid, keys = builder.sample_children(nodes, logprobs, k, valid)
-            nodes = builder.add(parents, tokens, logq, child_valid, sampled=True, score=keys)  # [B, m * k]
-            local = torch.logsumexp(2 * logprobs, dim=-1).clamp(max=0.0)[:, :, None].expand(b, m, k).reshape(b, m * k)  # [B, m * k]
+            children = builder.add(parents, tokens, logq, child_valid, sampled=True, score=keys)  # [B, m * k]
+            local = torch.logsumexp(2 * logprobs, dim=-1).clamp(max=0.0)[:, :, None]  # [B, m, 1]: the same for each parent's k draws
         else:
             parents, tokens, logq, child_valid = builder.top_children(nodes, logprobs, k, valid)
-            nodes = builder.add(parents, tokens, logq, child_valid)  # [B, m * k]
-            local = builder.logq[:, start:]
-        b, total = nodes.shape
-        key = (k, total, nodes.device)
-        if key not in self._ranks:
-            self._ranks[key] = torch.arange(1, k + 1, device=nodes.device).repeat(total // k)[None]  # [1, m * k]
-        rank = self._ranks[key].expand(b, total)
-        if self._sampled:
-            gain = self._calibrator.local_logprob(local, rank) if self.calibrate else local
-            gain = gain.reshape(b, m, k).cummin(dim=-1).values.reshape(b, m * k)  # non-increasing in the draw rank
-            value = (self._value.gather(1, parents.clamp(min=0)) + gain).masked_fill(~builder.valid[:, start:], float("-inf"))
-        elif self.calibrate:  # builder.logq is -inf at invalid nodes, and so is the value
-            value = self._value.gather(1, parents.clamp(min=0)) + self._calibrator.local_logprob(local, rank)
+            children = builder.add(parents, tokens, logq, child_valid)  # [B, m * k]
+            local = logq.view(b, m, k)
+        ok = builder.valid[:, start:]  # [B, m * k]: the children that were added valid
+        if self.calibrate or self._sampled:
+            if self.calibrate:
+                key = (k, m, children.device)
+                if key not in self._ranks:  # (rank - 1) * bins per child: depends on the shape only
+                    self._ranks[key] = self._calibrator.rank_offsets(torch.arange(1, k + 1, device=children.device).repeat(m))[None]
+                cells = self._calibrator.cells(local, self._ranks[key].view(1, m, k)).reshape(b, m * k)
+                self._cells.append(cells)
+                gain = self._calibrator.log_rate(cells)
+            else:
+                gain = local.expand(b, m, k)
+            if self._sampled:
+                gain = gain.reshape(b, m, k).cummin(dim=-1).values  # non-increasing in the draw rank
+            value = torch.where(ok, (parent_value[:, :, None] + gain.reshape(b, m, k)).reshape(b, m * k), float("-inf"))
         else:
-            value = builder.cum_logq[:, start:]  # -inf at invalid nodes
-        self._value = torch.cat([self._value, value], dim=1)
-        self._rank = torch.cat([self._rank, rank], dim=1)
-        self._local = torch.cat([self._local, local], dim=1)
-        order = torch.sort(value, dim=1, descending=True, stable=True).indices
-        return nodes.gather(1, order)
+            value = builder.cum_logq[:, start:]  # log v(u), -inf at invalid nodes
+        self._values.append(value)
+        top = torch.sort(value, dim=1, descending=True, stable=True)
+        return children.gather(1, top.indices), top.values
+
+    def _all_values(self) -> torch.Tensor:
+        """[B, N] every node's value in creation order (the root's 0)."""
+        return torch.cat(self._values, dim=1)
 
     @property
     def _learns_costs(self) -> bool:
@@ -948,21 +934,18 @@ class CastPolicy:
                 self.overheads.observe_other((record.step_s - record.draft_s - record.verify_s) * 1e3 + self._feedback_ms)
         if not self.calibrate or self._last_tree is None or not record.accepted_nodes:
             return
-        origin, logq, rank, parents, valid = self._last_tree
+        cells, parents, valid = self._last_tree
         self._last_tree = None
-        b, n = parents.shape
-        on_path = torch.zeros(b, n, dtype=torch.bool)
-        for r, path in enumerate(record.accepted_nodes):
-            if record.active[r] and path:
-                on_path[r, path] = True
-        on_path = on_path.to(parents.device)
-        reached = on_path.clone()
-        reached[:, 0] = True
-        active = torch.tensor(record.active, dtype=torch.bool, device=parents.device)[:, None]
-        parent_reached = reached.gather(1, parents.clamp(min=0)) & (parents >= 0)
-        observed = valid & parent_reached & active  # [B, N]
+        # the root and every accepted node were reached (rows that finished accepted nothing)
+        index = [(r, j) for r, path in enumerate(record.accepted_nodes) if record.active[r] for j in (0, *path)]
+        if not index:
+            return
+        where = torch.tensor(index, dtype=torch.long).T.to(parents.device)  # [2, n]
+        reached = torch.zeros(parents.shape, dtype=torch.bool, device=parents.device).index_put_((where[0], where[1]), torch.tensor(True, device=parents.device))
+        # observed: verified non-root nodes whose parent was reached (the root has no parent: column 0 off)
+        observed = valid & reached.gather(1, parents.clamp(min=0))
         observed[:, 0] = False
-        self._calibrator.observe(logq, rank, on_path, mask=observed)
+        self._calibrator.observe_cells(cells, reached, observed)
 
     def state(self) -> dict[str, Any]:
         """Introspection: the last step's layer widths and verified count, and the buffers."""
