@@ -564,16 +564,18 @@ def test_feedback_observes_children_of_reached_nodes():
 def test_break_even_pruning_refreshes_a_stale_depth_buffer():
     """Uncalibrated break-even pruning predicts a layer from the paper's buffers A_i; a buffer only
     learns when its next layer is drafted, so a layer skipped `buffer` steps in a row is drafted
-    once to refresh it (the paper's rule would stay stuck)."""
+    once to refresh it (the paper's rule would stay stuck). Decisions are planned at the end of
+    a step for the next one, so the refresh lands one step after the skip count is reached."""
     _, draft = close_pair("llama")
     policy = CastPolicy(depth=4, top_k=3, total_tokens=10, buffer=3, calibrate=False, cost_table=linear_table())
     for _ in range(3):
         policy.buffers.push(1, 0.0)  # alpha_1 = 0: layer 2 is never predicted to pay
     widths = []
-    for _ in range(4):
+    for _ in range(6):
         draft_once(policy, draft)
         widths.append(len(policy.last_widths))
-    assert widths[:3] == [1, 1, 1] and widths[3] >= 2
+    # the 4th step's plan (made from its own numbers, for the next step) drafts layer 2 again
+    assert widths[:4] == [1, 1, 1, 1] and widths[4] >= 2
     assert policy.buffers.values(1)[-1] > 0  # the refresh observed a real ratio
 
 

@@ -269,7 +269,7 @@ def record(drafted: list[int], accepted: list[int], active: list[bool] | None = 
 
 
 def test_history_rule_moves_every_step_and_stays_in_bounds():
-    pol = DynaTreePolicy()
+    pol = DynaTreePolicy(history_rule="drafted")
     assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (5, 0.9, 0.5)
     pol.feedback(record([10], [8]))  # a = 0.8 > a_high: more aggressive at once
     assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (6, 0.85, 0.45)
@@ -287,7 +287,7 @@ def test_history_rule_moves_every_step_and_stays_in_bounds():
 
 
 def test_history_window_and_batch_average():
-    pol = DynaTreePolicy(history_window=3)
+    pol = DynaTreePolicy(history_window=3, history_rule="drafted")
     for _ in range(3):
         pol.feedback(record([4], [4]))  # a = 1
     assert pol.cur_d0 == 8 and pol.adjustments == 3
@@ -306,7 +306,7 @@ def test_history_window_and_batch_average():
 
 
 def test_history_bounds_contain_the_start_values_and_phases_below_3_do_not_adapt():
-    pol = DynaTreePolicy(d0=1, d_max=3, tau_high=0.42, tau_low=0.4, rho_stop=0.2, rho_deep=0.95)
+    pol = DynaTreePolicy(d0=1, d_max=3, tau_high=0.42, tau_low=0.4, rho_stop=0.2, rho_deep=0.95, history_rule="drafted")
     assert pol.bounds() == {"d0": (1, 3), "tau_high": (0.42, 0.99), "rho_deep": (0.2, 0.95)}
     for _ in range(40):
         pol.feedback(record([2], [0]))
@@ -315,7 +315,7 @@ def test_history_bounds_contain_the_start_values_and_phases_below_3_do_not_adapt
         pol.feedback(record([2], [2]))
     assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (3, 0.42, 0.2)
     for phase in (0, 1, 2):
-        pol = DynaTreePolicy(phase=phase)
+        pol = DynaTreePolicy(phase=phase, history_rule="drafted")
         pol.feedback(record([10], [10]))
         assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep, len(pol.history)) == (5, 0.9, 0.5, 0)
 
@@ -323,12 +323,33 @@ def test_history_bounds_contain_the_start_values_and_phases_below_3_do_not_adapt
 def test_adapted_values_drive_the_next_draft():
     """After aggressive adjustment tau_h drops: a node with c = 0.88 now gets one child, not two."""
     dist = lambda row, path: {1: 0.88, 2: 0.1} if len(path) == 0 else {}  # noqa: E731
-    pol = DynaTreePolicy()
+    pol = DynaTreePolicy(history_rule="drafted")
     tree, _ = draft(pol, dist, max_depth=1)
     assert tree.drafted_per_row().item() == 2
     pol.feedback(record([10], [10]))
     tree, _ = draft(pol, dist, max_depth=1)
     assert pol.cur_tau_high == pytest.approx(0.85) and tree.drafted_per_row().item() == 1
+
+
+def test_predicted_history_decides_once_per_full_window():
+    """history_rule 'predicted': the tree's predicted tokens (its nodes' summed path
+    probabilities: 0.88 + 0.1 here) against the accepted ones, one decision per full window."""
+    dist = lambda row, path: {1: 0.88, 2: 0.1} if len(path) == 0 else {}  # noqa: E731
+    pol = DynaTreePolicy(history_window=3)
+    for step in range(3):
+        draft(pol, dist, max_depth=1)
+        assert pol._predicted == pytest.approx([0.98], abs=1e-4)
+        pol.feedback(record([2], [1]))  # accepted 1 where 0.98 were predicted: within 10%
+        assert pol.adjustments == 0 and len(pol.history) == step + 1
+    assert pol.windowed_acceptance() == pytest.approx(1 / 0.98, abs=1e-4)
+    for step in range(3):
+        draft(pol, dist, max_depth=1)
+        pol.feedback(record([2], [2]))  # twice what the tree predicts: an underconfident draft
+        assert pol.adjustments == (1 if step == 2 else 0)  # only once the window is full
+    assert (pol.cur_d0, pol.cur_tau_high) == (6, pytest.approx(0.85))
+    before = list(pol.history)
+    pol.feedback(record([2], [2]))  # no tree drafted since: nothing to compare with
+    assert list(pol.history) == before  # (history keeps the last history_window steps)
 
 
 # ----- validation, registry, CLI -------------------------------------------------------------
@@ -366,7 +387,7 @@ def test_registered_with_every_field_as_option():
     opts = method_options("dynatree")
     assert set(opts) == {
         "d0", "d_max", "b_min", "b_mid", "b_max", "tau_high", "tau_low", "prune_tau", "rho_stop", "rho_deep",
-        "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase", "tree_sampling",
+        "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase", "tree_sampling", "history_rule",
     }  # fmt: skip
     pol = make_policy("dynatree", d0=3, phase=1)
     assert (pol.d0, pol.phase, pol.d_max, pol.max_nodes, pol.prune_tau) == (3, 1, 8, 256, 0.03)
@@ -464,16 +485,21 @@ def test_greedy_equals_target_generate(models, draft_kind):
 def test_feedback_adapts_within_one_generation(models):
     """The engine calls feedback after every step: the history grows by one per step that drafted."""
     arch, target, drafts, refs = models
-    policy = make_policy("dynatree", history_window=1000)
-    engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(drafts["close"]), eos_token_ids=[EOS])
-    out = engine.generate([PROMPTS[0]], MAX_NEW, keep_steps=True)[0]
-    assert out.token_ids == refs[0]
-    drafted_steps = sum(1 for s in out.steps if s.active[0] and s.drafted[0] > 0)
-    assert len(policy.history) == drafted_steps > 1
-    expected = [s.accepted_len[0] / s.drafted[0] for s in out.steps if s.drafted[0] > 0]
-    assert list(policy.history) == pytest.approx(expected)
-    lo, hi = policy.bounds()["d0"]
-    assert lo <= policy.cur_d0 <= hi
+    for rule in ("drafted", "predicted"):
+        policy = make_policy("dynatree", history_window=1000, history_rule=rule)
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(drafts["close"]), eos_token_ids=[EOS])
+        out = engine.generate([PROMPTS[0]], MAX_NEW, keep_steps=True)[0]
+        assert out.token_ids == refs[0]
+        drafted_steps = sum(1 for s in out.steps if s.active[0] and s.drafted[0] > 0)
+        assert len(policy.history) == drafted_steps > 1
+        if rule == "drafted":
+            expected = [s.accepted_len[0] / s.drafted[0] for s in out.steps if s.drafted[0] > 0]
+            assert list(policy.history) == pytest.approx(expected)
+        else:  # accepted over the tree's predicted tokens, a sum of path probabilities, so at least accepted / drafted
+            steps = [s for s in out.steps if s.drafted[0] > 0]
+            assert all(h >= s.accepted_len[0] / s.drafted[0] - 1e-6 for s, h in zip(steps, policy.history, strict=True))
+        lo, hi = policy.bounds()["d0"]
+        assert lo <= policy.cur_d0 <= hi
 
 
 def test_sampling_verification_runs(models):

@@ -50,11 +50,47 @@ class AcceptanceCalibrator:
             raise ValueError(f"AcceptanceCalibrator needs 0 < decay <= 1 and prior > 0 (got {decay}, {prior})")
         self.bins, self.ranks, self.prior, self.decay = bins, ranks, prior, decay
         self.centers = (np.arange(bins) + 0.5) / bins  # the identity prior's rate per bin
-        self.seen = np.zeros((ranks, bins))  # decayed observation counts
-        self.hits = np.zeros((ranks, bins))  # decayed accepted counts
-        self.observations = 0
+        self._seen = np.zeros((ranks, bins))  # decayed observation counts (host copy, as of the last flush)
+        self._hits = np.zeros((ranks, bins))  # decayed accepted counts
+        self._observations = 0
+        # the counts are accumulated where the verdicts live (no read per step): [3, ranks * bins + 1]
+        # rows seen, hits and (column 0 of row 2) the observation count; the last column collects
+        # unobserved entries. Read back (one transfer) when the table is refitted or the counts are asked for.
+        self._acc: torch.Tensor | None = None
+        self._dirty = False
         self._updates = 0
+        self._child = np.full(ranks, 0.5)  # child_rate per rank, as of the last refit
+        self._edges: dict[torch.device, torch.Tensor] = {}  # log q bin edges per device
         self._set_rates(np.tile(self.centers, (ranks, 1)))  # the identity until verdicts arrive
+
+    @property
+    def seen(self) -> np.ndarray:
+        """[ranks, bins] decayed observation counts."""
+        self._flush()
+        return self._seen
+
+    @property
+    def hits(self) -> np.ndarray:
+        """[ranks, bins] decayed accepted counts."""
+        self._flush()
+        return self._hits
+
+    @property
+    def observations(self) -> int:
+        """verdicts observed so far"""
+        self._flush()
+        return self._observations
+
+    def _flush(self) -> None:
+        """Bring the device-side counts to the host (one transfer)."""
+        if not self._dirty or self._acc is None:
+            return
+        size = self.ranks * self.bins
+        acc = self._acc.cpu().numpy()
+        self._seen = acc[0, :size].reshape(self.ranks, self.bins).copy()
+        self._hits = acc[1, :size].reshape(self.ranks, self.bins).copy()
+        self._observations = round(float(acc[2, 0]))
+        self._dirty = False
 
     def rates(self) -> np.ndarray:
         """[ranks, bins] calibrated acceptance rates (prior included, monotone in q).
@@ -63,12 +99,13 @@ class AcceptanceCalibrator:
         moves to its rank's pooled rate as that rank gathers observations, so a sparse bin
         (a rank-1 token the draft gives q < 0.1) borrows its rank's evidence instead of
         staying at q."""
-        seen_rank = self.seen.sum(axis=1, keepdims=True)  # [R, 1]
-        pooled = self.hits.sum(axis=1, keepdims=True) / np.maximum(seen_rank, 1e-12)
+        self._flush()
+        seen_rank = self._seen.sum(axis=1, keepdims=True)  # [R, 1]
+        pooled = self._hits.sum(axis=1, keepdims=True) / np.maximum(seen_rank, 1e-12)
         w = RANK_PRIOR / (RANK_PRIOR + seen_rank)
         prior_mean = w * self.centers + (1 - w) * pooled  # [R, bins]
-        raw = (self.hits + self.prior * prior_mean) / (self.seen + self.prior)
-        return np.array([isotonic(raw[r], self.seen[r] + self.prior) for r in range(self.ranks)])
+        raw = (self._hits + self.prior * prior_mean) / (self._seen + self.prior)
+        return np.array([isotonic(raw[r], self._seen[r] + self.prior) for r in range(self.ranks)])
 
     def _cells(self, logq: torch.Tensor, rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = logq.exp().nan_to_num(0.0)
@@ -85,39 +122,80 @@ class AcceptanceCalibrator:
             self._flat_log_rate = self._flat_log_rate.to(logq.device)
         return self._flat_log_rate[cell].masked_fill_(~torch.isfinite(logq), float("-inf"))
 
+    def cells(self, logq: torch.Tensor, rank_offset: torch.Tensor) -> torch.Tensor:
+        """The table cell of tokens with local draft log-probs `logq`: (rank - 1) * bins + q bin,
+        with `rank_offset` = (min(rank, ranks) - 1) * bins given (`rank_offsets`); a -inf logq
+        falls in the q = 0 bin. Two ops: a bucketize and an add (broadcasting)."""
+        edges = self._edges.get(logq.device)
+        if edges is None:
+            edges = self._edges[logq.device] = torch.log(torch.arange(1, self.bins, device=logq.device, dtype=torch.float32) / self.bins)
+        return torch.bucketize(logq, edges, right=True) + rank_offset
+
+    def rank_offsets(self, ranks: torch.Tensor) -> torch.Tensor:
+        """(min(rank, ranks) - 1) * bins for 1-based sibling ranks (cache it: it depends on the shape only)."""
+        return (ranks.long() - 1).clamp(0, self.ranks - 1) * self.bins
+
+    def log_rate(self, cells: torch.Tensor) -> torch.Tensor:
+        """Calibrated log acceptance of the tokens in `cells` (finite everywhere: mask invalid nodes yourself)."""
+        if self._flat_log_rate.device != cells.device:
+            self._flat_log_rate = self._flat_log_rate.to(cells.device)
+        return self._flat_log_rate[cells]
+
+    def observe_cells(self, cells: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor) -> None:
+        """`observe` for tokens given by their table cells (`cells`); only entries where `mask`
+        is True count."""
+        if cells.numel() == 0:
+            return
+        self._accumulate(torch.where(mask, cells, self.ranks * self.bins).flatten(), mask.sum(), accepted)
+
     def observe(self, logq: torch.Tensor, rank: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Record verdicts: logq, rank, accepted (and mask) have one shape; the entries where
-        mask is True (all when None) are verified nodes whose parent was reached. One
-        transfer to the host."""
+        mask is True (all when None) are verified nodes whose parent was reached. The counts
+        are updated on the verdicts' device; the host reads them only when the table is refitted
+        (after each of the first REFIT_EVERY updates, then every REFIT_EVERY-th)."""
         if logq.numel() == 0:
             return
         use = torch.isfinite(logq) if mask is None else (mask & torch.isfinite(logq))
         r, b = self._cells(logq, rank)
-        # [2, M]: each entry's cell (-1 where not observed) and whether it was accepted, read at once
-        packed = torch.stack([torch.where(use, r * self.bins + b, -1).flatten(), accepted.long().flatten()]).cpu().numpy()
-        keep = packed[0] >= 0
-        cell, hit = packed[0][keep], packed[1][keep].astype(float)
-        n = cell.size
-        factor = self.decay**n
-        self.seen *= factor
-        self.hits *= factor
         size = self.ranks * self.bins
-        self.seen += np.bincount(cell, minlength=size).reshape(self.ranks, self.bins)
-        self.hits += np.bincount(cell, weights=hit, minlength=size).reshape(self.ranks, self.bins)
-        self.observations += n
+        self._accumulate(torch.where(use, r * self.bins + b, size).flatten(), use.sum(), accepted)
+
+    def _accumulate(self, cell: torch.Tensor, n: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Add observations (cell per entry, the overflow cell for unobserved ones; n observed) on the device."""
+        size = self.ranks * self.bins
+        dev = cell.device
+        if self._acc is None or self._acc.device != dev:
+            self._acc = torch.zeros(3, size + 1, dtype=torch.float64, device=dev)
+            self._acc[0, :size] = torch.from_numpy(self._seen.reshape(-1))
+            self._acc[1, :size] = torch.from_numpy(self._hits.reshape(-1))
+            self._acc[2, 0] = float(self._observations)
+        n = n.double()
+        # decay the counts by decay ** (new observations), then add the new ones
+        self._acc[:2].mul_(torch.pow(self.decay, n))
+        ones = torch.ones_like(cell, dtype=torch.float64)
+        self._acc[0].index_add_(0, cell, ones)
+        self._acc[1].index_add_(0, cell, accepted.flatten().double())
+        self._acc[2, 0] += n
+        self._dirty = True
         self._updates += 1
         if self._updates <= REFIT_EVERY or self._updates % REFIT_EVERY == 0:  # refit the table now and then
+            self._flush()
             self._set_rates(self.rates())
+            self._child = np.array([self._rate_of(r) for r in range(1, self.ranks + 1)])
 
     def _set_rates(self, rates: np.ndarray) -> None:
         self._log_rate = torch.from_numpy(np.log(np.clip(rates, 1e-6, 1 - 1e-6))).float()  # [R, bins]
         self._flat_log_rate = self._log_rate.reshape(-1)  # [R * bins], indexed by (rank - 1) * bins + q bin
 
+    def _rate_of(self, rank: int) -> float:
+        r = min(max(rank, 1), self.ranks) - 1
+        return float((self._hits[r].sum() + 0.5 * self.prior) / (self._seen[r].sum() + self.prior))
+
     def child_rate(self, rank: int = 1) -> float:
         """P(a node's rank-`rank` child is accepted | the node was reached): the decayed share of
-        accepted observations of that rank, with `prior` pseudo-observations at 1/2."""
-        r = min(max(rank, 1), self.ranks) - 1
-        return float((self.hits[r].sum() + 0.5 * self.prior) / (self.seen[r].sum() + self.prior))
+        accepted observations of that rank, with `prior` pseudo-observations at 1/2, as of the
+        last refit (so asking reads nothing from the device)."""
+        return float(self._child[min(max(rank, 1), self.ranks) - 1])
 
     def state(self) -> dict[str, object]:
         """Introspection: observations so far and the calibrated rate per rank and q bin."""

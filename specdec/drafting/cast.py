@@ -322,45 +322,109 @@ def _clip(residual: float, predicted: float) -> float:
 class StepPlan:
     """Break-even pruning's view of a step in progress: verifying the `verified` best nodes
     drafted so far gives `utility` expected accepted tokens for `drafted` + verify_cost[verified]
-    plain-step units of time (draft spent + verification)."""
+    ms (draft spent + verification).
+
+    values: the pool's node values, best first (per node, not cumulative). When given, new
+    nodes are weighed against the pool as reranking will: they may *replace* weaker pool nodes
+    in the verified set (`best_with`), so a layer of strong nodes pays even where the nodes
+    drafted so far already fill every slot that verification gives for free. Without them
+    (older callers), new nodes are verified on top of the plan's `verified` ones."""
 
     utility: float
     verified: int
     drafted: float
     verify_cost: list[float]
-    """c_0..c_m: f_T(k + 1) / f_T(1) for k draft tokens verified"""
+    """v_0..v_m: the cost of verifying k draft tokens (and the root)"""
+    values: tuple[float, ...] = ()
 
     @property
     def rate(self) -> float:
-        """Expected tokens committed per plain-step unit of time: (1 + u) / (d + c)."""
+        """Expected tokens committed per unit of time: (1 + u) / (d + v)."""
         return (1.0 + self.utility) / max(self.drafted + self.verify_cost[self.verified], 1e-12)
+
+    def best_with(self, new: Sequence[float], extra: float) -> float:
+        """The best rate reranking could reach if nodes of values `new` (per node) joined the
+        pool at an extra draft cost `extra`: the best k of pool and new nodes together, each
+        k costing verify_cost[k]."""
+        top = len(self.verify_cost) - 1
+        drafted = self.drafted + extra
+        if not self.values:  # additive: the new nodes on top of the plan's verified ones
+            best, gain = 0.0, 0.0
+            for j, v in enumerate(sorted(new, reverse=True), start=1):
+                gain += v
+                more = min(self.verified + j, top)
+                best = max(best, (1.0 + self.utility + gain) / max(drafted + self.verify_cost[more], 1e-12))
+            return best
+        merged = sorted([*self.values, *new], reverse=True)[:top]
+        best = 1.0 / max(drafted + self.verify_cost[0], 1e-12)
+        u = 0.0
+        for k, v in enumerate(merged, start=1):
+            u += v
+            best = max(best, (1.0 + u) / max(drafted + self.verify_cost[k], 1e-12))
+        return best
 
     def gains(self, predicted: Sequence[float], draft_cost: float, chain: Sequence[float] = (), chain_cost: float = 0.0) -> bool:
         """Whether drafting one more layer is predicted to raise the rate.
 
         predicted: the cumulative predicted utilities of the next layer's best 1, 2, ... new
-        nodes; the layer pays when verifying some number j of them beats the rate now, counting
-        its draft cost and the verification of j more nodes (reranking keeps only the nodes
-        that pay). chain: the predicted utilities of the best path's next node in each later
-        layer, each costing `chain_cost` to draft; a layer also pays when it and the L
-        layers after it, one node each, beat the rate now (one layer alone can fall short of
-        the rate while the path it starts pays)."""
-        top = len(self.verify_cost) - 1
-        now = self.rate
-        for j, gain in enumerate(predicted, start=1):
-            more = min(self.verified + j, top)
-            if (1.0 + self.utility + gain) / max(self.drafted + draft_cost + self.verify_cost[more], 1e-12) > now:
-                return True
-        if not predicted:
+        nodes; the layer pays when verifying some of them (with the pool, `best_with`) beats
+        the rate now, counting its draft cost. chain: the predicted utilities of the best
+        path's next node in each later layer, each costing `chain_cost` to draft; a layer also
+        pays when it and the L layers after it, one node each, beat the rate now (one layer
+        alone can fall short of the rate while the path it starts pays)."""
+        now = self.rate * (1.0 + 1e-9)
+        nodes = _diffs(predicted)
+        if not nodes:
             return False
-        gain, cost = predicted[0], draft_cost
-        for depth, extra in enumerate(chain, start=2):
-            gain += extra
+        if self.best_with(nodes, draft_cost) > now:
+            return True
+        path, cost = [nodes[0]], draft_cost
+        for extra in chain:
+            path.append(extra)
             cost += chain_cost
-            more = min(self.verified + depth, top)
-            if (1.0 + self.utility + gain) / max(self.drafted + cost + self.verify_cost[more], 1e-12) > now:
+            if self.best_with(path, cost) > now:
                 return True
         return False
+
+
+def _cumsum(values: Sequence[float]) -> list[float]:
+    out, total = [], 0.0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+@dataclass
+class _Step:
+    """One step's settings and running costs (ms), shared by CAST's helpers."""
+
+    b: int
+    n0: int
+    depth: int
+    k: int
+    table: CostTable
+    c1: float
+    c2: float
+    c3: float
+    verify_ms: list[float]
+    """verifying k draft tokens (and the root), k = 0..m, with the learned overheads"""
+    o_draft: float
+    o_node: float
+    forward_ms: float = 0.0
+    """the draft forwards' time as the tables predict it"""
+    drafted_ms: float = 0.0
+    """the step's draft time so far, with overheads (and the step's other time)"""
+    expanded: int = 0
+
+
+def _diffs(cumulative: Sequence[float]) -> list[float]:
+    """Per-item values from cumulative utilities u_1, u_2, ... (u_0 = 0)."""
+    out, prev = [], 0.0
+    for u in cumulative:
+        out.append(max(u - prev, 0.0))
+        prev = u
+    return out
 
 
 # ----- the policy ----------------------------------------------------------------------------
@@ -429,22 +493,24 @@ class CastPolicy:
     """draft tokens per row kept for verification at the last step (before per-row validity)"""
     _buffers: DepthBuffers = field(init=False, repr=False)
     _skipped: dict[int, int] = field(default_factory=dict, init=False, repr=False)
-    _value: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
+    _values: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    """this step's node values (log v(u) or calibrated log acceptance), [B, n] per add in creation order"""
+    _cells: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    """this step's calibration cells per node (calibrate only), like `_values`"""
     _ranks: dict[tuple[int, int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    """cached sibling ranks 1..k repeated per parent, [1, m * k]"""
+    """cached calibration rank offsets of k children per parent, m parents, [1, m * k]"""
     _weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
     """[B, 1] float64: each row's weight in the batch-averaged utilities (1 / active rows, or 0)"""
-    _rank: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1, dtype=torch.long), init=False, repr=False)
-    _local: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
-    """[B, N] the calibrator's input per node: logq for top-k children, the parent's feature for sampled ones"""
     _sampled: bool = field(default=False, init=False, repr=False)
     """this step's children are drawn (set by `draft`)"""
     _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
     overheads: StepOverheads = field(default_factory=lambda: StepOverheads(), init=False, repr=False)
     """the engine's measured time per draft forward and per verification beyond the tables"""
-    _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _feedback_ms: float = field(default=0.0, init=False, repr=False)
     """how long the previous feedback took (part of the step's time outside drafting and verification)"""
+    _plan: list[int] | None = field(default=None, init=False, repr=False)
+    """break-even pruning: the widths the next step expands, layer by layer (made at the end of a step)"""
     _resolver: CostTableResolver | None = field(default=None, init=False, repr=False)
     _loaded: CostTable | None = field(default=None, init=False, repr=False)
 
@@ -559,11 +625,10 @@ class CastPolicy:
             return Draft(tree, builder, origin)
         table = self.table_for(b)
         c1, c2, c3 = self.thresholds_for(b)
-        break_even = self.prune_rule == "break-even"
-        lens = ctx.context_len.to(dev)
         if ctx.host_context_len is not None:  # known on the host: no device read
             n0 = max(ctx.host_context_len[r] for r in active_rows)
         else:
+            lens = ctx.context_len.to(dev)
             n0 = int(lens[rows].max().item()) if lens.numel() == b else 0  # padded context of the batch
         k = min(self.top_k, builder.root_logprobs.shape[-1])
         # break-even rules work in ms: the tables' forward costs plus the engine's measured overheads
@@ -577,96 +642,237 @@ class CastPolicy:
             # in every rate's denominator, as if spent before drafting
             o_step = max(self.overheads.draft_step_ms, -0.5 * forward_ms) + self.overheads.other_ms
         verify_ms = [t_verify[j + 1] + o_verify + o_vnode * (j + 1) for j in range(self.total_tokens + 1)]  # k draft tokens + the root
-        expanded = 0  # nodes expanded by this step's draft forwards (row-padded widths)
-        drafted_ms = forward_ms + o_step  # the step's draft time so far
+        st = _Step(b=b, n0=n0, depth=depth, k=k, table=table, c1=c1, c2=c2, c3=c3, verify_ms=verify_ms, o_draft=o_draft, o_node=o_node)
+        st.forward_ms = forward_ms
+        st.drafted_ms = forward_ms + o_step
 
-        self._weights = rows.to(torch.float64)[:, None] / len(active_rows)  # [B, 1]: utilities average the active rows
+        self._weights = rows[:, None] / float(len(active_rows))  # [B, 1]: utilities average the active rows
         # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's path
-        self._value = torch.zeros(b, 1, device=dev)  # [B, N]
-        self._rank = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, N] rank among siblings (1 = draft's favourite)
-        self._local = torch.zeros(b, 1, device=dev)
+        zero = torch.zeros(b, 1, device=dev)
+        self._values = [zero]  # per add: [B, n] values in creation order (the root's 0 first)
+        self._cells = [zero.long()]  # per add: calibration cells (calibrate only)
         root = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        candidates = self._add(builder, root, builder.root_logprobs[:, None, :], torch.ones(b, 1, dtype=torch.bool, device=dev), k)  # [B, k] by value, descending
-        kept_before = 0  # sum_{j<i} n_j
-        plan: StepPlan | None = None
-        prev_utility: float | None = None
-        for level in range(1, depth + 1):
-            score = self._value.gather(1, candidates)  # [B, m], rows descending, -inf where missing
-            # the layer's candidates' utilities and (break-even) the pool's, in one transfer
-            layer_u = _utility_tensor(score, self._weights, score.shape[1], presorted=True)
-            pool_n = min(builder.num_nodes - 1, self.total_tokens) if break_even else 0
-            if pool_n > 0:
-                both = torch.cat([layer_u, _utility_tensor(self._value[:, 1:], self._weights, pool_n, presorted=False)]).tolist()
-                utility, pool = _trim_flat(both[: layer_u.shape[0]]), _trim_flat(both[layer_u.shape[0] :])
-            else:
-                utility, pool = _trim_flat(layer_u.tolist()), []
-            ctx_i = n0 + 1 + kept_before  # the draft cache: committed tokens, the root, kept layers
-            f_draft = table.draft_costs(b, ctx_i, len(utility))[1:]  # f_D(B, ctx_i, j) for j = 1..m
-            cost: list[float] = []  # the paper's c_1..c_m (threshold rules), in plain decoding steps
-            if not break_even:
-                t_one = max(table.target_cost(b, ctx_i, 1), 1e-9)  # a plain decoding step (ms)
-                cost = [d / t_one for d in f_draft]
-            d_ms = [d + o_node * j for j, d in enumerate(f_draft, start=1)]  # + the learned per-node overhead
-            # alpha: how a kept node's value carries to its best child. The paper's alpha_i (the FIFO
-            # buffer of layer gain ratios), or with calibration under break-even pruning the learned
-            # P(best child accepted | node reached), observed at every verification
-            alpha = self._calibrator.child_rate() if (break_even and self.calibrate) else self._buffers.alpha(level)
-            plan = self._step_plan(builder, rows, verify_ms, drafted_ms, pool) if break_even else None
-            width = len(utility)
-            if self.breadth_pruning:
-                most = len(utility)  # candidates present in some row
-                if plan is not None:
-                    # expanding j nodes pays when their children's predicted utility (alpha x their
-                    # values) beats the step's rate over what they cost: drafting them, and
-                    # verifying the j children that would carry that utility
-                    top = len(verify_ms) - 1
-                    extra = [d_ms[j - 1] + verify_ms[min(plan.verified + j, top)] - verify_ms[plan.verified] for j in range(1, most + 1)]
-                    width = breadth_count(utility[:most], extra, plan.rate / max(alpha, 1e-6))
-                else:
-                    width = breadth_count(utility[:most], cost[:most], c1)
-            if prev_utility is not None and prev_utility > 0:
-                self._buffers.push(level - 1, utility[width - 1] / prev_utility)
-            self.last_widths.append(width)
-            if level == depth:
-                break
-            if self.depth_pruning:
-                if plan is not None:
-                    best = alpha * utility[0]  # the best path's next node, then alpha^l further down
-                    chain = [best * alpha**step for step in range(1, min(depth - level, self.lookahead + 1))]
-                    grow = plan.gains([alpha * u for u in utility[:width]], d_ms[width - 1] + o_draft, chain, d_ms[0] + o_draft)
-                    if not grow and not self.calibrate and self._skipped.get(level, 0) >= self.buffer:
-                        grow = True  # refresh A_i: its ratios are only observed when layer i+1 is drafted
-                    self._skipped[level] = 0 if grow else self._skipped.get(level, 0) + 1
-                else:
-                    grow = grow_decision(alpha, utility[width - 1], cost[width - 1], c2)
-                if not grow:
-                    break
-            frontier = candidates[:, :width]  # [B, n_i]
-            forward_ms += f_draft[width - 1]
-            drafted_ms += d_ms[width - 1] + o_draft
-            expanded += width
-            frontier_valid = builder.valid.gather(1, frontier)
-            logprobs = builder.expand(frontier, frontier_valid)  # [B, n_i, V]
-            children = self._add(builder, frontier, logprobs, frontier_valid, k)  # [B, n_i * k] by value, descending
-            candidates = children[:, :k]
-            kept_before += width
-            prev_utility = utility[width - 1]
-
-        # the loop always ends right after planning at its last level (no node added since): reuse that plan
-        count = self._verify_count(builder, rows, table, b, n0, c3, verify_ms, drafted_ms, plan)
-        keep = builder.top_by_score(self._value, count)
+        candidates, cand_value = self._add(builder, root, zero, builder.root_logprobs[:, None, :], root >= 0, k)  # [B, k] best first
+        if self.prune_rule == "break-even":
+            count = self._draft_planned(builder, st, candidates, cand_value)
+        else:
+            count = self._draft_layerwise(builder, st, candidates, cand_value)
+        keep = builder.top_by_score(self._all_values(), count)
         tree, origin = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
         if self.calibrate:
-            self._last_tree = (origin, self._local.gather(1, origin), self._rank.gather(1, origin), tree.parents, tree.valid)
+            self._last_tree = (torch.cat(self._cells, dim=1).gather(1, origin), tree.parents, tree.valid)
         if self._learns_costs:
             nodes = min(tree.num_nodes, len(t_verify) - 1)
-            self.overheads.expect(forward_ms, builder.draft_forwards - 1, expanded, t_verify[nodes], nodes)
+            self.overheads.expect(st.forward_ms, builder.draft_forwards - 1, st.expanded, t_verify[nodes], nodes)
         return Draft(tree, builder, origin)
 
-    def _add(self, builder: TreeBuilder, nodes: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-        """Add k children of each node [B, m] (distributions logprobs [B, m, V]), laid out k per
-        parent in the draft's order (top-k, or draw order), give them values, and return their
-        indices sorted by value, descending ([B, m * k]).
+    def _expand(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor, width: int, kept_before: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expand the best `width` candidates of a layer (one draft forward); returns their
+        children and values sorted by value, descending ([B, width * k] each), and books the layer's cost."""
+        f_draft = st.table.draft_cost(st.b, st.n0 + 1 + kept_before, width)  # the draft cache: committed tokens, the root, kept layers
+        st.forward_ms += f_draft
+        st.drafted_ms += f_draft + st.o_node * width + st.o_draft
+        st.expanded += width
+        frontier = candidates[:, :width]  # [B, n_i]
+        frontier_valid = builder.valid.gather(1, frontier)
+        logprobs = builder.expand(frontier, frontier_valid)  # [B, n_i, V]
+        return self._add(builder, frontier, cand_value[:, :width], logprobs, frontier_valid, st.k)
+
+    def _draft_planned(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor) -> int:
+        """Break-even pruning with few reads. The layers' widths come from the plan made at the
+        end of the previous step (`_replan`) and are drafted without looking at their values;
+        then the layers' and the pool's utilities are read in one transfer. If the last layer
+        still pays (`_decide` on this step's own numbers), drafting goes on a layer at a time
+        (one read each), so a confident step is not held back by a cautious plan; a plan that
+        was too deep is corrected at the next step. From all the numbers read, the verified
+        count (this step) and the next step's plan are decided. Returns the count."""
+        widths = list(self._plan[: max(st.depth - 1, 0)]) if self._plan is not None else []
+        m, k = self.total_tokens, st.k
+        # per layer [B, k + m]: its candidates' values (best first), then the best m values of every
+        # node drafted up to it; -inf where missing
+        pool = torch.full((st.b, m), float("-inf"), device=builder.device)
+        pool = torch.topk(torch.cat([pool, cand_value[:, :m]], dim=1), m, dim=1).values
+        rows = [torch.cat([cand_value[:, :k], pool], dim=1)]
+        drafted_at = [st.drafted_ms]  # the step's draft time when each layer's candidates are known
+        kept_before = 0
+
+        def layer(width: int) -> None:
+            nonlocal candidates, cand_value, pool, kept_before
+            candidates, cand_value = self._expand(builder, st, candidates, cand_value, width, kept_before)  # best first
+            pool = torch.topk(torch.cat([pool, cand_value[:, :m]], dim=1), m, dim=1).values
+            rows.append(torch.cat([cand_value[:, :k], pool], dim=1))
+            drafted_at.append(st.drafted_ms)
+            kept_before += width
+
+        for width in widths:
+            layer(width)
+        layers: list[list[float]] = []
+        pools: list[list[float]] = []
+        while True:
+            # one transfer: the unread layers' batch-averaged values (cumulated on the host)
+            flat = (torch.stack(rows[len(layers) :]).exp() * self._weights).sum(dim=1).tolist()  # [L', k + m]
+            for values in flat:
+                layers.append(_trim_flat(_cumsum(values[:k])))
+                pools.append(_trim_flat(_cumsum(values[k:])))
+            level = len(layers)
+            if level >= st.depth or not layers[-1]:
+                break
+            width, grow = self._decide(st, level, layers[-1], pools[-1], drafted_at[-1], st.n0 + 1 + kept_before, None)
+            if not grow:
+                break
+            widths.append(width)
+            layer(width)
+        if not self.calibrate:  # the paper's gain ratios phi_i, for each pair of drafted layers
+            for i in range(1, len(layers)):
+                below = widths[i] if i < len(widths) else len(layers[i])
+                above = layers[i - 1][min(widths[i - 1], len(layers[i - 1])) - 1] if layers[i - 1] else 0.0
+                if above > 0 and layers[i]:
+                    self._buffers.push(i, layers[i][min(below, len(layers[i])) - 1] / above)
+        self._plan = self._replan(st, layers, pools, drafted_at)
+        self.last_widths = [*widths, len(layers[-1])]
+        return self._verify_count(st, pools[-1], st.drafted_ms)
+
+    def _draft_layerwise(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor) -> int:
+        """The paper's threshold rules, layer by layer: each layer's utilities are read when it is
+        drafted (one read per layer); returns the verified count."""
+        kept_before = 0  # sum_{j<i} n_j
+        prev_utility: float | None = None
+        for level in range(1, st.depth + 1):
+            utility = _trim_flat(_utility_tensor(cand_value, self._weights, cand_value.shape[1], presorted=True).tolist())
+            width, grow = self._decide_threshold(st, level, utility, st.n0 + 1 + kept_before, prev_utility)
+            self.last_widths.append(width)
+            if level == st.depth or not grow:
+                break
+            candidates, cand_value = self._expand(builder, st, candidates, cand_value, width, kept_before)
+            candidates, cand_value = candidates[:, : st.k], cand_value[:, : st.k]
+            kept_before += width
+            prev_utility = utility[width - 1]
+        pool: list[float] = []
+        n = min(builder.num_nodes - 1, self.total_tokens)
+        if self.dynamic_rerank and n > 0:
+            pool = _trim_flat(_utility(self._all_values()[:, 1:], self._weights, n, presorted=False))
+        return self._verify_count(st, pool, st.drafted_ms)
+
+    def _decide_threshold(self, st: _Step, level: int, utility: list[float], ctx_i: int, prev_utility: float | None) -> tuple[int, bool]:
+        """The paper's breadth (C1) and depth (C2) rules at `level`: (n_i, draft layer i+1?)."""
+        f_draft = st.table.draft_costs(st.b, ctx_i, len(utility))[1:]  # f_D(B, ctx_i, j) for j = 1..m
+        t_one = max(st.table.target_cost(st.b, ctx_i, 1), 1e-9)  # a plain decoding step (ms)
+        cost = [d / t_one for d in f_draft]  # the paper's c_1..c_m, in plain decoding steps
+        width = breadth_count(utility, cost, st.c1) if self.breadth_pruning else len(utility)
+        if prev_utility is not None and prev_utility > 0:
+            self._buffers.push(level - 1, utility[width - 1] / prev_utility)
+        grow = grow_decision(self._buffers.alpha(level), utility[width - 1], cost[width - 1], st.c2) if self.depth_pruning else True
+        return width, grow
+
+    def _alphas(self, level: int) -> tuple[float, float]:
+        """How a node's value carries to its best and second-best child: with calibration the
+        learned P(rank-r child accepted | node reached) (observed at every verification); without
+        it the paper's alpha_i (the FIFO buffer of layer gain ratios) for the best child only."""
+        if self.calibrate:
+            return self._calibrator.child_rate(1), self._calibrator.child_rate(2)
+        return self._buffers.alpha(level), 0.0
+
+    def _decide(
+        self, st: _Step, level: int, utility: list[float], pool: list[float], drafted_ms: float, ctx_i: int, prev_utility: float | None
+    ) -> tuple[int, bool]:
+        """Break-even breadth and depth at `level` (layer `level`'s candidates known, with
+        cumulative utilities `utility`; `pool`: the cumulative utilities of the best nodes drafted
+        so far; `drafted_ms`: the step's draft time so far): (n_i, draft layer i+1?).
+
+        Expanding the best j candidates predicts children of values alpha_1 * v and alpha_2 * v
+        (v: each expanded candidate's value); they join the pool, where reranking may verify them
+        in place of weaker nodes (`StepPlan.best_with`), at the cost of drafting j nodes. The width
+        is the j with the best predicted rate, and the layer is drafted when that rate beats the
+        step's rate now (or, with `lookahead`, when the best path it starts does)."""
+        plan = self._plan_of(pool, st.verify_ms, drafted_ms)
+        f_draft = st.table.draft_costs(st.b, ctx_i, len(utility))[1:]
+        d_ms = [d + st.o_node * j for j, d in enumerate(f_draft, start=1)]
+        a1, a2 = self._alphas(level)
+        values = _diffs(utility)
+
+        def children(j: int) -> list[float]:
+            return [a1 * v for v in values[:j]] + ([a2 * v for v in values[:j]] if a2 > 0 else [])
+
+        rates = [plan.best_with(children(j), d_ms[j - 1] + st.o_draft) for j in range(1, len(values) + 1)]
+        width = len(values)
+        if self.breadth_pruning:
+            width = max(range(1, len(values) + 1), key=lambda j: (rates[j - 1], -j))
+        if prev_utility is not None and prev_utility > 0:
+            self._buffers.push(level - 1, utility[width - 1] / prev_utility)
+        if not self.depth_pruning:
+            return width, True
+        now = plan.rate * (1.0 + 1e-9)
+        grow = rates[width - 1] > now
+        if not grow and self.lookahead > 0 and values:
+            path, cost = children(width), d_ms[width - 1] + st.o_draft
+            best = a1 * values[0]
+            for step in range(1, min(st.depth - level, self.lookahead + 1)):
+                path.append(best * a1**step)
+                cost += d_ms[0] + st.o_draft
+                if plan.best_with(path, cost) > now:
+                    grow = True
+                    break
+        return width, grow
+
+    def _replan(self, st: _Step, layers: list[list[float]], pools: list[list[float]], drafted_at: list[float]) -> list[int]:
+        """The next step's widths: the break-even decisions replayed on this step's numbers, layer
+        by layer; past the last drafted layer, on predicted ones (the next layer's candidates
+        valued alpha_1 times the candidates they would be children of), so the plan can deepen
+        by more than one layer per step and shrinks as soon as a layer stops paying."""
+        widths: list[int] = []
+        kept_before = 0
+        measured = True
+        utility, pool, drafted = layers[0], pools[0], drafted_at[0]
+        for level in range(1, st.depth + 1):
+            if not utility:
+                break
+            width, grow = self._decide(st, level, utility, pool, drafted, st.n0 + 1 + kept_before, None)
+            if self.depth_pruning and not self.calibrate and level < st.depth:
+                if not grow and self._skipped.get(level, 0) >= self.buffer:
+                    grow = True  # refresh A_i: its ratios are only observed when layer i+1 is drafted
+                self._skipped[level] = 0 if grow else self._skipped.get(level, 0) + 1
+            if level == st.depth or not grow:
+                break
+            widths.append(width)
+            if measured and level < len(layers):
+                utility, pool, drafted = layers[level], pools[level], drafted_at[level]
+            else:
+                measured = False
+                vals = sorted((self._alphas(level)[0] * v for v in _diffs(utility)[:width]), reverse=True)
+                drafted += st.table.draft_cost(st.b, st.n0 + 1 + kept_before, width) + st.o_node * width + st.o_draft
+                pool = _cumsum(sorted([*_diffs(pool), *vals], reverse=True)[: self.total_tokens])
+                utility = _cumsum(vals)
+            kept_before += width
+        return widths
+
+    def _plan_of(self, pool: list[float], verify_ms: list[float], drafted_ms: float) -> StepPlan:
+        """The best the step can do with the nodes drafted so far (cumulative utilities `pool`):
+        the k that maximises the expected rate (1 + u_k) / (d + v_k), as break-even reranking picks it."""
+        k = break_even_count(pool, verify_ms[: len(pool) + 1], drafted_ms)
+        return StepPlan(utility=([0.0, *pool])[k], verified=k, drafted=drafted_ms, verify_cost=verify_ms, values=tuple(_diffs(pool)))
+
+    def _verify_count(self, st: _Step, pool: list[float], drafted_ms: float) -> int:
+        """Draft tokens per row to verify: dynamic reranking over the pool's cumulative
+        utilities, or `total_tokens` when it is off."""
+        if not self.dynamic_rerank:
+            self.last_verified = self.total_tokens
+        elif self.rerank_rule == "break-even":
+            self.last_verified = break_even_count(pool, st.verify_ms[: len(pool) + 1], drafted_ms) if pool else 0
+        else:
+            n = len(pool)
+            t_ms = st.table.target_costs(st.b, st.n0, n + 1)  # f_T(n0, tokens) for tokens = 0..N+1
+            cost = [t_ms[j + 1] / max(t_ms[1], 1e-9) for j in range(n + 1)]  # c_0..c_N
+            self.last_verified = rerank_count(pool, cost, st.c3) if n else 0
+        return self.last_verified
+
+    def _add(
+        self, builder: TreeBuilder, nodes: torch.Tensor, parent_value: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add k children of each node [B, m] (values parent_value [B, m], distributions logprobs
+        [B, m, V]), laid out k per parent in the draft's order (top-k, or draw order), give them
+        values, and return their indices and values sorted by value, descending ([B, m * k] each).
+        The values are kept in creation order (`_values`) for reranking; with calibration each
+        node's calibration cell too (`_cells`), for feedback.
 
         Top-k children are valued by their own draft probability (cum_logq, or calibrated from
         logq and rank). A sampled child must not be: whether it is kept may not depend on its
@@ -682,70 +888,35 @@ class CastPolicy:
         b, m, _ = logprobs.shape
         if self._sampled:
             parents, tokens, logq, child_valid, keys = builder.sample_children(nodes, logprobs, k, valid)
-            nodes = builder.add(parents, tokens, logq, child_valid, sampled=True, score=keys)  # [B, m * k]
-            local = torch.logsumexp(2 * logprobs, dim=-1).clamp(max=0.0)[:, :, None].expand(b, m, k).reshape(b, m * k)  # [B, m * k]
+            children = builder.add(parents, tokens, logq, child_valid, sampled=True, score=keys)  # [B, m * k]
+            local = torch.logsumexp(2 * logprobs, dim=-1).clamp(max=0.0)[:, :, None]  # [B, m, 1]: the same for each parent's k draws
         else:
             parents, tokens, logq, child_valid = builder.top_children(nodes, logprobs, k, valid)
-            nodes = builder.add(parents, tokens, logq, child_valid)  # [B, m * k]
-            local = builder.logq[:, start:]
-        b, total = nodes.shape
-        key = (k, total, nodes.device)
-        if key not in self._ranks:
-            self._ranks[key] = torch.arange(1, k + 1, device=nodes.device).repeat(total // k)[None]  # [1, m * k]
-        rank = self._ranks[key].expand(b, total)
-        if self._sampled:
-            gain = self._calibrator.local_logprob(local, rank) if self.calibrate else local
-            gain = gain.reshape(b, m, k).cummin(dim=-1).values.reshape(b, m * k)  # non-increasing in the draw rank
-            value = (self._value.gather(1, parents.clamp(min=0)) + gain).masked_fill(~builder.valid[:, start:], float("-inf"))
-        elif self.calibrate:  # builder.logq is -inf at invalid nodes, and so is the value
-            value = self._value.gather(1, parents.clamp(min=0)) + self._calibrator.local_logprob(local, rank)
+            children = builder.add(parents, tokens, logq, child_valid)  # [B, m * k]
+            local = logq.view(b, m, k)
+        ok = builder.valid[:, start:]  # [B, m * k]: the children that were added valid
+        if self.calibrate or self._sampled:
+            if self.calibrate:
+                key = (k, m, children.device)
+                if key not in self._ranks:  # (rank - 1) * bins per child: depends on the shape only
+                    self._ranks[key] = self._calibrator.rank_offsets(torch.arange(1, k + 1, device=children.device).repeat(m))[None]
+                cells = self._calibrator.cells(local, self._ranks[key].view(1, m, k)).reshape(b, m * k)
+                self._cells.append(cells)
+                gain = self._calibrator.log_rate(cells)
+            else:
+                gain = local.expand(b, m, k)
+            if self._sampled:
+                gain = gain.reshape(b, m, k).cummin(dim=-1).values  # non-increasing in the draw rank
+            value = torch.where(ok, (parent_value[:, :, None] + gain.reshape(b, m, k)).reshape(b, m * k), float("-inf"))
         else:
-            value = builder.cum_logq[:, start:]  # -inf at invalid nodes
-        self._value = torch.cat([self._value, value], dim=1)
-        self._rank = torch.cat([self._rank, rank], dim=1)
-        self._local = torch.cat([self._local, local], dim=1)
-        order = torch.sort(value, dim=1, descending=True, stable=True).indices
-        return nodes.gather(1, order)
+            value = builder.cum_logq[:, start:]  # log v(u), -inf at invalid nodes
+        self._values.append(value)
+        top = torch.sort(value, dim=1, descending=True, stable=True)
+        return children.gather(1, top.indices), top.values
 
-    def _pool_utility(self, builder: TreeBuilder, rows: torch.Tensor) -> list[float]:
-        """u_1..u_N over every drafted node but the root (always verified), N <= total_tokens."""
-        # self._value is -inf at invalid nodes; column 0 is the root
-        n = min(builder.num_nodes - 1, self.total_tokens)
-        return _trim_flat(_utility(self._value[:, 1:], self._weights, n, presorted=False)) if n > 0 else []
-
-    def _step_plan(self, builder: TreeBuilder, rows: torch.Tensor, verify_ms: list[float], drafted_ms: float, pool: list[float] | None = None) -> StepPlan:
-        """The best the step can do with the nodes drafted so far: the k that maximises the
-        expected rate (1 + u_k) / (d + v_k), as break-even reranking picks it.
-        pool: the pool's utilities when already read (`_pool_utility`)."""
-        utility = self._pool_utility(builder, rows) if pool is None else pool
-        k = break_even_count(utility, verify_ms[: len(utility) + 1], drafted_ms)
-        return StepPlan(utility=([0.0, *utility])[k], verified=k, drafted=drafted_ms, verify_cost=verify_ms)
-
-    def _verify_count(
-        self,
-        builder: TreeBuilder,
-        rows: torch.Tensor,
-        table: CostTable,
-        batch: int,
-        n0: int,
-        c3: float,
-        verify_ms: list[float],
-        drafted_ms: float,
-        plan: StepPlan | None = None,
-    ) -> int:
-        """Draft tokens per row to verify: dynamic reranking, or `total_tokens` when it is off.
-        plan: the step plan of the finished tree when one was made (break-even pruning)."""
-        if not self.dynamic_rerank:
-            self.last_verified = self.total_tokens
-        elif self.rerank_rule == "break-even":
-            self.last_verified = (plan or self._step_plan(builder, rows, verify_ms, drafted_ms)).verified
-        else:
-            utility = self._pool_utility(builder, rows)
-            n = len(utility)
-            t_ms = table.target_costs(batch, n0, n + 1)  # f_T(n0, tokens) for tokens = 0..N+1
-            cost = [t_ms[j + 1] / max(t_ms[1], 1e-9) for j in range(n + 1)]  # c_0..c_N
-            self.last_verified = rerank_count(utility, cost, c3) if n else 0
-        return self.last_verified
+    def _all_values(self) -> torch.Tensor:
+        """[B, N] every node's value in creation order (the root's 0)."""
+        return torch.cat(self._values, dim=1)
 
     @property
     def _learns_costs(self) -> bool:
@@ -770,21 +941,18 @@ class CastPolicy:
                 self.overheads.observe_other((record.step_s - record.draft_s - record.verify_s) * 1e3 + self._feedback_ms)
         if not self.calibrate or self._last_tree is None or not record.accepted_nodes:
             return
-        origin, logq, rank, parents, valid = self._last_tree
+        cells, parents, valid = self._last_tree
         self._last_tree = None
-        b, n = parents.shape
-        on_path = torch.zeros(b, n, dtype=torch.bool)
-        for r, path in enumerate(record.accepted_nodes):
-            if record.active[r] and path:
-                on_path[r, path] = True
-        on_path = on_path.to(parents.device)
-        reached = on_path.clone()
-        reached[:, 0] = True
-        active = torch.tensor(record.active, dtype=torch.bool, device=parents.device)[:, None]
-        parent_reached = reached.gather(1, parents.clamp(min=0)) & (parents >= 0)
-        observed = valid & parent_reached & active  # [B, N]
+        # the root and every accepted node were reached (rows that finished accepted nothing)
+        index = [(r, j) for r, path in enumerate(record.accepted_nodes) if record.active[r] for j in (0, *path)]
+        if not index:
+            return
+        where = torch.tensor(index, dtype=torch.long).T.to(parents.device)  # [2, n]
+        reached = torch.zeros(parents.shape, dtype=torch.bool, device=parents.device).index_put_((where[0], where[1]), torch.tensor(True, device=parents.device))
+        # observed: verified non-root nodes whose parent was reached (the root has no parent: column 0 off)
+        observed = valid & reached.gather(1, parents.clamp(min=0))
         observed[:, 0] = False
-        self._calibrator.observe(logq, rank, on_path, mask=observed)
+        self._calibrator.observe_cells(cells, reached, observed)
 
     def state(self) -> dict[str, Any]:
         """Introspection: the last step's layer widths and verified count, and the buffers."""

@@ -46,6 +46,11 @@ RHO_DEEP_CEIL = 0.9
 """upper bound of the adapted rho_deep (unless it started higher)"""
 D0_FLOOR = 2
 """lower bound of the adapted D_0 (unless it started lower)"""
+RATIO_HIGH, RATIO_LOW = 1.1, 0.9
+"""history_rule 'predicted': the windowed ratio of accepted to predicted tokens above which drafting
+gets more aggressive (the target accepts over 10% more than the draft's probabilities say) and
+below which it gets more conservative"""
+HISTORY_RULES = ("predicted", "drafted")
 
 
 # ----- the rules, as pure functions ---------------------------------------------------------
@@ -183,6 +188,11 @@ class DynaTreePolicy:
     """how far tau_h and rho_deep move per adjustment (phase 3)"""
     phase: int = 3
     """ablation preset: 0 fixed tree, 1 +adaptive branching, 2 +dynamic depth, 3 +history"""
+    history_rule: str = "predicted"
+    """phase 3's signal: 'predicted' compares the accepted tokens with the tree's own prediction
+    (the sum of its nodes' path probabilities) over each full window of `history_window` steps
+    (aggressive above 1.1x, conservative below 0.9x); 'drafted' is the paper's fraction of drafted
+    tokens accepted, a sliding window against accept_low/accept_high"""
     tree_sampling: str = "sampled"
     """when sampling: 'sampled' children drawn from the draft distribution, with their Gumbel keys
     standing for p(u) in pruning, the budget cut and the depth gate, or 'topk' (`TREE_SAMPLING`)"""
@@ -242,6 +252,11 @@ class DynaTreePolicy:
             )
         if not 0 < self.adjust_step <= 0.5:
             raise SpecDecError(f"dynatree adjust_step={self.adjust_step} must be in (0, 0.5]; fix --adjust-step")
+        if self.history_rule not in HISTORY_RULES:
+            raise SpecDecError(
+                f"dynatree history_rule={self.history_rule!r} must be 'predicted' (accepted against the tree's prediction) "
+                "or 'drafted' (the paper's accepted / drafted); fix --history-rule"
+            )
         check_tree_sampling(self.tree_sampling)
 
     # ----- adaptive state ----------------------------------------------------------------
@@ -252,6 +267,9 @@ class DynaTreePolicy:
         self.cur_rho_deep = float(self.rho_deep)
         self.adjustments = 0
         self.history = deque(maxlen=self.history_window)
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=self.history_window)  # (accepted, predicted) per step
+        self._predicted: list[float] | None = None  # per row: the last tree's predicted accepted tokens
+        self._last_ratio: float | None = None  # the last full window's accepted / predicted
 
     def bounds(self) -> dict[str, tuple[float, float]]:
         """The closed ranges the history rule keeps D_0, tau_h and rho_deep in."""
@@ -262,28 +280,51 @@ class DynaTreePolicy:
         }
 
     def windowed_acceptance(self) -> float | None:
-        """a_bar: mean of the recorded per-step acceptances (None before the first)."""
+        """a_bar: with history_rule 'drafted' the mean of the recorded per-step acceptances; with
+        'predicted' the window's accepted tokens over its predicted ones (None before the first)."""
+        if self.history_rule == "predicted":
+            predicted = sum(p for _, p in self._pairs)
+            return sum(a for a, _ in self._pairs) / predicted if predicted > 0 else self._last_ratio
         return sum(self.history) / len(self.history) if self.history else None
 
     def feedback(self, record: StepRecord) -> None:
-        """Phase 3: record a_r of this step and apply the history rule (every step)."""
+        """Phase 3: record this step's acceptance and apply the history rule (every step)."""
         if self.phase < 3:
             return
-        rates = [acc / dr for act, dr, acc in zip(record.active, record.drafted, record.accepted_len, strict=True) if act and dr > 0]
-        if not rates:
+        predicted, self._predicted = self._predicted, None
+        if self.history_rule == "predicted":
+            if predicted is None:
+                return
+            rows = [(acc, p) for act, dr, acc, p in zip(record.active, record.drafted, record.accepted_len, predicted, strict=False) if act and dr > 0]
+            if not rows:
+                return
+            accepted, expected = float(sum(a for a, _ in rows)), float(sum(p for _, p in rows))
+            self._pairs.append((accepted, expected))
+            self.history.append(accepted / expected if expected > 0 else 0.0)
+            if len(self._pairs) < self.history_window:
+                return  # one decision per full window of fresh evidence: a sliding window would move
+            a_bar = self._last_ratio = self.windowed_acceptance()  # every step on the same noisy evidence, a random walk to the bounds
+            self._pairs.clear()
+            high, low = RATIO_HIGH, RATIO_LOW
+        else:
+            rates = [acc / dr for act, dr, acc in zip(record.active, record.drafted, record.accepted_len, strict=True) if act and dr > 0]
+            if not rates:
+                return
+            self.history.append(sum(rates) / len(rates))
+            a_bar = sum(self.history) / len(self.history)
+            high, low = self.accept_high, self.accept_low
+        if a_bar is None:
             return
-        self.history.append(sum(rates) / len(rates))
-        a_bar = sum(self.history) / len(self.history)
         bounds = self.bounds()
         d0_lo, d0_hi = bounds["d0"]
         th_lo, th_hi = bounds["tau_high"]
         rd_lo, rd_hi = bounds["rho_deep"]
-        if a_bar > self.accept_high:
+        if a_bar > high:
             self.cur_d0 = int(min(self.cur_d0 + 1, d0_hi))
             self.cur_tau_high = round(max(self.cur_tau_high - self.adjust_step, th_lo), 6)
             self.cur_rho_deep = round(max(self.cur_rho_deep - self.adjust_step, rd_lo), 6)
             self.adjustments += 1
-        elif a_bar < self.accept_low:
+        elif a_bar < low:
             self.cur_d0 = int(max(self.cur_d0 - 1, d0_lo))
             self.cur_tau_high = round(min(self.cur_tau_high + self.adjust_step, th_hi), 6)
             self.cur_rho_deep = round(min(self.cur_rho_deep + self.adjust_step, rd_hi), 6)
@@ -323,6 +364,8 @@ class DynaTreePolicy:
         tree_width = 1  # nodes of the largest row so far (read once per level)
         k = min(self.b_mid if self.phase == 0 else self.b_max, vocab)  # children proposed per node (B(u) <= k masks the rest)
         frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
+        predicts = self.phase >= 3 and self.history_rule == "predicted"
+        self._predicted = None
         for depth in range(limit):  # the frontier sits at `depth`, its children at depth + 1
             branch = self.branching(logprobs).masked_fill(~frontier_valid, 0)  # [B, m]
             if sampled:  # drawn children are pruned and cut by their Gumbel keys, never by their own logq
@@ -347,8 +390,15 @@ class DynaTreePolicy:
             # p(u): cum_logq, or for sampled nodes their Gumbel key (a sampled token's own draft probability says little about its acceptance)
             grow = node_valid & self.expandable(depth + 1, builder.score.gather(1, nodes), limit) & (budget > 0)[:, None]  # [B, w]
             order, frontier_valid = compact(grow, min(grow.shape[1], frontier_cap if not sampled else grow.shape[1]))  # [B, m']
-            # the level's one host read: the largest row's node count (the tree's width) and whether anything grows
-            tree_width, growing = torch.stack([builder.valid.sum(dim=1).max(), frontier_valid.any().long()]).tolist()
+            # the level's one host read: the largest row's node count (the tree's width), whether anything
+            # grows and (history rule 'predicted') each row's predicted accepted tokens so far
+            packed = torch.stack([builder.valid.sum(dim=1).max(), frontier_valid.any().long()]).double()
+            if predicts:
+                packed = torch.cat([packed, builder.cum_logq[:, 1:].double().exp().sum(dim=1)])  # sum of p(u), 0 at invalid nodes
+            head = packed.tolist()
+            tree_width, growing = int(head[0]), int(head[1])
+            if predicts:
+                self._predicted = head[2:]
             if depth + 1 >= limit or not growing:
                 break
             frontier = nodes.gather(1, order)

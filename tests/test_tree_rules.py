@@ -1,0 +1,101 @@
+"""The adaptive tree rules against the fixed trees, on a synthetic draft with controllable
+confidences and synthetic cost tables (specdec.bench.treesim; no models).
+
+A GPU-like table (a forward costs the same for up to 64 new tokens, then rises) and a CPU-like
+one (every token costs): CAST's expected tokens per unit time must be at least EAGLE-2's and
+DynaTree's for the same draft, and where extra nodes cost nothing CAST must keep at least
+EAGLE-2's expected accepted tokens. DynaTree's history rule must not shrink its trees on a draft
+that is exactly as good as its probabilities say."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.bench.treesim import Simulation, SyntheticDraft, Truth, cpu_like_table, gpu_like_table, summary
+from specdec.drafting.cast import StepPlan
+from specdec.hostwork import HostWorkCounter
+from specdec.methods import make_policy
+
+STEPS, WARMUP = 40, 10
+"""simulated steps per policy, and the first ones left out (calibration and history warm up)"""
+
+DRAFTS = {
+    "calibrated": (SyntheticDraft(), Truth(1.0)),
+    "underconfident": (SyntheticDraft(lo=0.05, hi=0.9, shape=1.5), Truth(0.5)),
+}
+"""a draft whose probabilities are its acceptance rates, and one whose favourite is accepted far
+more often than its probability says (a small draft under greedy verification)"""
+
+
+def run(method: str, sim: Simulation, **options: object) -> dict[str, float]:
+    if method == "cast":
+        options = {"cost_table": sim.table, "deterministic": True, **options}
+    return summary(sim.run(make_policy(method, **options), STEPS)[WARMUP:])
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+@pytest.mark.parametrize(("device", "batch"), [("gpu", 1), ("gpu", 4), ("cpu", 1), ("cpu", 4)])
+def test_cast_rate_is_at_least_eagle2_and_dynatree(device, batch, draft):
+    table = gpu_like_table() if device == "gpu" else cpu_like_table()
+    sim = Simulation(*DRAFTS[draft], table, batch=batch)
+    cast, eagle2, dynatree = run("cast", sim), run("eagle2", sim), run("dynatree", sim)
+    assert cast["rate"] >= eagle2["rate"], (cast, eagle2)
+    assert cast["rate"] >= dynatree["rate"], (cast, dynatree)
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+def test_cast_keeps_eagle2_expected_tokens_when_nodes_are_free(draft):
+    """Verification flat up to 64 tokens and a draft forward at 1/400 of a target one: width and
+    depth are nearly free, so the cost-aware tree must accept at least what EAGLE-2's does."""
+    sim = Simulation(*DRAFTS[draft], gpu_like_table(draft_ms=0.05), batch=1)
+    cast, eagle2 = run("cast", sim), run("eagle2", sim)
+    assert cast["expected"] >= eagle2["expected"], (cast, eagle2)
+    assert cast["nodes"] > eagle2["nodes"]  # it uses the free verification slots
+
+
+def test_a_strong_layer_replaces_weak_nodes_in_a_full_plan():
+    """Verification is free up to 4 draft tokens, then each costs a plain step. The pool's 4 weak
+    nodes fill every free slot; a next layer whose best node is worth 0.5 pays by replacing one of
+    them, though verifying it on top of the 4 would not."""
+    verify = [10.0, 10.0, 10.0, 10.0, 10.0, 20.0, 30.0]
+    plan = StepPlan(utility=0.4, verified=4, drafted=2.0, verify_cost=verify, values=(0.1, 0.1, 0.1, 0.1))
+    assert plan.rate == pytest.approx(1.4 / 12.0)
+    assert plan.gains([0.5], 0.5)  # (1 + 0.5 + 0.3) / (2 + 0.5 + 10) > 1.4 / 12
+    additive = StepPlan(utility=0.4, verified=4, drafted=2.0, verify_cost=verify)
+    assert not additive.gains([0.5], 0.5)  # the old view: (1.9) / (2.5 + 20) < 1.4 / 12
+
+
+def test_cast_drafts_with_few_reads():
+    """Break-even CAST decides its layers from the previous step's plan and reads once at the end
+    (more only while a confident step keeps paying for another layer)."""
+    sim = Simulation(*DRAFTS["calibrated"], gpu_like_table(), batch=2)
+    policy = make_policy("cast", cost_table=sim.table, deterministic=True)
+    reads = []
+    draft = policy.draft
+
+    def counted(*args, **kwargs):
+        with HostWorkCounter() as counter:
+            out = draft(*args, **kwargs)
+        reads.append(counter.host_reads)
+        return out
+
+    policy.draft = counted  # type: ignore[method-assign]
+    states = sim.run(policy, STEPS)
+    assert sum(reads[WARMUP:]) / len(reads[WARMUP:]) <= 1.5, reads
+    assert sum(s.levels for s in states[WARMUP:]) / (STEPS - WARMUP) >= 3  # deep trees all the same
+
+
+def test_dynatree_history_does_not_shrink_a_calibrated_draft_tree():
+    """The paper's history signal (accepted / drafted) falls as a tree grows, so against fixed
+    bounds it drives D_0 to its floor and the trees to a few nodes even for a draft whose
+    probabilities are exact; accepted against the tree's own prediction does not."""
+    sim = Simulation(*DRAFTS["calibrated"], gpu_like_table(), batch=1)
+    drafted = make_policy("dynatree", history_rule="drafted")
+    predicted = make_policy("dynatree", history_rule="predicted")
+    by_drafted = summary(sim.run(drafted, STEPS)[WARMUP:])
+    by_predicted = summary(sim.run(predicted, STEPS)[WARMUP:])
+    assert drafted.cur_d0 < drafted.d0  # the paper's signal went conservative, and stays there
+    assert predicted.cur_d0 >= predicted.d0
+    assert by_predicted["expected"] > by_drafted["expected"] and by_predicted["depth"] > by_drafted["depth"]
+    ratio = predicted.windowed_acceptance()
+    assert ratio is not None and 0.6 < ratio < 1.4  # a calibrated draft: about what the tree predicts
