@@ -266,6 +266,7 @@ class TreeBuilder:
         logq: torch.Tensor,
         sampled: bool = False,
         score: torch.Tensor | None = None,
+        min_cum_logq: float = float("-inf"),
     ) -> torch.Tensor:
         """Append k children under each of m nodes per row, node-major (the children of
         nodes[:, 0] first); returns their indices [B, m*k]. The same nodes as
@@ -273,13 +274,16 @@ class TreeBuilder:
         parent and broadcast, not copied k times (13 tensor ops whatever m and k).
 
         nodes: [B, m] int64 existing nodes; valid: [B, m] bool (False: no children under that
-        entry); tokens, logq: [B, m, k]; score: [B, m, k] or None (= their cum_logq).
+        entry) or [B, m, k] (per child); tokens, logq: [B, m, k]; score: [B, m, k] or None (=
+        their cum_logq). min_cum_logq: children whose path log-prob is below it are invalid
+        (probability-threshold pruning at no extra op).
         """
         b, m, k = tokens.shape
         start, end = self._n, self._n + m * k
         self._reserve(end)
         cum = self._floats[:, _CUM].gather(1, nodes)[:, :, None] + logq  # [B, m, k]
-        child_valid = (cum > float("-inf")).logical_and_(valid[:, :, None])  # [B, m, k]
+        alive = (cum >= min_cum_logq) if min_cum_logq > float("-inf") else (cum > float("-inf"))
+        child_valid = alive.logical_and_(valid if valid.dim() == 3 else valid[:, :, None])  # [B, m, k]
         invalid = ~child_valid
         floats = self._floats[:, :, start:end].view(b, 3, m, k)  # written in place
         torch.stack([logq, cum, cum if score is None else score], dim=1, out=floats).masked_fill_(invalid[:, None], float("-inf"))

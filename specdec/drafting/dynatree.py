@@ -111,6 +111,18 @@ def _count_cap(threshold: float, cap: int) -> int:
     return cap if threshold <= 0 else max(1, min(cap, int(1.0 / threshold) + 1))
 
 
+_RANKS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _ranks_below(k: int, bound: int, device: torch.device) -> torch.Tensor:
+    """[k] bool: child rank r < bound, made once per (k, bound, device) (read-only)."""
+    key = (k, bound, device)
+    t = _RANKS.get(key)
+    if t is None:
+        t = _RANKS[key] = torch.arange(k, device=device) < bound
+    return t
+
+
 def _log(p: float) -> float:
     return math.log(p) if p > 0 else float("-inf")
 
@@ -347,61 +359,120 @@ class DynaTreePolicy:
             return torch.full_like(cum_logq, depth < limit, dtype=torch.bool) & torch.isfinite(cum_logq)
         return dynamic_depth_expandable(depth, cum_logq, self.cur_d0, limit, self.rho_stop, self.cur_rho_deep)
 
+    def _allowed_children(self, top_logq: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
+        """Which of each node's k top children the confidence rule keeps (rank < B(u)).
+
+        top_logq: [B, m, 1] the node's best child's log-prob (log c(u)). Returns [k] (phase 0:
+        b_mid for every node) or [B, m, k] bool. With b_min <= b_mid <= b_max:
+        rank < B(u) iff rank < b_min, or rank < b_mid and c(u) < tau_high, or rank < b_max and
+        c(u) < tau_low (the same B(u) as `confidence_branching`, compared in log space)."""
+        if self.phase == 0:
+            return _ranks_below(k, self.b_mid, device)
+        r_min, r_mid, r_max = (_ranks_below(k, bound, device) for bound in (self.b_min, self.b_mid, self.b_max))
+        return (r_mid & (top_logq < _log(self.cur_tau_high))).logical_or_(r_max & (top_logq < _log(self.tau_low))).logical_or_(r_min)
+
+    def _growing(self, depth: int, node_valid: torch.Tensor, score: torch.Tensor, limit: int) -> torch.Tensor | None:
+        """Which of a level's nodes (all at `depth`) get children, [B, w] bool; None when no
+        node of that depth may (the depth limit). Phases 0-1: every valid node above the limit;
+        phases 2-3: the paper's gate p(u) >= rho_stop and (d(u) < D_0 or p(u) >= rho_deep), with
+        the depth parts decided on the host (one comparison on the device)."""
+        if depth >= limit:
+            return None
+        if self.phase < 2:
+            return node_valid
+        threshold = _log(self.rho_stop) if depth < self.cur_d0 else max(_log(self.rho_stop), _log(self.cur_rho_deep))
+        return (score >= threshold).logical_and_(node_valid)
+
+    def _add_level_with_budget(
+        self,
+        builder: TreeBuilder,
+        frontier: torch.Tensor,
+        frontier_valid: torch.Tensor,
+        logprobs: torch.Tensor,
+        k: int,
+        level_cap: int,
+        log_tau: float,
+        sampled: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One level the general way (drawn children, or a node budget that may bind): the
+        children of each frontier node (B(u) of its k candidates), pruned by path probability,
+        cut to each row's remaining budget, compacted and added. Returns their indices [B, w]
+        and which rows have budget left ([B] bool)."""
+        dev = frontier.device
+        budget = self.max_nodes - (builder.valid.sum(dim=1) - 1)  # [B] draft tokens each row may still add
+        branch = self.branching(logprobs).masked_fill(~frontier_valid, 0)  # [B, m]
+        if sampled:  # drawn children are pruned and cut by their Gumbel keys, never by their own logq
+            parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+        else:
+            parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+            cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
+        rank = torch.arange(k, device=dev).repeat(frontier.shape[1])  # [m*k] child rank under its parent
+        valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1)) & (logq > float("-inf"))
+        valid = valid & (cum >= log_tau)  # probability-threshold pruning
+        valid = keep_within_budget(cum, valid, budget)  # strict node budget
+        # a static width: path probabilities of a level sum to at most 1 (no read); Gumbel keys
+        # of drawn children have no such bound, so their width is read
+        width = min(valid.shape[1], level_cap) if not sampled else max(1, int(valid.sum(dim=1).max()))
+        order, kept = compact(valid, width)  # [B, w]
+        nodes = builder.add(
+            parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept, sampled=sampled, score=cum.gather(1, order) if sampled else None
+        )  # [B, w]
+        return nodes, budget > builder.last_valid.sum(dim=1)
+
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         limit = self.depth_limit(ctx)
         sampled = ctx.samples_children(self.tree_sampling)
         level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + level_cap * max(1, limit))
-        b = roots.shape[0]
+        frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
+        proposed = self.b_mid if self.phase == 0 else self.b_max
+        # room for every level uncompacted (top-k levels add all m * k candidates, invalid ones included)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + proposed * (1 + max(0, limit - 1) * frontier_cap))
         dev = roots.device
-        active = ctx.active.to(dev)
         log_tau = _log(self.prune_tau)
-        budget = torch.where(active, self.max_nodes, 0)  # [B] draft tokens each row may still add
-        frontier = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, m] builder indices to expand
-        frontier_valid = active[:, None].clone()  # [B, m]
+        frontier, frontier_valid = builder.root, builder.root_valid  # [B, m] builder indices to expand (finished rows: nothing grows)
         logprobs = builder.root_logprobs[:, None, :]  # [B, m, V] children distributions of the frontier
         vocab = logprobs.shape[-1]
-        tree_width = 1  # nodes of the largest row so far (read once per level)
-        k = min(self.b_mid if self.phase == 0 else self.b_max, vocab)  # children proposed per node (B(u) <= k masks the rest)
-        frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
+        tree_width = 1  # nodes of the largest row so far: exact after a read, an upper bound between reads
+        k = min(proposed, vocab)  # children proposed per node (B(u) <= k masks the rest)
         predicts = self.phase >= 3 and self.history_rule == "predicted"
         self._predicted = None
         for depth in range(limit):  # the frontier sits at `depth`, its children at depth + 1
-            branch = self.branching(logprobs).masked_fill(~frontier_valid, 0)  # [B, m]
-            if sampled:  # drawn children are pruned and cut by their Gumbel keys, never by their own logq
-                parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
-            else:
-                parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
-            rank = torch.arange(k, device=dev).repeat(frontier.shape[1])  # [m*k] child rank under its parent
-            valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1)) & (logq > float("-inf"))
-            if not sampled:
-                cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
-            valid = valid & (cum >= log_tau)  # probability-threshold pruning
-            valid = keep_within_budget(cum, valid, budget)  # strict node budget
-            # a static width: path probabilities of a level sum to at most 1 (no read); Gumbel keys
-            # of drawn children have no such bound, so their width is read
-            width = min(valid.shape[1], level_cap) if not sampled else max(1, int(valid.sum(dim=1).max()))
-            order, kept = compact(valid, width)  # [B, w]
-            nodes = builder.add(
-                parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept, sampled=sampled, score=cum.gather(1, order) if sampled else None
-            )  # [B, w]
-            node_valid = builder.valid.gather(1, nodes)  # [B, w]
-            budget = budget - node_valid.sum(dim=1)
+            start = builder.num_nodes
+            m = frontier.shape[1]
+            room = None  # [B] bool: rows with budget left after this level (None: all, the budget cannot bind)
+            if sampled or tree_width - 1 + m * k >= self.max_nodes:  # drawn children, or the node budget may cut this level
+                nodes, room = self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, level_cap, log_tau, sampled)
+            else:  # top-k children; the budget cannot bind: one topk, the branching mask and one add
+                top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
+                allowed = frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # [B, m, k] rank < B(u)
+                nodes = builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau)  # [B, m*k]
+            tree_width += nodes.shape[1]  # an upper bound until the next read
             # p(u): cum_logq, or for sampled nodes their Gumbel key (a sampled token's own draft probability says little about its acceptance)
-            grow = node_valid & self.expandable(depth + 1, builder.score.gather(1, nodes), limit) & (budget > 0)[:, None]  # [B, w]
-            order, frontier_valid = compact(grow, min(grow.shape[1], frontier_cap if not sampled else grow.shape[1]))  # [B, m']
-            # the level's one host read: the largest row's node count (the tree's width), whether anything
-            # grows and (history rule 'predicted') each row's predicted accepted tokens so far
-            packed = torch.stack([builder.valid.sum(dim=1).max(), frontier_valid.any().long()]).double()
-            if predicts:
-                packed = torch.cat([packed, builder.cum_logq[:, 1:].double().exp().sum(dim=1)])  # sum of p(u), 0 at invalid nodes
-            head = packed.tolist()
-            tree_width, growing = int(head[0]), int(head[1])
-            if predicts:
-                self._predicted = head[2:]
-            if depth + 1 >= limit or not growing:
-                break
-            frontier = nodes.gather(1, order)
+            grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit)  # [B, w] or None (no deeper level)
+            if grow is not None and room is not None:
+                grow = grow & room[:, None]
+            last = grow is None
+            if not last:
+                assert grow is not None
+                growing, order = torch.sort(grow, dim=1, descending=True, stable=True)  # growing nodes first, in creation order
+                cap = min(grow.shape[1], frontier_cap if not sampled else grow.shape[1])
+                frontier_valid, order = growing[:, :cap], order[:, :cap]  # [B, m']
+            if last or depth > 0 or sampled or room is not None:
+                # the level's one host read: the largest row's node count (the tree's width), whether
+                # anything grows and (history rule 'predicted') each row's predicted accepted tokens so far.
+                # Skipped after the first level when no budget binds (the root's children nearly always grow;
+                # if none does, the next level adds nothing and its read stops the loop)
+                width_now = builder.valid.sum(dim=1).max()
+                packed = torch.stack([width_now] if grow is None else [width_now, grow.sum()])
+                if predicts:
+                    packed = torch.cat([packed.double(), builder.cum_logq[:, 1:].double().exp().sum(dim=1)])  # sum of p(u), 0 at invalid nodes
+                head = packed.tolist()
+                tree_width, n_growing = int(head[0]), 0 if last else int(head[1])
+                if predicts:
+                    self._predicted = head[1 if last else 2 :]
+                if last or not n_growing:
+                    break
+            frontier = order + start
             logprobs = builder.expand(frontier, frontier_valid)  # [B, m', V]: one draft forward per level
         # the valid nodes only (levels are padded to a static width): `tree_width` columns
         tree, origin = builder.finish(builder.valid, width=tree_width)
