@@ -891,9 +891,9 @@ class CastPolicy:
             children = builder.add(parents, tokens, logq, child_valid, sampled=True, score=keys)  # [B, m * k]
             local = torch.logsumexp(2 * logprobs, dim=-1).clamp(max=0.0)[:, :, None]  # [B, m, 1]: the same for each parent's k draws
         else:
-            parents, tokens, logq, child_valid = builder.top_children(nodes, logprobs, k, valid)
-            children = builder.add(parents, tokens, logq, child_valid)  # [B, m * k]
-            local = logq.view(b, m, k)
+            top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
+            children = builder.add_children(nodes, valid, top.indices, top.values)  # [B, m * k]: each parent's fields broadcast
+            local = top.values
         ok = builder.valid[:, start:]  # [B, m * k]: the children that were added valid
         if self.calibrate or self._sampled:
             if self.calibrate:
