@@ -472,7 +472,7 @@ class CostTableResolver:
         self._extendable = bool(table.meta.get("grid", {}).get("quick", False)) and _same_grid(table, quick_grid())
         self._source = ProfileSource(
             kind="file" if self.path is not None else "shipped", path=str(source), created=table.meta.get("created"),
-            device=_device_text(table.meta),
+            device=_device_text(table.meta), batch_sizes=list(table.batch_sizes),
         )
         if diffs:
             note = (
