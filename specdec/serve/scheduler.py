@@ -43,7 +43,7 @@ from specdec.sampling import SamplingParams
 from specdec.serve.errors import CLIENT_CLOSED_REQUEST, APIError
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.schemas import SpecDecOptions
-from specdec.serve.text import CompletionText
+from specdec.text import CompletionText
 from specdec.stats import GenerationStats
 from specdec.verification import RULE_OPTIONS, make_rule
 
