@@ -514,6 +514,12 @@ def _add_bench(sub) -> None:
         choices=("auto", "all", "none"),
         help="which prompts count as code for the parse share: auto (a 'language: python' line, an id ending in .py or starting with HumanEval), all, none",
     )
+    bench.add_argument(
+        "--chat", action="store_true",
+        help="instruct models: every prompt (each turn a user message) goes through the tokenizer's chat template; "
+        "without it only multi-turn prompts use the template (when there is one)",
+    )
+    bench.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first in every conversation")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     w = bench.add_argument_group(
         "what-if study on synthetic pairs (docs/synthetic-pairs.md; random weights: for timing, never for text)"
@@ -631,6 +637,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         draft_source=args.draft_source,
         lookup_ngram=args.lookup_ngram,
         cuda_graphs=args.cuda_graphs,
+        chat=args.chat,
+        system=args.system,
     )
     check_graphs_arg(args)
     if args.synthetic is not None:
