@@ -614,7 +614,7 @@ class _TextStreamer:
         if self.stream is not None:
             if text.stopped:
                 self._send_tokens(index, text.token_count)
-            elif text.sent == len(text.text):  # nothing held back: every token so far is final
+            elif not text.pending:  # nothing held back: every token so far is final
                 self._send_tokens(index, len(text.token_ids))
         if delta and self.stream_text is not None:
             self.stream_text(index, delta)

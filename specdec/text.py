@@ -157,6 +157,11 @@ class CompletionText:
         return "".join(self._deltas) + self._window[self.sent - self._from :]
 
     @property
+    def pending(self) -> int:
+        """Characters of `text` decoded but not released yet (held back; 0 when every token's text is out)."""
+        return self._from + len(self._window) - self.sent
+
+    @property
     def token_count(self) -> int:
         """Completion tokens: all added tokens, or after a stop string the fewest that decode
         to the text before it."""
