@@ -519,7 +519,7 @@ def _add_bench(sub) -> None:
         help="instruct models: every prompt (each turn a user message) goes through the tokenizer's chat template; "
         "without it only multi-turn prompts use the template (when there is one)",
     )
-    bench.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first in every conversation")
+    bench.add_argument("--system", default=None, metavar="TEXT", help="a system message first in every conversation (implies --chat)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     w = bench.add_argument_group(
         "what-if study on synthetic pairs (docs/synthetic-pairs.md; random weights: for timing, never for text)"
@@ -637,7 +637,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         draft_source=args.draft_source,
         lookup_ngram=args.lookup_ngram,
         cuda_graphs=args.cuda_graphs,
-        chat=args.chat,
+        chat=args.chat or args.system is not None,
         system=args.system,
     )
     check_graphs_arg(args)

@@ -640,7 +640,7 @@ def _score_quality(
             parses: list[bool | None] = []
             for pid, out, reason in zip(record.prompt_ids, record.outputs, record.finish_reasons, strict=True):
                 prompt = by_id[pid]
-                code = is_code_prompt(prompt, config.code_prompts)
+                code = is_code_prompt(prompt, config.code_prompts) and not config.chat  # a chat reply does not continue the prompt's code
                 parses.append(scorer.parses(prompt.turns[0], out, reason) if code else None)
             record.parses = parses
             record.loops = [scorer.loops(out) for out in record.outputs]
