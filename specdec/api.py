@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.cost.profile import CostTableResolver, ProfileSource
 from specdec.drafting.base import CostAwarePolicy, TreePolicy
-from specdec.engine import EngineOutput, SpeculativeEngine
+from specdec.engine import EngineOutput, SpeculativeEngine, StopCallback
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy, method_uses_draft
 from specdec.models.graphs import check_cuda_graphs, resolve_cuda_graphs
@@ -51,6 +51,7 @@ from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, Ensemb
 from specdec.sources.lookup import LookupDraftSource
 from specdec.sources.model import ModelDraftSource
 from specdec.stats import GenerationStats
+from specdec.text import CompletionText, Message, chat_ids, chat_prompt, check_chat_template, message_pairs
 from specdec.verification import make_rule
 
 if TYPE_CHECKING:
@@ -66,8 +67,9 @@ class GenerationResult:
     token_ids: list[int]
     """the generated token ids only (prompt excluded)"""
     finish_reason: str
-    """'eos' or 'length'"""
+    """'eos', 'length', or 'stop' (a stop string: `text` ends just before it)"""
     stats: GenerationStats
+    """the decoding's figures (a row ended by a stop string counts the tokens its last step committed)"""
 
 
 def resolve_verify(verify: str | None, temperature: float) -> str:
@@ -445,9 +447,29 @@ class SpeculativeDecoder:
             raise SpecDecError(f"the target's tokenizer turned the prompt {prompt[:40]!r} into no tokens; check that the model's tokenizer files are complete")
         return ids
 
+    @property
+    def model_name(self) -> str:
+        """The target's folder or hub id (for messages)."""
+        return str(getattr(self.target.config, "_name_or_path", "") or getattr(self.tokenizer, "name_or_path", "") or "the target")
+
+    def chat_prompt(self, messages: Sequence[Message], system: str | None = None) -> str:
+        """The prompt text of a chat: the tokenizer's chat template applied to `messages` (dicts
+        with role and content, or (role, content) pairs; `system` first when given) with the
+        generation prompt added. A tokenizer without a chat template is a one-line SpecDecError."""
+        check_chat_template(self.tokenizer, self.model_name, flag="messages=")
+        return chat_prompt(self.tokenizer, message_pairs(messages, system), plain_fallback=False)[0]
+
+    def encode_chat(self, messages: Sequence[Message], system: str | None = None, where: str = "messages") -> list[int]:
+        """Token ids of `chat_prompt(messages, system)` (the template's special tokens are its own: none are added)."""
+        check_chat_template(self.tokenizer, self.model_name, flag="messages=")
+        ids = chat_ids(self.tokenizer, message_pairs(messages, system, where))
+        if not ids:
+            raise SpecDecError(f"the chat template turned {where} into no tokens; check the tokenizer's chat template")
+        return ids
+
     def generate(
         self,
-        prompt: str | list[str],
+        prompt: str | list[str] | None = None,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -456,9 +478,33 @@ class SpeculativeDecoder:
         stream: Callable[[int, list[int]], None] | None = None,
         batch_size: int | None = None,
         images: Sequence[Any] | None = None,
+        *,
+        messages: Sequence[Message] | Sequence[Sequence[Message]] | None = None,
+        system: str | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream_text: Callable[[int, str], None] | None = None,
     ) -> GenerationResult | list[GenerationResult]:
         """Continue `prompt`, or each prompt of a list: up to `batch_size` (default: all) rows
         are decoded together; finished rows take the next waiting prompt.
+
+        messages: instead of `prompt`, a chat for an instruct model: a list of messages
+        ({"role": "user", "content": "Hi"} or ("user", "Hi")), or a list of such lists (a
+        batch, one result per chat). The tokenizer's chat template is applied with the
+        generation prompt (`chat_prompt`); a tokenizer without one is a SpecDecError.
+        system: a system message put first in every chat (messages only).
+
+        stop: a string or strings; a row's text ends just before the first one it produces,
+        with finish_reason 'stop', and the row stops decoding at that step (not at
+        max_new_tokens). `token_ids` then holds the fewest tokens that give the text (the
+        step may have committed more; `stats` counts those). EOS still ends a row.
+
+        stream(index, token_ids): each prompt's newly committed tokens. With stop strings the
+        tokens come once their text is final (`stream_text`'s rule) and end with the result's
+        `token_ids`, never past them.
+        stream_text(index, text): each prompt's newly final text: held back while it could be
+        the start of a stop string or ends in an incomplete UTF-8 character, never past a stop
+        string; the pieces concatenate to the result's `text` (`specdec.text.CompletionText`,
+        the server's streaming).
 
         seed: makes a sampled call reproducible when it is repeated with the same prompts, in
         the same order, with the same batch_size. Rows of a batch draw from one generator, so
@@ -470,19 +516,40 @@ class SpeculativeDecoder:
         one per `<image>` placeholder), or for a list of prompts one such list per prompt."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         verify = resolve_verify(self.verify, temperature)
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        if images is None:
-            per_prompt: list[Any] = [None] * len(prompts)
-        elif isinstance(prompt, str):
-            per_prompt = [list(images)]
+        stops = stop_strings(stop)
+        ids: list[Sequence[int]]
+        if messages is not None:
+            if prompt is not None:
+                raise SpecDecError("give either prompt (text to continue) or messages (a chat), not both")
+            if images:
+                raise SpecDecError("images go with a text prompt holding <image> placeholders, not with messages; pass prompt= and images=")
+            single, chats = _split_chats(messages)
+            ids = [self.encode_chat(chat, system, where="messages" if single else f"messages[{i}]") for i, chat in enumerate(chats)]
         else:
-            per_prompt = list(images)
-            if len(per_prompt) != len(prompts) or not all(i is None or isinstance(i, list | tuple) for i in per_prompt):
-                raise SpecDecError(f"images must hold one list of images per prompt ({len(prompts)} prompts, {len(per_prompt)} entries)")
-        ids = [self.encode(p, imgs) for p, imgs in zip(prompts, per_prompt, strict=True)]
-        outputs = self.generate_ids(ids, max_new_tokens, params, verify, seed, stream, batch_size=batch_size)
-        results = [self._result(o) for o in outputs]
-        return results[0] if isinstance(prompt, str) else results
+            if prompt is None:
+                raise SpecDecError("give a prompt (text to continue) or messages (a chat for an instruct model)")
+            if system is not None:
+                raise SpecDecError("system= goes with messages= (a chat); with a plain prompt put the instructions in the prompt text")
+            single = isinstance(prompt, str)
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            if images is None:
+                per_prompt: list[Any] = [None] * len(prompts)
+            elif isinstance(prompt, str):
+                per_prompt = [list(images)]
+            else:
+                per_prompt = list(images)
+                if len(per_prompt) != len(prompts) or not all(i is None or isinstance(i, list | tuple) for i in per_prompt):
+                    raise SpecDecError(f"images must hold one list of images per prompt ({len(prompts)} prompts, {len(per_prompt)} entries)")
+            ids = [self.encode(p, imgs) for p, imgs in zip(prompts, per_prompt, strict=True)]
+        if not stops and stream_text is None:
+            outputs = self.generate_ids(ids, max_new_tokens, params, verify, seed, stream, batch_size=batch_size)
+            results = [self._result(o) for o in outputs]
+        else:
+            texts = [CompletionText(self.tokenizer, stops) for _ in ids]
+            streamer = _TextStreamer(texts, stream, stream_text)
+            outputs = self.generate_ids(ids, max_new_tokens, params, verify, seed, batch_size=batch_size, stop=streamer.add)
+            results = [streamer.result(i, o) for i, o in enumerate(outputs)]
+        return results[0] if single else results
 
     def generate_ids(
         self,
@@ -494,15 +561,83 @@ class SpeculativeDecoder:
         stream: Callable[[int, list[int]], None] | None = None,
         keep_steps: bool = False,
         batch_size: int | None = None,
+        stop: StopCallback | None = None,
     ) -> list[EngineOutput]:
-        """Token-level entry point (benchmarks use it); `seed` as in `generate`."""
+        """Token-level entry point (benchmarks use it); `seed` as in `generate`; `stop(index,
+        tokens)` returning True ends that prompt (`SpeculativeEngine.generate`)."""
         check_seed(seed)
         verify = resolve_verify(verify or self.verify, params.temperature)
-        return self.engine(verify).generate(prompt_ids, max_new_tokens, params, seed=seed, stream=stream, keep_steps=keep_steps, batch_size=batch_size)
+        return self.engine(verify).generate(
+            prompt_ids, max_new_tokens, params, seed=seed, stream=stream, keep_steps=keep_steps, batch_size=batch_size, stop=stop
+        )
 
     def _result(self, out: EngineOutput) -> GenerationResult:
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return GenerationResult(text=text, token_ids=out.token_ids, finish_reason=out.finish_reason, stats=out.stats)
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """`stop` as a list of non-empty strings (a SpecDecError names a bad one)."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise SpecDecError(f"stop strings must be non-empty strings, got {s!r}")
+    return stops
+
+
+def _split_chats(messages: Sequence[Message] | Sequence[Sequence[Message]]) -> tuple[bool, list[Sequence[Message]]]:
+    """(one chat?, the chats): a list of messages is one chat, a list of lists of messages a batch."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise SpecDecError("messages must be a non-empty list of messages such as {'role': 'user', 'content': 'Hi'}, or a list of such lists")
+    first = messages[0]
+    if isinstance(first, list):
+        return False, list(messages)  # type: ignore[arg-type]
+    return True, [messages]  # type: ignore[list-item]
+
+
+class _TextStreamer:
+    """Per prompt: committed tokens -> text cut at stop strings (`CompletionText`), the stream
+    callbacks fed with what is final, and the call's results."""
+
+    def __init__(self, texts: list[CompletionText], stream: Callable[[int, list[int]], None] | None, stream_text: Callable[[int, str], None] | None) -> None:
+        self.texts = texts
+        self.stream = stream
+        self.stream_text = stream_text
+        self.sent_tokens = [0] * len(texts)
+
+    def add(self, index: int, tokens: list[int]) -> bool:
+        """The engine's stop callback: True once the prompt's text reached a stop string."""
+        text = self.texts[index]
+        delta = text.add(tokens)
+        if self.stream is not None:
+            if text.stopped:
+                self._send_tokens(index, text.token_count)
+            elif not text.pending:  # nothing held back: every token so far is final
+                self._send_tokens(index, len(text.token_ids))
+        if delta and self.stream_text is not None:
+            self.stream_text(index, delta)
+        return text.stopped
+
+    def _send_tokens(self, index: int, upto: int) -> None:
+        assert self.stream is not None
+        new = self.texts[index].token_ids[self.sent_tokens[index] : upto]
+        if new:
+            self.sent_tokens[index] = upto
+            self.stream(index, new)
+
+    def result(self, index: int, out: EngineOutput) -> GenerationResult:
+        """The prompt's result, after streaming what was still held back."""
+        text = self.texts[index]
+        rest = text.finish()
+        if rest and self.stream_text is not None:
+            self.stream_text(index, rest)
+        if text.stopped:
+            return GenerationResult(text=text.text, token_ids=out.token_ids[: text.token_count], finish_reason="stop", stats=out.stats)
+        if self.stream is not None:
+            self._send_tokens(index, len(out.token_ids))
+        return GenerationResult(text=text.text, token_ids=out.token_ids, finish_reason=out.finish_reason, stats=out.stats)
 
 
 def _resolve_graphs(mode: str | bool, target: PreTrainedModel) -> bool:

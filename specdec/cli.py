@@ -220,8 +220,17 @@ def _add_generate(sub) -> None:
         "--image", action="append", default=[],
         help="an image for a vision-language target (repeat for several; one <image> in the prompt per image); without --target the bundled LVLM pair is used",
     )
-    gen.add_argument("--json", action="store_true", help="print one JSON line: text, token_ids, stats")
-    gen.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    gen.add_argument(
+        "--chat", action="store_true",
+        help="instruct models: each prompt is a user message, sent through the tokenizer's chat template (with the generation prompt); only the reply is printed",
+    )
+    gen.add_argument("--system", default=None, metavar="TEXT", help="a system message before each prompt (implies --chat)")
+    gen.add_argument(
+        "--stop", action="append", default=[], metavar="STR",
+        help="end a prompt's text just before this string (repeat for several; finish_reason 'stop'); the row stops decoding there",
+    )
+    gen.add_argument("--json", action="store_true", help="print one JSON line: text, token_ids, finish_reason, stats")
+    gen.add_argument("--stream", action="store_true", help="print the text as it is committed (never past a --stop string)")
     gen.set_defaults(func=_cmd_generate)
 
 
@@ -244,23 +253,42 @@ def _decoder_for(args: argparse.Namespace, target: str | None, draft: str | None
     )
 
 
+def _prompt_kwargs(args: argparse.Namespace, decoder: SpeculativeDecoder, prompts: list[str]) -> dict[str, Any]:
+    """`SpeculativeDecoder.generate` keywords for the prompts: `prompt=` text, or with --chat
+    `messages=` (each prompt one user message, --system first), and --stop."""
+    stop = {"stop": list(args.stop)} if args.stop else {}
+    if not args.chat:
+        return {"prompt": prompts[0] if len(prompts) == 1 else prompts, **stop}
+    from specdec.text import check_chat_template
+
+    check_chat_template(decoder.tokenizer, decoder.model_name, "--chat")
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    return {"messages": chats[0] if len(chats) == 1 else chats, "system": args.system, **stop}
+
+
+def _json_line(result: Any, index: int | None = None) -> str:
+    stats = result.stats.summary()
+    line = {"prompt_index": index} if index is not None else {}
+    line |= {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason, "stats": {k: stats[k] for k in JSON_STATS}}
+    return json.dumps(line)
+
+
 def _generate_many(args: argparse.Namespace, prompts: list[str]) -> int:
     """Several prompts, `--batch-size` rows decoded together: each prompt's text (or one JSON
     line per prompt, in the order given), then a summary on stderr."""
     decoder = _decoder_for(args, args.target, args.draft)
     started = time.perf_counter()
     results = decoder.generate(
-        prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        batch_size=args.batch_size, **_prompt_kwargs(args, decoder, prompts),
     )
     wall = time.perf_counter() - started
     for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         if args.json:
-            stats = result.stats.summary()
-            print(json.dumps({"prompt_index": index, "text": result.text, "token_ids": result.token_ids, "stats": {k: stats[k] for k in JSON_STATS}}))
+            print(_json_line(result, index))
         else:
             print(f"--- prompt {index + 1} of {len(prompts)} ---")
-            print(prompt + result.text)
+            print(result.text if args.chat else prompt + result.text)
     tokens = sum(len(r.token_ids) for r in results)
     rows = min(args.batch_size or len(prompts), len(prompts))
     print(f"[{args.method}] {len(prompts)} prompts, batch size {rows}: {tokens} tokens in {wall:.2f} s, {tokens / max(wall, 1e-9):.1f} tok/s over the batch", file=sys.stderr)
@@ -272,6 +300,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SpecDecError("give the text to continue with --prompt TEXT or --prompt-file PATH")
     prompts = list(args.prompt) + [read_prompt_file(name) for name in args.prompt_file]
     check_seed(args.seed)
+    if args.system is not None:
+        args.chat = True
+    if args.chat and args.image:
+        raise SpecDecError("--chat and --image do not go together yet; write the prompt in the model's own format with its <image> placeholders and drop --chat")
+    if any(not s for s in args.stop):
+        raise SpecDecError("--stop needs a non-empty string")
     if args.image:
         require("PIL", "vision", "--image")
     if args.batch_size is not None and args.batch_size < 1:
@@ -287,28 +321,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.image and target is None:  # images: the bundled vision-language pair
         target, draft = bundled_lvlm_target(), draft or bundled_lvlm_draft()
     decoder = _decoder_for(args, target, draft)
-    stream = None
+    kwargs = _prompt_kwargs(args, decoder, prompts)
+    stream_text = None
     if args.stream and not args.json:
-        print(prompt, end="", flush=True)
-        shown: list[int] = []
-        printed = [""]
+        if not args.chat:
+            print(prompt, end="", flush=True)
 
-        def stream(row: int, tokens: list[int]) -> None:
-            shown.extend(tokens)
-            text = decoder.tokenizer.decode(shown, skip_special_tokens=True)
-            print(text[len(printed[0]) :], end="", flush=True)
-            printed[0] = text
+        def stream_text(row: int, text: str) -> None:
+            print(text, end="", flush=True)
 
     result = decoder.generate(
-        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=stream,
-        images=args.image or None,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        stream_text=stream_text, images=args.image or None, **kwargs,
     )
     stats = result.stats.summary()
     if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": {k: stats[k] for k in JSON_STATS}}))
+        print(_json_line(result))
         return 0
     if not args.stream:
-        print(prompt + result.text)
+        print(result.text if args.chat else prompt + result.text)
     else:
         print()
     print(
@@ -483,6 +514,12 @@ def _add_bench(sub) -> None:
         choices=("auto", "all", "none"),
         help="which prompts count as code for the parse share: auto (a 'language: python' line, an id ending in .py or starting with HumanEval), all, none",
     )
+    bench.add_argument(
+        "--chat", action="store_true",
+        help="instruct models: every prompt (each turn a user message) goes through the tokenizer's chat template; "
+        "without it only multi-turn prompts use the template (when there is one)",
+    )
+    bench.add_argument("--system", default=None, metavar="TEXT", help="a system message first in every conversation (implies --chat)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     w = bench.add_argument_group(
         "what-if study on synthetic pairs (docs/synthetic-pairs.md; random weights: for timing, never for text)"
@@ -600,6 +637,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         draft_source=args.draft_source,
         lookup_ngram=args.lookup_ngram,
         cuda_graphs=args.cuda_graphs,
+        chat=args.chat or args.system is not None,
+        system=args.system,
     )
     check_graphs_arg(args)
     if args.synthetic is not None:

@@ -34,6 +34,8 @@ from specdec.verification.base import AcceptRule, Verdict
 
 StreamCallback = Callable[[int, list[int]], None]
 """stream(row, new_token_ids) is called with every row's newly committed tokens."""
+StopCallback = Callable[[int, list[int]], bool]
+"""stop(row, new_token_ids) -> True ends that row now (finish_reason 'stop')."""
 
 
 @dataclass
@@ -43,7 +45,7 @@ class EngineOutput:
     token_ids: list[int]
     """generated tokens only (prompt excluded), EOS included when it ended the sequence"""
     finish_reason: str
-    """'eos' or 'length'"""
+    """'eos', 'length', or 'stop' (ended by `SpeculativeEngine.generate`'s `stop` callback)"""
     stats: GenerationStats
     steps: list[StepRecord] = field(default_factory=list)
 
@@ -246,6 +248,7 @@ class SpeculativeEngine:
         stream: StreamCallback | None = None,
         keep_steps: bool = False,
         batch_size: int | None = None,
+        stop: StopCallback | None = None,
     ) -> list[EngineOutput]:
         """Decode every prompt (token ids, or a `MultimodalPrompt` for a LLaVA-family target);
         returns one output per prompt, in order.
@@ -254,6 +257,12 @@ class SpeculativeEngine:
         A row that finishes retires; while prompts wait, the next one is prefilled into the
         free row at the next step boundary. `stream(prompt_index, tokens)` gets each
         prompt's newly committed tokens.
+
+        `stop(prompt_index, tokens)`, called after `stream` with the same tokens, ends that
+        prompt when it returns True: finish_reason 'stop', its row freed at the next step
+        boundary (`DecodeSession.cancel`). Text-level rules such as stop strings live above
+        the engine, which knows only token ids (`SpeculativeDecoder.generate`); the tokens of
+        the step that tripped it stay in the output for that layer to cut.
         """
         params = params or SamplingParams()
         self._validate(prompts, max_new_tokens)
@@ -262,9 +271,12 @@ class SpeculativeEngine:
             raise SpecDecError(f"batch_size={batch_size!r} must be a positive integer")
         session = self.session(params, seed=seed, max_rows=min(batch_size, len(prompts)), keep_steps=keep_steps)
         on_tokens: TokenCallback | None = None
-        if stream is not None:
+        if stream is not None or stop is not None:
             def on_tokens(request: DecodeRequest, tokens: list[int]) -> None:
-                stream(request.index, tokens)
+                if stream is not None:
+                    stream(request.index, tokens)
+                if stop is not None and stop(request.index, tokens):
+                    session.cancel(request, "stop")
 
         forward_s0 = self._forward_s()
         requests = [session.submit(prompt, max_new_tokens, on_tokens) for prompt in prompts]

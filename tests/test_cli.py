@@ -33,7 +33,7 @@ def test_generate_json_every_method(capsys, tiny_pair_dir, method):
     )
     assert code == 0, err
     line = json.loads(out.strip().splitlines()[-1])
-    assert set(line) == {"text", "token_ids", "stats"}
+    assert set(line) == {"text", "token_ids", "finish_reason", "stats"}
     assert set(line["stats"]) == {"tau", "acceptance_rate", "tokens_per_s", "steps", "ttft_ms", "tpot_ms"}
     assert 1 <= len(line["token_ids"]) <= 12
     # token_ids are the generated tokens only, and equal the target's own greedy continuation

@@ -6,6 +6,8 @@ Each line is one JSON object with either
   appended to the conversation so far together with the previous answer).
 Optional fields: `id` (or `task_id` / `question_id`), `reference` (or `canonical_solution`),
 `language` (e.g. "python": `--quality` checks such completions with `ast.parse`),
+`category` (e.g. Spec-Bench's "writing", "translation", "math_reasoning": the report then has a
+per-category table),
 `images` (a list of image paths, relative to the JSONL file's directory unless absolute; each
 must exist, and is kept as a `Path`).
 
@@ -43,6 +45,8 @@ class BenchPrompt:
     """the prompt's images, one per `<image>` placeholder: `Path`s (JSONL files) or PIL images (the scenes-* sets)"""
     language: str | None = None
     """the line's `language` field, e.g. "python" (None when absent)"""
+    category: str | None = None
+    """the line's `category` field, e.g. "translation" (Spec-Bench question files; None when absent)"""
 
 
 def bundled_heldout_path() -> Path:
@@ -115,12 +119,16 @@ def _parse_line(obj: Any, where: str, lineno: int, base: Path) -> BenchPrompt:
     reference = next((obj[k] for k in ("reference", "canonical_solution") if k in obj), None)
     images = obj.get("images") or []
     language = obj.get("language")
+    category = obj.get("category")
+    if category is not None and not isinstance(category, str | int):
+        raise SpecDecError(f"{where}: 'category' must be a string, got {category!r}")
     return BenchPrompt(
         id=str(ident),
         turns=list(turns),
         reference=reference,
         images=_image_paths(images, base, where) if images else [],
         language=str(language) if language is not None else None,
+        category=str(category) if category not in (None, "") else None,
     )
 
 

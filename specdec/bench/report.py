@@ -8,6 +8,8 @@ and the GenerationStats properties); this module only aggregates over calls:
   ratio of its median tokens/s over repeats to AR's, then the median and IQR of those ratios;
 - τ and acceptance pool every step of every call; TTFT, TPOT and engine efficiency are
   medians over calls; the time split is summed time / summed wall time.
+- per category (prompt files with a `category` field, e.g. Spec-Bench): the same medians and
+  pooled τ over each category's calls, speedup against AR's median in the same category;
 - quality (`--quality`): AR agreement pools every row against AR's row of the same repeat,
   prompt group and turn; NLL pools every generated token; the parse share pools code rows;
   the loop share pools every row; the relaxed share pools relaxed / accepted tokens over calls.
@@ -306,6 +308,88 @@ def _add_quality(s: MethodSummary, records: Sequence[CallRecord], ar_outputs: di
     s.loop_share, s.loop_rows = loop_share(loops), len(loops)
 
 
+# ----- per category --------------------------------------------------------------------
+
+MIXED_CATEGORY = "(mixed batch)"
+"""the category of a call whose rows (batch size > 1) come from different categories"""
+NO_CATEGORY = "(none)"
+"""the category of a prompt without one, in a file where others have one"""
+
+
+@dataclass
+class CategorySummary:
+    """One method's figures over one prompt category's calls."""
+
+    category: str
+    label: str
+    prompts: int
+    """prompts of the category in the run"""
+    calls: int
+    tokens_per_s_median: float
+    speedup: float
+    """median tokens/s over the category's calls / AR's median over the same category"""
+    tau: float | None = None
+    acceptance_rate: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def categories(result: BenchResult) -> dict[str, int]:
+    """Category -> prompts, in the order of the prompt file; empty when no prompt has a category."""
+    if not any(p.category for p in result.prompts):
+        return {}
+    return dict(Counter(p.category or NO_CATEGORY for p in result.prompts))
+
+
+def record_category(record: CallRecord, by_prompt: dict[str, str]) -> str:
+    """The category of a call: its rows' one category, or MIXED_CATEGORY."""
+    found = {by_prompt.get(pid, NO_CATEGORY) for pid in record.prompt_ids}
+    return found.pop() if len(found) == 1 else MIXED_CATEGORY
+
+
+def summarize_categories(result: BenchResult) -> list[CategorySummary]:
+    """Per category and method (categories in file order, methods as asked): median tokens/s,
+    speedup over AR in the same category, pooled τ and acceptance. Empty without categories."""
+    counts = categories(result)
+    if not counts:
+        return []
+    by_prompt = {p.id: p.category or NO_CATEGORY for p in result.prompts}
+    grouped: dict[tuple[str, str], list[CallRecord]] = defaultdict(list)
+    for r in result.records:
+        grouped[(record_category(r, by_prompt), r.label)].append(r)
+    names = list(counts) + ([MIXED_CATEGORY] if any(c == MIXED_CATEGORY for c, _ in grouped) else [])
+    out = []
+    for category in names:
+        ar_median = _median([r.tokens_per_s for r in grouped.get((category, BASELINE), [])])
+        for v in result.variants:
+            records = grouped.get((category, v.label), [])
+            if not records:
+                continue
+            median = _median([r.tokens_per_s for r in records])
+            s = CategorySummary(
+                category=category, label=v.label, prompts=counts.get(category, 0), calls=len(records),
+                tokens_per_s_median=median, speedup=speedup(median, ar_median) if ar_median > 0 else 0.0,
+            )
+            stats = [r.stats for r in records if r.stats is not None]
+            if stats:
+                s.tau = tau([a for st in stats for a in st.accepted_lens])
+                drafted = sum(st.drafted_tokens for st in stats)
+                s.acceptance_rate = acceptance_rate(sum(st.accepted_tokens for st in stats), drafted) if drafted else None
+            out.append(s)
+    return out
+
+
+def category_lines(rows: Sequence[CategorySummary]) -> list[str]:
+    """The `## Per category` table (one row per category and method)."""
+    lines = ["| category | prompts | method | tok/s (median) | speedup | τ | acceptance |", "|---|---:|---|---:|---:|---:|---:|"]
+    for c in rows:
+        lines.append(
+            f"| {c.category} | {c.prompts} | {c.label} | {c.tokens_per_s_median:.1f} | {c.speedup:.2f}x | {_fmt(c.tau)} | {_pct(c.acceptance_rate)} |"
+        )
+    return lines
+
+
 # ----- machine and versions ------------------------------------------------------------
 
 
@@ -470,6 +554,11 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
             "- **Method options** (global flags; an item's own options override them): "
             + "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in o.items()) for m, o in options.items())
         )
+    if cfg.chat:
+        lines.append(
+            "- **Chat**: every prompt sent through the tokenizer's chat template (each turn a user message)"
+            + (f", system message {cfg.system!r}" if cfg.system is not None else "")
+        )
     if cfg.mars_thetas:
         lines.append(f"- **MARS θ sweep**: every method strictly and with mars at θ = {', '.join(f'{t:g}' for t in cfg.mars_thetas)}")
     quality = cfg.quality or bool(cfg.mars_thetas)
@@ -496,6 +585,12 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
             f"| {s.label} | {_pct(s.prefill_share)} | {_pct(s.draft_share)} | {_pct(s.verify_share)} | {_pct(s.overhead_share)} | "
             f"{_pct(s.engine_efficiency)} | {_fmt(s.draft_ms_per_step, '.2f')} | {_fmt(s.verify_ms_per_step, '.2f')} | {_fmt(s.tau_max)} | {_fmt(s.ops_per_step, '.0f')} | {_fmt(s.host_reads_per_step, '.1f')} | {s.rss_mb:.0f} | {_fmt(s.gpu_peak_mb, '.0f')} |"
         )
+    per_category = summarize_categories(result)
+    if per_category:
+        lines += ["", "## Per category", "", "Figures over each category's calls (speedup: against AR in the same category)."]
+        if any(c.category == MIXED_CATEGORY for c in per_category):
+            lines.append(f"Calls whose batch mixes categories count under {MIXED_CATEGORY}; run with --batch-size 1 for exact categories.")
+        lines += [""] + category_lines(per_category)
     if quality:
         lines += ["", "## Quality", ""] + quality_lines(summaries)
     lines += ["", "## Verdict", "", verdict(summaries), ""]
@@ -568,9 +663,10 @@ def results_dict(result: BenchResult, summaries: Sequence[MethodSummary], argv: 
             "max_context": result.max_context,
         },
         "prompt_file": result.prompt_file,
-        "prompts": [{"id": p.id, "turns": len(p.turns), "reference": p.reference} for p in result.prompts],
+        "prompts": [{"id": p.id, "turns": len(p.turns), "reference": p.reference, "category": p.category} for p in result.prompts],
         "baseline": BASELINE,
         "methods": {s.label: s.to_dict() for s in summaries},
+        "categories": _categories_dict(summarize_categories(result)),
         "verdict": verdict(summaries),
         "notes": result.notes,
         "cost_profiles": result.cost_profiles,
@@ -578,6 +674,14 @@ def results_dict(result: BenchResult, summaries: Sequence[MethodSummary], argv: 
         "bench_wall_s": result.wall_s,
         "records": [r.to_dict() for r in result.records],
     }
+
+
+def _categories_dict(rows: Sequence[CategorySummary]) -> dict[str, dict[str, dict[str, Any]]]:
+    """results.json's `categories`: category -> method label -> figures (empty without categories)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for c in rows:
+        out.setdefault(c.category, {})[c.label] = {k: v for k, v in c.to_dict().items() if k not in ("category", "label")}
+    return out
 
 
 def write_outputs(

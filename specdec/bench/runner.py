@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from specdec.methods import method_uses_draft
 from specdec.multimodal.inputs import MultimodalPrompt
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats, batch_stats, mean_nll
+from specdec.text import chat_ids, check_chat_template, has_chat_template
 from specdec.verification import make_rule
 
 DEFAULT_METHODS = BENCH_METHODS
@@ -98,6 +99,10 @@ class BenchConfig(MeasuredRunConfig):
     lookup_ngram: int = 3
     cuda_graphs: str = "auto"
     """CUDA graphs of the engine methods' forwards: auto (on for CUDA), on, off"""
+    chat: bool = False
+    """send every prompt (each turn a user message) through the tokenizer's chat template (instruct models)"""
+    system: str | None = None
+    """with `chat`: a system message first in every conversation"""
 
 
 @dataclass
@@ -234,6 +239,8 @@ def validate_config(config: BenchConfig) -> None:
             raise SpecDecError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
     if config.num_prompts is not None and config.num_prompts < 1:
         raise SpecDecError(f"--num-prompts={config.num_prompts!r} must be a positive integer (or 0 for all prompts)")
+    if config.system is not None and not config.chat:
+        raise SpecDecError("--system goes with --chat (a system message in every chat); add --chat")
     if config.code_prompts not in CODE_PROMPT_MODES:
         raise SpecDecError(f"--code-prompts {config.code_prompts!r}: choose one of {', '.join(CODE_PROMPT_MODES)}")
     SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
@@ -243,13 +250,6 @@ def validate_config(config: BenchConfig) -> None:
 # ----- conversation contexts -----------------------------------------------------------
 
 
-def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, Mapping):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def turn_context(
     tokenizer: PreTrainedTokenizerBase,
     prompt: BenchPrompt,
@@ -257,22 +257,27 @@ def turn_context(
     previous: list[int] | None,
     answers: list[list[int]],
     eos_token_ids: Sequence[int],
+    chat: bool = False,
+    system: str | None = None,
 ) -> list[int]:
     """Token ids fed for `turn` of `prompt`.
 
-    A plain prompt is its text, tokenized as `SpeculativeDecoder.encode` does. A multi-turn
-    conversation uses the tokenizer's chat template when it has one; otherwise the previous
-    context, the previous answer (EOS dropped) and TURN_SEPARATOR + the next turn, as tokens.
+    With `chat` (`--chat`, instruct models) every prompt is a conversation: each turn a user
+    message, each earlier answer an assistant message, `system` first when given, through
+    the tokenizer's chat template (`specdec.text.chat_ids`; no template: SpecDecError).
+    Without it, a plain prompt is its text, tokenized as `SpeculativeDecoder.encode` does, and
+    a multi-turn conversation uses the chat template when the tokenizer has one; otherwise the
+    previous context, the previous answer (EOS dropped) and TURN_SEPARATOR + the next turn.
     """
+    if chat or (len(prompt.turns) > 1 and has_chat_template(tokenizer)):
+        messages: list[tuple[str, str]] = [("system", system)] if chat and system is not None else []
+        for i in range(turn + 1):
+            messages.append(("user", prompt.turns[i]))
+            if i < turn:
+                messages.append(("assistant", tokenizer.decode(answers[i], skip_special_tokens=True)))
+        return chat_ids(tokenizer, messages)
     if len(prompt.turns) == 1:
         return list(tokenizer(prompt.turns[0])["input_ids"])
-    if getattr(tokenizer, "chat_template", None):
-        messages: list[dict[str, str]] = []
-        for i in range(turn + 1):
-            messages.append({"role": "user", "content": prompt.turns[i]})
-            if i < turn:
-                messages.append({"role": "assistant", "content": tokenizer.decode(answers[i], skip_special_tokens=True)})
-        return _chat_ids(tokenizer, messages)
     if turn == 0 or previous is None:
         return list(tokenizer(prompt.turns[0])["input_ids"])
     eos = set(eos_token_ids)
@@ -396,7 +401,9 @@ class _Runner:
                     ids = image_prompt(self.probe, prompts[i], self.max_context, max_new)
                     cut = False
                 else:
-                    ids = turn_context(self.models.tokenizer, prompts[i], turn, previous[i], answers[i], self.eos_token_ids)
+                    ids = turn_context(
+                        self.models.tokenizer, prompts[i], turn, previous[i], answers[i], self.eos_token_ids, self.config.chat, self.config.system
+                    )
                     ids, cut = fit_context(ids, self.max_context, max_new)
                 if cut:
                     self.truncated.add((prompts[i].id, turn))
@@ -419,7 +426,7 @@ class _Runner:
             if p.images:
                 contexts.append(image_prompt(self.probe, p, self.max_context, self.config.max_new_tokens))
             else:
-                ids = turn_context(self.models.tokenizer, p, 0, None, [], self.eos_token_ids)
+                ids = turn_context(self.models.tokenizer, p, 0, None, [], self.eos_token_ids, self.config.chat, self.config.system)
                 contexts.append(fit_context(ids, self.max_context, self.config.max_new_tokens)[0])
         with HostWorkCounter() as counter:
             outs = self.decoders[variant.label].generate_ids(contexts, self.config.max_new_tokens, self.params, verify=variant.verify, seed=self.seed(0, 0, 0))
@@ -533,6 +540,10 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         notes.append(f"temperature {config.temperature} > 0: outputs are sampled, so the equality check against AR is not applicable.")
 
     models = _load_models(config, variants)
+    if config.chat:
+        check_chat_template(models.tokenizer, models.target_path, "--chat")
+        if any(p.images for p in prompts):
+            notes.append("--chat: prompts with images are fed as written (the chat template applies to text-only prompts).")
     runner = _Runner(config, models, variants)
     groups = [prompts[i : i + config.batch_size] for i in range(0, len(prompts), config.batch_size)]
     rng = random.Random(config.seed)
@@ -629,7 +640,7 @@ def _score_quality(
             parses: list[bool | None] = []
             for pid, out, reason in zip(record.prompt_ids, record.outputs, record.finish_reasons, strict=True):
                 prompt = by_id[pid]
-                code = is_code_prompt(prompt, config.code_prompts)
+                code = is_code_prompt(prompt, config.code_prompts) and not config.chat  # a chat reply does not continue the prompt's code
                 parses.append(scorer.parses(prompt.turns[0], out, reason) if code else None)
             record.parses = parses
             record.loops = [scorer.loops(out) for out in record.outputs]

@@ -3,7 +3,7 @@
 - `app`: `create_app(decoder)`, the FastAPI app (completions, chat completions, models, health, metrics);
 - `scheduler`: the decode worker (lanes of rolling batches over `specdec.engine.DecodeSession`);
 - `schemas`: request and response bodies; `errors`: OpenAI-style error bodies;
-- `text`: chat prompts and incremental detokenization with stop strings;
+- chat prompts and incremental detokenization with stop strings: `specdec.text` (shared with the CLI and the API);
 - `metrics`: Prometheus metrics (`prometheus_client`); `server`: running it with uvicorn, draining on shutdown.
 Design and usage: docs/serving.md.
 """

@@ -69,7 +69,7 @@ from specdec.serve.schemas import (
     new_id,
     now,
 )
-from specdec.serve.text import chat_prompt
+from specdec.text import chat_prompt
 
 log = logging.getLogger("specdec.serve")
 T = TypeVar("T")

@@ -43,8 +43,8 @@ from specdec.sampling import SamplingParams
 from specdec.serve.errors import CLIENT_CLOSED_REQUEST, APIError
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.schemas import SpecDecOptions
-from specdec.serve.text import CompletionText
 from specdec.stats import GenerationStats
+from specdec.text import CompletionText
 from specdec.verification import RULE_OPTIONS, make_rule
 
 log = logging.getLogger("specdec.serve")
