@@ -205,3 +205,45 @@ def test_method_flag_help_names_each_method_and_default():
     assert helps["--depth"].startswith("static/eagle2: levels below the root (4 / 6); cast: maximum tree depth H")
     assert helps["--expand-top-k"] == "eagle2/cast: K: children per expanded node and candidates per layer (8 / 12)"
     assert helps["--breadth-pruning"] == "cast: breadth pruning (on)"
+
+
+FAMILIES = ("llama", "qwen2", "gpt_neox", "gpt2", "mistral", "gemma2")
+"""six architecture families; mistral (every layer slides) and gemma2 (alternating sliding and
+full layers) with a 6-token window, shorter than prompt + output"""
+
+
+def _family_config(arch: str, vocab: int, eos: int, layers: int):
+    from conftest import tiny_config
+    from transformers import Gemma2Config, MistralConfig
+
+    common = {"vocab_size": vocab, "eos_token_id": eos, "bos_token_id": eos, "pad_token_id": 0, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    if arch == "mistral":
+        return MistralConfig(sliding_window=6, **common)
+    if arch == "gemma2":
+        return Gemma2Config(sliding_window=6, head_dim=8, attn_implementation="eager", **common)
+    return tiny_config(arch, layers=layers, vocab=vocab, eos=eos)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_cli_greedy_equals_generate_on_six_architecture_families(capsys, tmp_path, tiny_pair_dir, arch):
+    from conftest import sharpen
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        torch.manual_seed(seed)
+        model = sharpen(AutoModelForCausalLM.from_config(_family_config(arch, len(tok), tok.eos_token_id, layers)).eval())
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    prompt = "def add(a, b):\n    return a + b\nfor i in range(10):"
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    ids = tok(prompt)["input_ids"]
+    ref = target.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=tok.eos_token_id)[0, len(ids) :].tolist()
+    for method in ("chain", "eagle2"):
+        code, out, err = run_cli(
+            capsys, "generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--device", "cpu",
+            "--method", method, "--prompt", prompt, "--max-new-tokens", "12", "--json",
+        )
+        assert code == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["token_ids"] == ref, (arch, method)
