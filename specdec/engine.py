@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from specdec import constants
 from specdec.drafting.base import TreePolicy
 from specdec.drafting.builder import DraftContext
 from specdec.errors import SpecDecError
@@ -146,17 +147,6 @@ class StepResult:
             drafted_by_depth=[counts + [0] * (deepest - len(counts)) for counts in drafted_by_depth],
             tree_depth=deepest,
         )
-
-
-_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """torch.arange(n) on `device`, made once (read-only)."""
-    t = _ARANGES.get((n, device))
-    if t is None:
-        t = _ARANGES[(n, device)] = torch.arange(n, device=device)
-    return t
 
 
 class SpeculativeEngine:
@@ -447,7 +437,7 @@ class DecodeSession:
         longest = max(lengths)
         path, accepted_len = verdict.path, verdict.accepted_len  # [B, D], [B]
         keep = torch.nn.functional.pad(path[:, :longest], (1, 0))  # [B, 1 + longest]: step slot 0 is the root
-        keep_valid = _arange(1 + longest, dev)[None, :] <= accepted_len[:, None]
+        keep_valid = constants.arange(1 + longest, dev)[None, :] <= accepted_len[:, None]
         engine.target.commit(keep, keep_valid, dense=len(set(lengths)) == 1)
         if draft.builder is not None and engine.source is not None:
             engine.source.end_step(

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import constants
+
 
 def path_to(parents: list[int], node: int) -> list[int]:
     """Node indices from the root to `node` inclusive, following `parents` (-1 ends the walk)."""
@@ -34,10 +36,6 @@ def path_to(parents: list[int], node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
-
-
-_ROOT_ONLY: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
-"""the constant fields of `TokenTree.root_only` trees, per (batch size, device)"""
 
 
 @dataclass
@@ -93,19 +91,17 @@ class TokenTree:
     @classmethod
     def root_only(cls, roots: torch.Tensor) -> TokenTree:
         """A tree holding only the root of each row. roots: [B] int64."""
-        key = (roots.shape[0], roots.device)
-        fields = _ROOT_ONLY.get(key)
-        if fields is None:  # made once per (batch size, device); read-only, like every TokenTree
-            b, dev = key
-            fields = _ROOT_ONLY[key] = {
-                "parents": torch.full((b, 1), -1, dtype=torch.long, device=dev),
-                "depths": torch.zeros(b, 1, dtype=torch.long, device=dev),
-                "logq": torch.zeros(b, 1, device=dev),
-                "cum_logq": torch.zeros(b, 1, device=dev),
-                "valid": torch.ones(b, 1, dtype=torch.bool, device=dev),
-                "sampled": torch.zeros(b, 1, dtype=torch.bool, device=dev),
-                "ancestors": torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
-            }
+        b, dev = roots.shape[0], roots.device
+        zero_f = constants.full((b, 1), 0.0, torch.float32, dev)
+        fields = {  # shared read-only constants, like every TokenTree's fields
+            "parents": constants.full((b, 1), -1, torch.long, dev),
+            "depths": constants.full((b, 1), 0, torch.long, dev),
+            "logq": zero_f,
+            "cum_logq": zero_f,
+            "valid": constants.full((b, 1), True, torch.bool, dev),
+            "sampled": constants.full((b, 1), False, torch.bool, dev),
+            "ancestors": constants.full((b, 1, 1), True, torch.bool, dev),
+        }
         return cls(tokens=roots[:, None], depth_bound=0, **fields)
 
     def max_depth(self) -> int:

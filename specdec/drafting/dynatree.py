@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec import constants
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
 from specdec.errors import SpecDecError
 
@@ -109,18 +110,6 @@ def _count_cap(threshold: float, cap: int) -> int:
     probabilities of a level sum to at most 1, so at most floor(1 / threshold) (+1 for
     rounding), and never more than `cap`."""
     return cap if threshold <= 0 else max(1, min(cap, int(1.0 / threshold) + 1))
-
-
-_RANKS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-
-def _ranks_below(k: int, bound: int, device: torch.device) -> torch.Tensor:
-    """[k] bool: child rank r < bound, made once per (k, bound, device) (read-only)."""
-    key = (k, bound, device)
-    t = _RANKS.get(key)
-    if t is None:
-        t = _RANKS[key] = torch.arange(k, device=device) < bound
-    return t
 
 
 def _log(p: float) -> float:
@@ -367,8 +356,8 @@ class DynaTreePolicy:
         rank < B(u) iff rank < b_min, or rank < b_mid and c(u) < tau_high, or rank < b_max and
         c(u) < tau_low (the same B(u) as `confidence_branching`, compared in log space)."""
         if self.phase == 0:
-            return _ranks_below(k, self.b_mid, device)
-        r_min, r_mid, r_max = (_ranks_below(k, bound, device) for bound in (self.b_min, self.b_mid, self.b_max))
+            return constants.below(k, self.b_mid, device)
+        r_min, r_mid, r_max = (constants.below(k, bound, device) for bound in (self.b_min, self.b_mid, self.b_max))
         return (r_mid & (top_logq < _log(self.cur_tau_high))).logical_or_(r_max & (top_logq < _log(self.tau_low))).logical_or_(r_min)
 
     def _growing(self, depth: int, node_valid: torch.Tensor, score: torch.Tensor, limit: int) -> torch.Tensor | None:

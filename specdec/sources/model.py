@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
+from specdec import constants
 from specdec.errors import SpecDecError
 from specdec.models.runner import ModelRunner
 from specdec.models.vocab import VocabFit, fit_draft_inputs, fit_draft_logits
@@ -22,17 +23,6 @@ if TYPE_CHECKING:
 
 _SLOT_BLOCK = 64
 """step-slot bookkeeping grows in blocks of this many slots"""
-
-_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """torch.arange(n) on `device`, made once (read-only)."""
-    t = _ARANGES.get((n, device))
-    if t is None:
-        t = _ARANGES[(n, device)] = torch.arange(n, device=device)
-    return t
-
 
 class ModelDraftSource:
     """Draft distributions from one causal LM sharing the target's tokenizer.
@@ -142,12 +132,12 @@ class ModelDraftSource:
         path, length = accepted.nodes, accepted.length  # [B, D], [B]
         b, d = path.shape
         s_step = self.runner.step_len
-        on_path = _arange(d, path.device)[None, :] < length[:, None]  # [B, D]
+        on_path = constants.arange(d, path.device)[None, :] < length[:, None]  # [B, D]
         # the step slot that holds each path node, if the draft forwarded it
         hit = (path[:, :, None] == self._slot_node[:, None, :s_step]).logical_and_(self._slot_ok[:, None, :s_step])  # [B, D, S_step]
         forwarded, path_slots = hit.max(dim=2)  # [B, D] each: at most one slot per node
         forwarded.logical_and_(on_path)  # padding entries (node 0) match the pending and root slots
-        keep = torch.cat([_arange(2, path.device).expand(b, 2), path_slots], dim=1)  # [B, 2 + D]
+        keep = torch.cat([constants.arange(2, path.device).expand(b, 2), path_slots], dim=1)  # [B, 2 + D]
         keep_valid = torch.cat([self._slot_ok[:, :2], forwarded], dim=1)
         last = (length - 1).clamp_(min=0)[:, None]  # [B, 1] the deepest accepted node's column
         self.pending_valid = on_path.logical_and_(~forwarded).gather(1, last).squeeze(1)  # accepted but never forwarded

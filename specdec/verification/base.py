@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from specdec import constants
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
@@ -89,19 +90,8 @@ def deepest_path(tree: TokenTree, ok: torch.Tensor) -> tuple[torch.Tensor, torch
         return deepest, on_path, torch.zeros(b, 1, dtype=torch.long, device=ok.device), accepted_len
     # the path's node at depth j goes to column j (the root to column 0); other nodes to a spare column d + 1
     column = tree.depths.masked_fill(~on_path, d + 1)  # [B, N]
-    path = torch.zeros(b, d + 2, dtype=torch.long, device=ok.device).scatter_(1, column, _arange(n, ok.device).expand(b, n))[:, 1 : d + 1]  # [B, D]
+    path = torch.zeros(b, d + 2, dtype=torch.long, device=ok.device).scatter_(1, column, constants.arange(n, ok.device).expand(b, n))[:, 1 : d + 1]  # [B, D]
     return deepest, on_path, path, accepted_len
-
-
-_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """torch.arange(n) on `device`, made once (read-only)."""
-    t = _ARANGES.get((n, device))
-    if t is None:
-        t = _ARANGES[(n, device)] = torch.arange(n, device=device)
-    return t
 
 
 class AcceptRule(Protocol):

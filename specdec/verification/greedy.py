@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec import constants
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict, deepest_path
@@ -20,25 +21,15 @@ def greedy_accept(tree: TokenTree, target_argmax: torch.Tensor) -> Verdict:
     match, path [1, 3], bonus = argmax at node 3 = y.
     """
     if tree.num_nodes == 1:  # a root-only tree (AR): nothing to accept, the bonus is the target's choice at the root
-        zeros = _zeros(tree.batch_size, target_argmax.device)
+        zeros = constants.full((tree.batch_size,), 0, torch.long, target_argmax.device)
         return Verdict(path=zeros[:, None], accepted_len=zeros, bonus_tokens=target_argmax[:, 0], relaxed_count=zeros, fallback_count=zeros)
     parent_argmax = target_argmax.gather(1, tree.parents.clamp(min=0))  # [B, N]
     match = tree.tokens == parent_argmax  # the root's entry is unused (deepest_path never checks the root)
     deepest, _, path, accepted_len = deepest_path(tree, match)
     bonus = target_argmax.gather(1, deepest[:, None]).squeeze(1)
-    zeros = _zeros(accepted_len.shape[0], accepted_len.device)
+    zeros = constants.full((accepted_len.shape[0],), 0, torch.long, accepted_len.device)
     return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
 
-
-_ZEROS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _zeros(b: int, device: torch.device) -> torch.Tensor:
-    """[b] int64 zeros, made once per (b, device) (read-only: verdict counts nobody writes)."""
-    t = _ZEROS.get((b, device))
-    if t is None:
-        t = _ZEROS[(b, device)] = torch.zeros(b, dtype=torch.long, device=device)
-    return t
 
 
 class GreedyRule:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec import constants
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict
@@ -270,7 +271,7 @@ class ChainTests:
         u = torch.rand(b, k, generator=generator, device=p.device)
         accept = (u * q < p) if q is not None else (u < p)  # u < p / q without dividing by a tiny q
         accepted_len = accept.logical_and_(tree.valid[:, 1:]).cumprod(dim=1).sum(dim=1)  # [B] leading accepts
-        cols = torch.arange(1, n, device=p.device)  # [K]
+        cols = constants.arange(n, p.device)[1:]  # [K] node indices 1..K
         path = torch.where(cols[None, :] <= accepted_len[:, None], cols[None, :], 0)  # [B, K], padding 0
         at = accepted_len[:, None]  # [B, 1] the node the bonus is drawn at
         probs = target_probs.gather(1, at[:, :, None].expand(b, 1, target_probs.shape[2])).squeeze(1)  # [B, V]
@@ -280,7 +281,7 @@ class ChainTests:
         residual = self.residual(probs, drafts, tree.tokens.gather(1, nxt).squeeze(1), tree.sampled.gather(1, nxt).squeeze(1))
         probs = torch.where(rejected[:, None], residual, probs)
         bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs (exponential race)
-        zeros = torch.zeros_like(accepted_len)
+        zeros = constants.full((b,), 0, torch.long, p.device)
         return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
 
 
