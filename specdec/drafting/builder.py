@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import constants
 from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
 from specdec.sources.base import DraftSource, NodeBatch
@@ -164,12 +165,12 @@ class TreeBuilder:
     @property
     def root(self) -> torch.Tensor:
         """[B, 1] int64 the root's index (0), read-only: the frontier of the first level"""
-        return _constant(self.batch_size, 0, torch.long, self.device)
+        return constants.full((self.batch_size, 1), 0, torch.long, self.device)
 
     @property
     def root_valid(self) -> torch.Tensor:
         """[B, 1] bool True, read-only (a finished row's root has cum_logq -inf: nothing grows under it)"""
-        return _constant(self.batch_size, True, torch.bool, self.device)
+        return constants.full((self.batch_size, 1), True, torch.bool, self.device)
 
     @property
     def last_valid(self) -> torch.Tensor:
@@ -232,31 +233,17 @@ class TreeBuilder:
         sampled: the nodes were drawn from their parent's draft distribution (bool or [B, k]).
         score: [B, k] their ranking score (`score`; the Gumbel keys of `sample_children`);
         None = their cum_logq.
-        15 tensor ops whatever k, no host reads.
+        `add_children` with one child per entry: 13 tensor ops whatever k, no host reads.
         """
-        b, k = tokens.shape
-        start, end = self._n, self._n + k
-        self._reserve(end)
-        cum = self._floats[:, _CUM].gather(1, parents) + logq  # [B, k]: -inf under an invalid parent (its cum is -inf)
-        valid = valid & (cum > float("-inf"))
-        invalid = ~valid
-        floats = self._floats[:, :, start:end]  # [B, 3, k] written in place
-        torch.stack([logq, cum, cum if score is None else score], dim=1, out=floats).masked_fill_(invalid[:, None, :], float("-inf"))
-        depth = self._ints[:, _DEPTH].gather(1, parents).add_(1)
-        torch.stack([tokens, parents, depth], dim=1, out=self._ints[:, :, start:end])
-        if isinstance(sampled, torch.Tensor):
-            torch.stack([valid, sampled & valid], dim=1, out=self._flags[:, :, start:end])
-        elif sampled:
-            torch.stack([valid, valid], dim=1, out=self._flags[:, :, start:end])
-        else:
-            self._flags[:, _VALID, start:end] = valid
-        # ancestor rows: the node itself (set up front) plus its parent's row
-        cap = self._anc.shape[2]
-        self._anc[:, start:end].logical_or_(self._anc.gather(1, parents[:, :, None].expand(b, k, cap)))  # [B, k, cap] in place
-        self._n = end
-        self._last = (start, end)
-        self.levels += 1
-        return _arange(end, self.device)[start:end].expand(b, k)
+        # each node is the one child (k = 1) of its own parent entry: [B, k] -> [B, k, 1] views
+        return self.add_children(
+            parents,
+            valid[:, :, None],
+            tokens[:, :, None],
+            logq[:, :, None],
+            sampled=sampled[:, :, None] if isinstance(sampled, torch.Tensor) else sampled,
+            score=None if score is None else score[:, :, None],
+        )
 
     def add_children(
         self,
@@ -264,7 +251,7 @@ class TreeBuilder:
         valid: torch.Tensor,
         tokens: torch.Tensor,
         logq: torch.Tensor,
-        sampled: bool = False,
+        sampled: bool | torch.Tensor = False,
         score: torch.Tensor | None = None,
         min_cum_logq: float = float("-inf"),
     ) -> torch.Tensor:
@@ -274,8 +261,8 @@ class TreeBuilder:
         parent and broadcast, not copied k times (13 tensor ops whatever m and k).
 
         nodes: [B, m] int64 existing nodes; valid: [B, m] bool (False: no children under that
-        entry) or [B, m, k] (per child); tokens, logq: [B, m, k]; score: [B, m, k] or None (=
-        their cum_logq). min_cum_logq: children whose path log-prob is below it are invalid
+        entry) or [B, m, k] (per child); tokens, logq: [B, m, k]; sampled: bool or [B, m, k] (as
+        in `add`); score: [B, m, k] or None (= their cum_logq). min_cum_logq: children whose path log-prob is below it are invalid
         (probability-threshold pruning at no extra op).
         """
         b, m, k = tokens.shape
@@ -290,7 +277,9 @@ class TreeBuilder:
         depth = self._ints[:, _DEPTH].gather(1, nodes).add_(1)[:, :, None].expand(b, m, k)
         torch.stack([tokens, nodes[:, :, None].expand(b, m, k), depth], dim=1, out=self._ints[:, :, start:end].view(b, 3, m, k))
         flags = self._flags[:, :, start:end].view(b, 2, m, k)
-        if sampled:
+        if isinstance(sampled, torch.Tensor):
+            torch.stack([child_valid, sampled & child_valid], dim=1, out=flags)
+        elif sampled:
             torch.stack([child_valid, child_valid], dim=1, out=flags)
         else:
             flags[:, _VALID] = child_valid
@@ -300,7 +289,7 @@ class TreeBuilder:
         self._n = end
         self._last = (start, end)
         self.levels += 1
-        return _arange(end, self.device)[start:end].expand(b, m * k)
+        return constants.arange(end, self.device)[start:end].expand(b, m * k)
 
     def add_top_children(self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
         """Append the k most likely children of each node [B, m] (distributions logprobs
@@ -319,7 +308,7 @@ class TreeBuilder:
         self.draft_forwards += 1
         if self._dist_slot is not None:
             k = nodes.shape[1]
-            rows = _arange(self._dist_rows + k, self.device)[self._dist_rows :].expand_as(nodes)
+            rows = constants.arange(self._dist_rows + k, self.device)[self._dist_rows :].expand_as(nodes)
             self._dist_slot.scatter_(1, nodes, torch.where(valid, rows, self._dist_slot.gather(1, nodes)))
             self._dist_chunks.append(logprobs)
             self._dist_rows += k
@@ -392,7 +381,7 @@ class TreeBuilder:
         """
         n, b = self._n, self.batch_size
         if keep is None:
-            origin = _arange(n, self.device).expand(b, n)
+            origin = constants.arange(n, self.device).expand(b, n)
             valid, invalid = self.valid, ~self.valid
             # padding nodes: parent -1, only themselves as ancestors (TokenTree's contract)
             ancestors = self.ancestors.masked_fill(invalid[:, :, None], False)
@@ -422,7 +411,7 @@ class TreeBuilder:
         count, a host read). Each packed buffer is gathered once."""
         n, b = self._n, self.batch_size
         m = int(keep.sum(dim=1).max().item()) if width is None else min(width, n)
-        cols = _arange(2 * n, self.device)
+        cols = constants.arange(2 * n, self.device)
         # kept indices in increasing order first (creation order keeps parents before children), then the dropped ones
         order = torch.argsort(torch.where(keep, cols[:n], cols[n:]), dim=1)[:, :m]  # [B, M]
         ints = self._ints[:, :, :n].gather(2, order[:, None, :].expand(b, 3, m))  # [B, 3, M] token, old parent, depth
@@ -472,30 +461,6 @@ _LOGQ, _CUM, _SCORE = 0, 1, 2
 """rows of `TreeBuilder._floats`"""
 _VALID, _SAMPLED = 0, 1
 """rows of `TreeBuilder._flags`"""
-
-_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """torch.arange(n) on `device`, made once per (length, device) in blocks of 64 (read-only)."""
-    size = -(-n // 64) * 64
-    t = _ARANGES.get((size, device))
-    if t is None:
-        t = _ARANGES[(size, device)] = torch.arange(size, device=device)
-    return t[:n]
-
-
-_CONSTANTS: dict[tuple[int, object, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _constant(b: int, value: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A [b, 1] tensor filled with `value`, made once per (b, value, dtype, device) (read-only)."""
-    key = (b, value, dtype, device)
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = _CONSTANTS[key] = torch.full((b, 1), value, dtype=dtype, device=device)  # type: ignore[arg-type]
-    return t
-
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x <= 0, accurate at both ends (-inf at x = 0)."""
