@@ -221,6 +221,7 @@ def test_other_cpu_model_is_used_with_a_warning(tmp_path, monkeypatch, caplog):
     assert f"torch threads: profile {here['threads'] + 14}, here {here['threads']}" in caplog.text
     assert "the shipped profile of the bundled pair" in caplog.text and "specdec profile" in caplog.text
     assert resolver.source.kind == "shipped" and "another machine" in resolver.source.describe()
+    assert "batch sizes 1, 2)" in resolver.source.describe()  # a loaded profile names the sizes it holds
 
 
 def test_mismatched_file_is_measured_before_decoding_with_the_reason(tmp_path, caplog):

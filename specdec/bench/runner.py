@@ -25,9 +25,7 @@ from typing import Any
 
 import psutil
 import torch
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.api import SpeculativeDecoder, resolve_verify
@@ -43,6 +41,7 @@ from specdec.errors import SpecDecError
 from specdec.hostwork import HostWorkCounter
 from specdec.methods import method_uses_draft
 from specdec.multimodal.inputs import MultimodalPrompt
+from specdec.progress import progress_bar
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats, batch_stats, mean_nll
 from specdec.text import chat_ids, check_chat_template, has_chat_template
@@ -501,19 +500,6 @@ class _Runner:
         )
 
 
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-        transient=False,
-    )
-
-
 def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) -> BenchResult:
     """Load the models once, warm every method up, then run the interleaved, repeated measurement.
 
@@ -551,7 +537,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
     t_start = time.perf_counter()
     cost_profiles = runner.prepare_costs()  # before the progress bars below: its own bar, and no measuring in a timed call
     runner.capture_graphs(groups)
-    with _progress(config.progress) as progress:
+    with progress_bar(config.progress) as progress:
         warm = progress.add_task("warm-up", total=len(variants))
         kept: list[Variant] = []
         for v in variants:
@@ -633,7 +619,7 @@ def _score_quality(
     stored on the records."""
     scorer = QualityScorer(models.target, models.tokenizer, eos_token_ids)
     by_id = {p.id: p for p in prompts}
-    with _progress(config.progress) as progress:
+    with progress_bar(config.progress) as progress:
         task = progress.add_task("quality", total=len(records))
         for record in records:
             record.token_logprobs = [scorer.logprobs(ctx, out) for ctx, out in zip(record.contexts, record.outputs, strict=True)]

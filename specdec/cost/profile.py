@@ -220,20 +220,11 @@ def measure_with_progress(
 ) -> CostTable:
     """`profile_models` under a rich progress bar on stderr (one tick per grid point; the bar
     is removed when done). Without a terminal, or inside another live display, no bar."""
-    from rich.console import Console
     from rich.errors import LiveError
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    bar = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=True,
-        disable=not enabled,
-    )
+    from specdec.progress import progress_bar
+
+    bar = progress_bar(enabled, transient=True)
     try:
         bar.start()
     except LiveError:
