@@ -35,6 +35,12 @@ def full(shape: tuple[int, ...], value: bool | int | float, dtype: torch.dtype, 
     return t
 
 
+def ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n] ones of `dtype` on `device` (a view of a shared, read-only tensor made in blocks)."""
+    size = -(-max(n, 1) // _BLOCK) * _BLOCK
+    return full((size,), 1, dtype, device)[:n]
+
+
 def below(k: int, bound: int, device: torch.device) -> torch.Tensor:
     """[k] bool: position r < bound (read-only)."""
     key = ("below", k, bound, device)
@@ -42,3 +48,15 @@ def below(k: int, bound: int, device: torch.device) -> torch.Tensor:
     if t is None:
         t = _CACHE[key] = arange(k, device) < bound
     return t
+
+
+def prefix_masks(n: int, device: torch.device) -> torch.Tensor:
+    """[n + 1, n] bool: row e is `arange(n) < e`, the first e columns (a view of a shared,
+    read-only tensor; select rows with views and stack them)."""
+    size = -(-max(n, 1) // _BLOCK) * _BLOCK
+    key = ("prefix_masks", size, device)
+    t = _CACHE.get(key)
+    if t is None:
+        cols = torch.arange(size, device=device)
+        t = _CACHE[key] = cols[None, :] < torch.arange(size + 1, device=device)[:, None]
+    return t[: n + 1, :n]

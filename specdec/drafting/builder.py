@@ -112,6 +112,8 @@ class TreeBuilder:
         torch.diagonal(self._anc, dim1=1, dim2=2).fill_(True)  # every node is its own ancestor
         self.levels = 0
         """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
+        self._any_sampled = False
+        """a node drawn from its parent's draft distribution was added (else the sampled flags are all False)"""
         self.keep_draft_probs = keep_draft_probs
         self.root_logprobs = source.begin_step(roots, ctx.params)  # [B, V]
         # kept draft distributions, stored compactly: only expanded nodes have one. Chunk i is
@@ -130,6 +132,11 @@ class TreeBuilder:
     @property
     def num_nodes(self) -> int:
         return self._n
+
+    @property
+    def capacity(self) -> int:
+        """nodes the buffers hold before they grow"""
+        return self._ints.shape[2]
 
     @property
     def batch_size(self) -> int:
@@ -220,29 +227,31 @@ class TreeBuilder:
         parents: torch.Tensor,
         tokens: torch.Tensor,
         logq: torch.Tensor,
-        valid: torch.Tensor,
+        valid: torch.Tensor | None,
         sampled: bool | torch.Tensor = False,
         score: torch.Tensor | None = None,
+        depth: int | None = None,
     ) -> torch.Tensor:
         """Append k candidate nodes per row; returns their indices [B, k] (`last_valid` is their validity).
 
         parents: [B, k] int64 indices of existing nodes (>= 0; entries of invalid nodes may be
         any existing node); tokens: [B, k]; logq: [B, k] draft log-prob of each token under its
-        parent's distribution; valid: [B, k] bool. A node is valid only if its parent is, its
-        row is active and its logq is finite.
+        parent's distribution; valid: [B, k] bool, or None (no entry is padding). A node is
+        valid only if its parent is, its row is active and its logq is finite.
         sampled: the nodes were drawn from their parent's draft distribution (bool or [B, k]).
         score: [B, k] their ranking score (`score`; the Gumbel keys of `sample_children`);
-        None = their cum_logq.
-        `add_children` with one child per entry: 13 tensor ops whatever k, no host reads.
+        None = their cum_logq. depth: as in `add_children`.
+        `add_children` with one child per entry: 9 to 12 tensor ops whatever k, no host reads.
         """
         # each node is the one child (k = 1) of its own parent entry: [B, k] -> [B, k, 1] views
         return self.add_children(
             parents,
-            valid[:, :, None],
+            None if valid is None else valid[:, :, None],
             tokens[:, :, None],
             logq[:, :, None],
             sampled=sampled[:, :, None] if isinstance(sampled, torch.Tensor) else sampled,
             score=None if score is None else score[:, :, None],
+            depth=depth,
         )
 
     def add_children(
@@ -254,33 +263,45 @@ class TreeBuilder:
         sampled: bool | torch.Tensor = False,
         score: torch.Tensor | None = None,
         min_cum_logq: float = float("-inf"),
+        depth: int | None = None,
     ) -> torch.Tensor:
         """Append k children under each of m nodes per row, node-major (the children of
         nodes[:, 0] first); returns their indices [B, m*k]. The same nodes as
         `add(parents=nodes repeated k times, ...)` with the parents' fields gathered once per
-        parent and broadcast, not copied k times (13 tensor ops whatever m and k).
+        parent and broadcast, not copied k times (12 tensor ops whatever m and k; 9 with
+        `valid` None and `depth` given).
 
         nodes: [B, m] int64 existing nodes; valid: [B, m] bool (False: no children under that
-        entry) or [B, m, k] (per child); tokens, logq: [B, m, k]; sampled: bool or [B, m, k] (as
-        in `add`); score: [B, m, k] or None (= their cum_logq). min_cum_logq: children whose path log-prob is below it are invalid
-        (probability-threshold pruning at no extra op).
+        entry), [B, m, k] (per child), or None: every entry may have children (an invalid
+        node has cum_logq -inf, so its children are invalid anyway: pass None when `nodes` are
+        builder nodes and no entry is padding); tokens, logq: [B, m, k]; sampled: bool or
+        [B, m, k] (as in `add`); score: [B, m, k] or None (= their cum_logq). min_cum_logq:
+        children whose path log-prob is below it are invalid (probability-threshold pruning at
+        no extra op). depth: the children's depth when every entry of `nodes` is at depth - 1
+        (a level-by-level policy knows it), else None (read from the parents).
         """
         b, m, k = tokens.shape
         start, end = self._n, self._n + m * k
         self._reserve(end)
         cum = self._floats[:, _CUM].gather(1, nodes)[:, :, None] + logq  # [B, m, k]
-        alive = (cum >= min_cum_logq) if min_cum_logq > float("-inf") else (cum > float("-inf"))
-        child_valid = alive.logical_and_(valid if valid.dim() == 3 else valid[:, :, None])  # [B, m, k]
-        invalid = ~child_valid
-        floats = self._floats[:, :, start:end].view(b, 3, m, k)  # written in place
-        torch.stack([logq, cum, cum if score is None else score], dim=1, out=floats).masked_fill_(invalid[:, None], float("-inf"))
-        depth = self._ints[:, _DEPTH].gather(1, nodes).add_(1)[:, :, None].expand(b, m, k)
-        torch.stack([tokens, nodes[:, :, None].expand(b, m, k), depth], dim=1, out=self._ints[:, :, start:end].view(b, 3, m, k))
+        child_valid = (cum >= min_cum_logq) if min_cum_logq > float("-inf") else (cum > float("-inf"))  # [B, m, k]
+        if valid is not None:
+            child_valid.logical_and_(valid if valid.dim() == 3 else valid[:, :, None])
+        floats = self._floats[:, :, start:end].view(b, 3, m, k)  # written in place, -inf at invalid children
+        neg_inf = constants.full((), float("-inf"), floats.dtype, self.device)
+        torch.where(child_valid[:, None], torch.stack([logq, cum, cum if score is None else score], dim=1), neg_inf, out=floats)
+        if depth is None:
+            depths = self._ints[:, _DEPTH].gather(1, nodes).add_(1)[:, :, None].expand(b, m, k)
+        else:
+            depths = constants.full((1, 1, 1), depth, torch.long, self.device).expand(b, m, k)
+        torch.stack([tokens, nodes[:, :, None].expand(b, m, k), depths], dim=1, out=self._ints[:, :, start:end].view(b, 3, m, k))
         flags = self._flags[:, :, start:end].view(b, 2, m, k)
         if isinstance(sampled, torch.Tensor):
             torch.stack([child_valid, sampled & child_valid], dim=1, out=flags)
+            self._any_sampled = True
         elif sampled:
             torch.stack([child_valid, child_valid], dim=1, out=flags)
+            self._any_sampled = True
         else:
             flags[:, _VALID] = child_valid
         cap = self._anc.shape[2]
@@ -291,19 +312,21 @@ class TreeBuilder:
         self.levels += 1
         return constants.arange(end, self.device)[start:end].expand(b, m * k)
 
-    def add_top_children(self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
+    def add_top_children(self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor | None, depth: int | None = None) -> torch.Tensor:
         """Append the k most likely children of each node [B, m] (distributions logprobs
-        [B, m, V], valid [B, m]) with `add_children`; returns their indices [B, m*k]."""
+        [B, m, V], valid [B, m] or None, depth as in `add_children`) with `add_children`;
+        returns their indices [B, m*k]."""
         top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
-        return self.add_children(nodes, valid, top.indices, top.values)
+        return self.add_children(nodes, valid, top.indices, top.values, depth=depth)
 
-    def expand(self, nodes: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def expand(self, nodes: torch.Tensor, valid: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """One draft forward over `nodes` [B, k]; returns their children's draft
         log-distributions [B, k, V].
 
         valid: [B, k] bool, False for padding entries and for every invalid node (callers pass
-        `last_valid` or `valid.gather(1, nodes)`); the outputs of invalid entries are ignored."""
-        batch = NodeBatch(nodes=nodes, valid=valid, tokens=self.tokens, depths=self.depths, ancestors=self.ancestors)
+        `last_valid` or `valid.gather(1, nodes)`); the outputs of invalid entries are ignored.
+        depth: the nodes' depth when they all share one (a level-by-level policy), else None."""
+        batch = NodeBatch(nodes=nodes, valid=valid, tokens=self.tokens, depths=self.depths, ancestors=self.ancestors, depth=depth)
         logprobs = self.source.expand(batch, self.ctx.params)
         self.draft_forwards += 1
         if self._dist_slot is not None:
@@ -416,11 +439,11 @@ class TreeBuilder:
         order = torch.argsort(torch.where(keep, cols[:n], cols[n:]), dim=1)[:, :m]  # [B, M]
         ints = self._ints[:, :, :n].gather(2, order[:, None, :].expand(b, 3, m))  # [B, 3, M] token, old parent, depth
         floats = self._floats[:, :, :n].gather(2, order[:, None, :].expand(b, 3, m))  # [B, 3, M] logq, cum_logq, score
-        flags = torch.stack([keep, self._flags[:, _SAMPLED, :n]], dim=1).gather(2, order[:, None, :].expand(b, 2, m))  # [B, 2, M]
-        new_valid, dropped = flags[:, 0], ~flags[:, 0]
         # a kept node's parent is kept: its new index is the number of kept nodes before it;
         # the root's parent (-1) reads the leading 0 of the padded count (0 - 1 = -1)
-        before = torch.nn.functional.pad(keep.long().cumsum(dim=1), (1, 0))  # [B, 1 + N]: kept nodes among the first j
+        before = torch.nn.functional.pad(keep.cumsum(dim=1), (1, 0))  # [B, 1 + N] int64: kept nodes among the first j
+        new_valid = cols[:m][None, :] < before[:, n:]  # [B, M]: the kept nodes come first
+        dropped = ~new_valid
         new_parents = before.gather(1, ints[:, _PARENT] + 1).sub_(1).masked_fill_(dropped, -1)
         # ancestor rows of kept nodes only name kept nodes (closed under parents), all among the first M columns
         anc = self._anc[:, :n, :n].gather(1, order[:, :, None].expand(b, m, n)).gather(2, order[:, None, :].expand(b, m, m))  # [B, M, M]
@@ -433,25 +456,30 @@ class TreeBuilder:
             logq=floats[:, _LOGQ].masked_fill(dropped, 0.0),
             cum_logq=floats[:, _CUM],
             valid=new_valid,
-            sampled=flags[:, 1] & new_valid,
+            sampled=self._flags[:, _SAMPLED, :n].gather(1, order) & new_valid if self._any_sampled else constants.full((b, m), False, torch.bool, self.device),
             ancestors=anc,
             depth_bound=self.levels,
         )
         return tree, order
 
-    def top_by_score(self, score: torch.Tensor, n: int) -> torch.Tensor:
-        """Keep mask [B, N] of the root and the n best valid non-root nodes by `score` [B, N].
+    def top_by_score(self, score: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Keep mask [B, N] of the root and the n best valid non-root nodes by `score` [B, N]
+        (None: the builder's own `score`, already -inf at invalid nodes and largest at the root,
+        so it needs no masking: 4 tensor ops).
 
         With a score that never increases from parent to child (cum_logq, or `score`), ties
         broken towards the earlier node, the kept set is a valid subtree; with `score` it also
         keeps each node's sampled children as a prefix of their draw order.
         """
-        b, total = score.shape
-        order_key = score.masked_fill(~self.valid, float("-inf"))
-        order_key[:, 0] = float("inf")
+        if score is None:
+            order_key = self.score  # the root's 0 (-inf in a finished row) is the largest: the stable sort puts it first
+        else:
+            order_key = score.masked_fill(~self.valid, float("-inf"))
+            order_key[:, 0] = float("inf")
+        b, total = order_key.shape
         # stable sort on descending score: equal scores keep creation order (parents first)
         idx = torch.sort(order_key, dim=1, descending=True, stable=True).indices[:, : n + 1]
-        keep = torch.zeros(b, total, dtype=torch.bool, device=score.device).scatter_(1, idx, True)
+        keep = torch.zeros(b, total, dtype=torch.bool, device=self.device).scatter_(1, idx, True)
         return keep & self.valid
 
 

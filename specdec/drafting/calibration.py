@@ -29,6 +29,7 @@ import math
 import numpy as np
 import torch
 
+from specdec import constants
 from specdec.isotonic import isotonic
 
 RANK_PRIOR = 10.0
@@ -146,7 +147,8 @@ class AcceptanceCalibrator:
         is True count."""
         if cells.numel() == 0:
             return
-        self._accumulate(torch.where(mask, cells, self.ranks * self.bins).flatten(), mask.sum(), accepted)
+        overflow = constants.full((), self.ranks * self.bins, torch.long, cells.device)  # the cell of unobserved entries
+        self._accumulate(torch.where(mask, cells, overflow).flatten(), mask.sum(), accepted)
 
     def observe(self, logq: torch.Tensor, rank: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Record verdicts: logq, rank, accepted (and mask) have one shape; the entries where
@@ -172,10 +174,9 @@ class AcceptanceCalibrator:
         n = n.double()
         # decay the counts by decay ** (new observations), then add the new ones
         self._acc[:2].mul_(torch.pow(self.decay, n))
-        ones = torch.ones_like(cell, dtype=torch.float64)
-        self._acc[0].index_add_(0, cell, ones)
+        self._acc[0].index_add_(0, cell, constants.ones(cell.numel(), torch.float64, dev))
         self._acc[1].index_add_(0, cell, accepted.flatten().double())
-        self._acc[2, 0] += n
+        self._acc[2, :1].add_(n)
         self._dirty = True
         self._updates += 1
         if self._updates <= REFIT_EVERY or self._updates % REFIT_EVERY == 0:  # refit the table now and then

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from specdec import constants
 from specdec.cost.table import CostTable
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
 from specdec.drafting.calibration import AcceptanceCalibrator
@@ -125,16 +126,23 @@ def batch_utility(score: torch.Tensor, rows: torch.Tensor, k: int | None = None,
     return _utility(score, rows.to(torch.float64)[:, None] / count, n, presorted)
 
 
-def _utility(score: torch.Tensor, weights: torch.Tensor, n: int, presorted: bool) -> list[float]:
+def _batch_mean(values: torch.Tensor, weights: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """The weighted sum over the batch dimension `dim` of `values` (weights [B, 1]: 1 / active
+    rows, 0 for the others, broadcast against the trailing dims); weights None: a batch of one
+    active row, whose values are their own mean (no op)."""
+    return values.select(dim, 0) if weights is None else (values * weights).sum(dim=dim)
+
+
+def _utility(score: torch.Tensor, weights: torch.Tensor | None, n: int, presorted: bool) -> list[float]:
     """`batch_utility` with the row weights given ([B, 1] float64: 1 / active rows, 0 for the
     others) and n >= 1: a handful of tensor ops and one transfer, as it runs several times a step."""
     return _utility_tensor(score, weights, n, presorted).tolist()
 
 
-def _utility_tensor(score: torch.Tensor, weights: torch.Tensor, n: int, presorted: bool) -> torch.Tensor:
+def _utility_tensor(score: torch.Tensor, weights: torch.Tensor | None, n: int, presorted: bool) -> torch.Tensor:
     """`_utility` on the device: [n] float64 (read it together with others in one transfer)."""
     top = score[:, :n] if presorted else torch.topk(score, n, dim=1).values  # [B, n] descending
-    return (top.double().exp() * weights).sum(dim=0).cumsum(dim=0)
+    return _batch_mean(top.double().exp(), weights, 0).cumsum(dim=0)
 
 
 def _trim_flat(utility: list[float]) -> list[float]:
@@ -493,14 +501,12 @@ class CastPolicy:
     """draft tokens per row kept for verification at the last step (before per-row validity)"""
     _buffers: DepthBuffers = field(init=False, repr=False)
     _skipped: dict[int, int] = field(default_factory=dict, init=False, repr=False)
-    _values: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
-    """this step's node values (log v(u) or calibrated log acceptance), [B, n] per add in creation order"""
     _cells: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
-    """this step's calibration cells per node (calibrate only), like `_values`"""
+    """this step's calibration cells per node (calibrate only), [B, n] per add in creation order"""
     _ranks: dict[tuple[int, int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     """cached calibration rank offsets of k children per parent, m parents, [1, m * k]"""
-    _weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1), init=False, repr=False)
-    """[B, 1] float64: each row's weight in the batch-averaged utilities (1 / active rows, or 0)"""
+    _weights: torch.Tensor | None = field(default=None, init=False, repr=False)
+    """[B, 1]: each row's weight in the batch-averaged utilities (1 / active rows, or 0); None at B = 1"""
     _sampled: bool = field(default=False, init=False, repr=False)
     """this step's children are drawn (set by `draft`)"""
     _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
@@ -512,6 +518,8 @@ class CastPolicy:
     _plan: list[int] | None = field(default=None, init=False, repr=False)
     """break-even pruning: the widths the next step expands, layer by layer (made at the end of a step)"""
     _resolver: CostTableResolver | None = field(default=None, init=False, repr=False)
+    _capacity: int = field(default=64, init=False, repr=False)
+    """the largest builder capacity a step has needed (the next builder starts with it)"""
     _loaded: CostTable | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -611,7 +619,8 @@ class CastPolicy:
     # ----- drafting ----------------------------------------------------------------------
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         self._sampled = ctx.samples_children(self.tree_sampling)
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled)
+        # capacity: the most nodes a step has needed so far, so the builder's buffers rarely grow mid-step
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=self._capacity)
         b = roots.shape[0]
         dev = roots.device
         rows = ctx.active.to(dev).bool()  # [B] rows whose utilities count
@@ -646,18 +655,19 @@ class CastPolicy:
         st.forward_ms = forward_ms
         st.drafted_ms = forward_ms + o_step
 
-        self._weights = rows[:, None] / float(len(active_rows))  # [B, 1]: utilities average the active rows
-        # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's path
-        zero = torch.zeros(b, 1, device=dev)
-        self._values = [zero]  # per add: [B, n] values in creation order (the root's 0 first)
-        self._cells = [zero.long()]  # per add: calibration cells (calibrate only)
-        root = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        candidates, cand_value = self._add(builder, root, zero, builder.root_logprobs[:, None, :], root >= 0, k)  # [B, k] best first
+        # [B, 1]: utilities average the active rows (one row: its own, no weights needed)
+        self._weights = rows[:, None] / float(len(active_rows)) if b > 1 else None
+        # node values: log v(u) (raw draft confidence) or the calibrated log acceptance of u's
+        # path; the root's is its score (0, or -inf for a finished row)
+        self._cells = [constants.full((b, 1), 0, torch.long, dev)]  # per add: calibration cells (calibrate only)
+        root_value = builder.score[:, :1]  # [B, 1]
+        candidates, cand_value = self._add(builder, builder.root, root_value, builder.root_logprobs[:, None, :], builder.root_valid, k, 1)  # [B, k] best first
         if self.prune_rule == "break-even":
             count = self._draft_planned(builder, st, candidates, cand_value)
         else:
             count = self._draft_layerwise(builder, st, candidates, cand_value)
-        keep = builder.top_by_score(self._all_values(), count)
+        self._capacity = max(self._capacity, builder.capacity)
+        keep = builder.top_by_score(None, count)  # by the nodes' values: the builder's score (`_add`)
         tree, origin = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
         if self.calibrate:
             self._last_tree = (torch.cat(self._cells, dim=1).gather(1, origin), tree.parents, tree.valid)
@@ -666,8 +676,10 @@ class CastPolicy:
             self.overheads.expect(st.forward_ms, builder.draft_forwards - 1, st.expanded, t_verify[nodes], nodes)
         return Draft(tree, builder, origin)
 
-    def _expand(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor, width: int, kept_before: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expand the best `width` candidates of a layer (one draft forward); returns their
+    def _expand(
+        self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor, width: int, kept_before: int, level: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expand the best `width` candidates of layer `level` (one draft forward); returns their
         children and values sorted by value, descending ([B, width * k] each), and books the layer's cost."""
         f_draft = st.table.draft_cost(st.b, st.n0 + 1 + kept_before, width)  # the draft cache: committed tokens, the root, kept layers
         st.forward_ms += f_draft
@@ -675,8 +687,8 @@ class CastPolicy:
         st.expanded += width
         frontier = candidates[:, :width]  # [B, n_i]
         frontier_valid = builder.valid.gather(1, frontier)
-        logprobs = builder.expand(frontier, frontier_valid)  # [B, n_i, V]
-        return self._add(builder, frontier, cand_value[:, :width], logprobs, frontier_valid, st.k)
+        logprobs = builder.expand(frontier, frontier_valid, depth=level)  # [B, n_i, V]
+        return self._add(builder, frontier, cand_value[:, :width], logprobs, frontier_valid, st.k, level + 1)
 
     def _draft_planned(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor) -> int:
         """Break-even pruning with few reads. The layers' widths come from the plan made at the
@@ -687,20 +699,17 @@ class CastPolicy:
         was too deep is corrected at the next step. From all the numbers read, the verified
         count (this step) and the next step's plan are decided. Returns the count."""
         widths = list(self._plan[: max(st.depth - 1, 0)]) if self._plan is not None else []
-        m, k = self.total_tokens, st.k
-        # per layer [B, k + m]: its candidates' values (best first), then the best m values of every
-        # node drafted up to it; -inf where missing
-        pool = torch.full((st.b, m), float("-inf"), device=builder.device)
-        pool = torch.topk(torch.cat([pool, cand_value[:, :m]], dim=1), m, dim=1).values
-        rows = [torch.cat([cand_value[:, :k], pool], dim=1)]
+        k = st.k
+        layer_values = [cand_value[:, :k]]  # per layer [B, k]: its candidates' values, best first
+        layer_ends = [builder.num_nodes]  # per layer: the builder's node count once its candidates are added
         drafted_at = [st.drafted_ms]  # the step's draft time when each layer's candidates are known
         kept_before = 0
 
         def layer(width: int) -> None:
-            nonlocal candidates, cand_value, pool, kept_before
-            candidates, cand_value = self._expand(builder, st, candidates, cand_value, width, kept_before)  # best first
-            pool = torch.topk(torch.cat([pool, cand_value[:, :m]], dim=1), m, dim=1).values
-            rows.append(torch.cat([cand_value[:, :k], pool], dim=1))
+            nonlocal candidates, cand_value, kept_before
+            candidates, cand_value = self._expand(builder, st, candidates, cand_value, width, kept_before, len(layer_values))  # best first
+            layer_values.append(cand_value[:, :k])
+            layer_ends.append(builder.num_nodes)
             drafted_at.append(st.drafted_ms)
             kept_before += width
 
@@ -710,7 +719,7 @@ class CastPolicy:
         pools: list[list[float]] = []
         while True:
             # one transfer: the unread layers' batch-averaged values (cumulated on the host)
-            flat = (torch.stack(rows[len(layers) :]).exp() * self._weights).sum(dim=1).tolist()  # [L', k + m]
+            flat = self._layer_values(builder, layer_values[len(layers) :], layer_ends[len(layers) :]).tolist()  # [L', k + m']
             for values in flat:
                 layers.append(_trim_flat(_cumsum(values[:k])))
                 pools.append(_trim_flat(_cumsum(values[k:])))
@@ -732,6 +741,19 @@ class CastPolicy:
         self.last_widths = [*widths, len(layers[-1])]
         return self._verify_count(st, pools[-1], st.drafted_ms)
 
+    def _layer_values(self, builder: TreeBuilder, values: list[torch.Tensor], ends: list[int]) -> torch.Tensor:
+        """[L, k + m'] batch-averaged confidences exp(value) of L layers: each layer's candidates
+        (values [B, k] each, best first), then its pool: the best m' = min(m, nodes) values of
+        every node drafted up to it (the first `ends` builder nodes, root excluded), best first.
+        Six tensor ops whatever L: every layer's pool is one masked top-k of the builder's values."""
+        n = ends[-1] - 1  # non-root nodes so far
+        dev = builder.device
+        prefixes = constants.prefix_masks(n, dev)
+        drafted = torch.stack([prefixes[e - 1] for e in ends])  # [L, n] the nodes drafted up to each layer
+        pooled = torch.where(drafted[:, None, :], builder.score[:, 1 : n + 1], constants.full((), float("-inf"), torch.float32, dev))  # [L, B, n]
+        pools = torch.topk(pooled, min(self.total_tokens, n), dim=2).values  # [L, B, m']
+        return _batch_mean(torch.cat([torch.stack(values), pools], dim=2).exp(), self._weights, 1)
+
     def _draft_layerwise(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor) -> int:
         """The paper's threshold rules, layer by layer: each layer's utilities are read when it is
         drafted (one read per layer); returns the verified count."""
@@ -743,14 +765,14 @@ class CastPolicy:
             self.last_widths.append(width)
             if level == st.depth or not grow:
                 break
-            candidates, cand_value = self._expand(builder, st, candidates, cand_value, width, kept_before)
+            candidates, cand_value = self._expand(builder, st, candidates, cand_value, width, kept_before, level)
             candidates, cand_value = candidates[:, : st.k], cand_value[:, : st.k]
             kept_before += width
             prev_utility = utility[width - 1]
         pool: list[float] = []
         n = min(builder.num_nodes - 1, self.total_tokens)
         if self.dynamic_rerank and n > 0:
-            pool = _trim_flat(_utility(self._all_values()[:, 1:], self._weights, n, presorted=False))
+            pool = _trim_flat(_utility(builder.score[:, 1:], self._weights, n, presorted=False))
         return self._verify_count(st, pool, st.drafted_ms)
 
     def _decide_threshold(self, st: _Step, level: int, utility: list[float], ctx_i: int, prev_utility: float | None) -> tuple[int, bool]:
@@ -866,13 +888,14 @@ class CastPolicy:
         return self.last_verified
 
     def _add(
-        self, builder: TreeBuilder, nodes: torch.Tensor, parent_value: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int
+        self, builder: TreeBuilder, nodes: torch.Tensor, parent_value: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int, depth: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add k children of each node [B, m] (values parent_value [B, m], distributions logprobs
-        [B, m, V]), laid out k per parent in the draft's order (top-k, or draw order), give them
-        values, and return their indices and values sorted by value, descending ([B, m * k] each).
-        The values are kept in creation order (`_values`) for reranking; with calibration each
-        node's calibration cell too (`_cells`), for feedback.
+        """Add k children of each node [B, m] (all at depth - 1; values parent_value [B, m], -inf
+        at invalid nodes; distributions logprobs [B, m, V]), laid out k per parent in the
+        draft's order (top-k, or draw order), give them values, and return their indices and
+        values sorted by value, descending ([B, m * k] each). The values are the builder's
+        `score` (creation order, -inf at invalid nodes), which reranking reads; with calibration
+        each node's calibration cell is kept too (`_cells`), for feedback.
 
         Top-k children are valued by their own draft probability (cum_logq, or calibrated from
         logq and rank). A sampled child must not be: whether it is kept may not depend on its
@@ -882,41 +905,39 @@ class CastPolicy:
         value, its draw rank and the parent's collision mass log sum_v q(v)^2 (the draft's
         expected probability of its own sample) in place of logq, calibrated per rank like
         logq (or taken as is without calibration), and made non-increasing in the rank so the
-        kept siblings are always the first ones drawn.
+        kept siblings are always the first ones drawn. (CAST ranks by these values, so the
+        builder's Gumbel keys are not kept.)
         """
-        start = builder.num_nodes  # builder.add appends: the new nodes are columns start..start + m*k - 1
+        start = builder.num_nodes  # the new nodes are columns start..start + m*k - 1
         b, m, _ = logprobs.shape
         if self._sampled:
-            parents, tokens, logq, child_valid, keys = builder.sample_children(nodes, logprobs, k, valid)
-            children = builder.add(parents, tokens, logq, child_valid, sampled=True, score=keys)  # [B, m * k]
+            parents, tokens, logq, child_valid, _ = builder.sample_children(nodes, logprobs, k, valid)
             local = torch.logsumexp(2 * logprobs, dim=-1).clamp(max=0.0)[:, :, None]  # [B, m, 1]: the same for each parent's k draws
         else:
             top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
-            children = builder.add_children(nodes, valid, top.indices, top.values)  # [B, m * k]: each parent's fields broadcast
             local = top.values
-        ok = builder.valid[:, start:]  # [B, m * k]: the children that were added valid
+        value = None  # [B, m, k]; None: cum_logq (log v(u))
         if self.calibrate or self._sampled:
             if self.calibrate:
-                key = (k, m, children.device)
+                key = (k, m, logprobs.device)
                 if key not in self._ranks:  # (rank - 1) * bins per child: depends on the shape only
-                    self._ranks[key] = self._calibrator.rank_offsets(torch.arange(1, k + 1, device=children.device).repeat(m))[None]
+                    self._ranks[key] = self._calibrator.rank_offsets(torch.arange(1, k + 1, device=logprobs.device).repeat(m))[None]
                 cells = self._calibrator.cells(local, self._ranks[key].view(1, m, k)).reshape(b, m * k)
                 self._cells.append(cells)
-                gain = self._calibrator.log_rate(cells)
+                gain = self._calibrator.log_rate(cells).view(b, m, k)
             else:
                 gain = local.expand(b, m, k)
             if self._sampled:
-                gain = gain.reshape(b, m, k).cummin(dim=-1).values  # non-increasing in the draw rank
-            value = torch.where(ok, (parent_value[:, :, None] + gain.reshape(b, m, k)).reshape(b, m * k), float("-inf"))
+                gain = gain.cummin(dim=-1).values  # non-increasing in the draw rank
+            value = parent_value[:, :, None] + gain  # add_children sets it -inf at invalid nodes
+        if self._sampled:
+            assert value is not None
+            builder.add(parents, tokens, logq, child_valid, sampled=True, score=value.reshape(b, m * k), depth=depth)
         else:
-            value = builder.cum_logq[:, start:]  # log v(u), -inf at invalid nodes
-        self._values.append(value)
-        top = torch.sort(value, dim=1, descending=True, stable=True)
-        return children.gather(1, top.indices), top.values
-
-    def _all_values(self) -> torch.Tensor:
-        """[B, N] every node's value in creation order (the root's 0)."""
-        return torch.cat(self._values, dim=1)
+            # invalid parents have cum_logq -inf: their children are invalid without a validity mask
+            builder.add_children(nodes, None, top.indices, top.values, score=value, depth=depth)
+        top_nodes = torch.sort(builder.score[:, start:], dim=1, descending=True, stable=True)  # [B, m*k] the new nodes, best first
+        return top_nodes.indices.add_(start), top_nodes.values
 
     @property
     def _learns_costs(self) -> bool:
@@ -943,12 +964,15 @@ class CastPolicy:
             return
         cells, parents, valid = self._last_tree
         self._last_tree = None
-        # the root and every accepted node were reached (rows that finished accepted nothing)
-        index = [(r, j) for r, path in enumerate(record.accepted_nodes) if record.active[r] for j in (0, *path)]
-        if not index:
+        # the root and every accepted node were reached (rows that finished accepted nothing):
+        # marked on the host, copied to the device once
+        host_reached = np.zeros(tuple(parents.shape), dtype=np.bool_)  # [B, N]
+        for r, path in enumerate(record.accepted_nodes):
+            if record.active[r]:
+                host_reached[r, [0, *path]] = True
+        if not host_reached.any():
             return
-        where = torch.tensor(index, dtype=torch.long).T.to(parents.device)  # [2, n]
-        reached = torch.zeros(parents.shape, dtype=torch.bool, device=parents.device).index_put_((where[0], where[1]), torch.tensor(True, device=parents.device))
+        reached = torch.from_numpy(host_reached).to(parents.device)
         # observed: verified non-root nodes whose parent was reached (the root has no parent: column 0 off)
         observed = valid & reached.gather(1, parents.clamp(min=0))
         observed[:, 0] = False

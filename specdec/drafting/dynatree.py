@@ -382,10 +382,11 @@ class DynaTreePolicy:
         level_cap: int,
         log_tau: float,
         sampled: bool,
+        depth: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One level the general way (drawn children, or a node budget that may bind): the
         children of each frontier node (B(u) of its k candidates), pruned by path probability,
-        cut to each row's remaining budget, compacted and added. Returns their indices [B, w]
+        cut to each row's remaining budget, compacted and added at `depth`. Returns their indices [B, w]
         and which rows have budget left ([B] bool)."""
         dev = frontier.device
         budget = self.max_nodes - (builder.valid.sum(dim=1) - 1)  # [B] draft tokens each row may still add
@@ -404,7 +405,7 @@ class DynaTreePolicy:
         width = min(valid.shape[1], level_cap) if not sampled else max(1, int(valid.sum(dim=1).max()))
         order, kept = compact(valid, width)  # [B, w]
         nodes = builder.add(
-            parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept, sampled=sampled, score=cum.gather(1, order) if sampled else None
+            parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept, sampled=sampled, score=cum.gather(1, order) if sampled else None, depth=depth
         )  # [B, w]
         return nodes, budget > builder.last_valid.sum(dim=1)
 
@@ -430,11 +431,11 @@ class DynaTreePolicy:
             m = frontier.shape[1]
             room = None  # [B] bool: rows with budget left after this level (None: all, the budget cannot bind)
             if sampled or tree_width - 1 + m * k >= self.max_nodes:  # drawn children, or the node budget may cut this level
-                nodes, room = self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, level_cap, log_tau, sampled)
+                nodes, room = self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, level_cap, log_tau, sampled, depth + 1)
             else:  # top-k children; the budget cannot bind: one topk, the branching mask and one add
                 top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
                 allowed = frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # [B, m, k] rank < B(u)
-                nodes = builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau)  # [B, m*k]
+                nodes = builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau, depth=depth + 1)  # [B, m*k]
             tree_width += nodes.shape[1]  # an upper bound until the next read
             # p(u): cum_logq, or for sampled nodes their Gumbel key (a sampled token's own draft probability says little about its acceptance)
             grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit)  # [B, w] or None (no deeper level)
@@ -462,7 +463,7 @@ class DynaTreePolicy:
                 if last or not n_growing:
                     break
             frontier = order + start
-            logprobs = builder.expand(frontier, frontier_valid)  # [B, m', V]: one draft forward per level
+            logprobs = builder.expand(frontier, frontier_valid, depth=depth + 1)  # [B, m', V]: one draft forward per level
         # the valid nodes only (levels are padded to a static width): `tree_width` columns
         tree, origin = builder.finish(builder.valid, width=tree_width)
         return Draft(tree, builder, origin)

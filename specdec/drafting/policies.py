@@ -59,7 +59,7 @@ class ChainPolicy(_Stateless):
         sampling = not ctx.params.greedy
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + self.k)
         logprobs = builder.root_logprobs  # [B, V]
-        parent, valid = builder.root, builder.root_valid  # [B, 1] each; add() drops the nodes of finished rows
+        parent = builder.root  # [B, 1]
         depth = min(self.k, ctx.max_depth)
         for level in range(1, depth + 1):
             if sampling:
@@ -67,9 +67,9 @@ class ChainPolicy(_Stateless):
                 logq = logprobs.gather(1, tok)
             else:
                 logq, tok = logprobs.max(dim=-1, keepdim=True)  # [B, 1] each
-            node = builder.add(parent, tok, logq, valid, sampled=sampling)
+            node = builder.add(parent, tok, logq, None, sampled=sampling, depth=level)  # a finished row's root has cum_logq -inf: its nodes are invalid
             if level < depth:
-                logprobs = builder.expand(node, builder.last_valid)[:, 0]
+                logprobs = builder.expand(node, builder.last_valid, depth=level)[:, 0]
             parent = node
         tree, origin = builder.finish()
         tree.chain = True  # node i's parent is node i - 1
@@ -114,15 +114,21 @@ class StaticTreePolicy(_Stateless):
                 if not sampled:
                     parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
                 nodes = builder.add(
-                    parents[:, :take], tokens[:, :take], logq[:, :take], valid[:, :take], sampled=sampled, score=None if keys is None else keys[:, :take]
+                    parents[:, :take],
+                    tokens[:, :take],
+                    logq[:, :take],
+                    valid[:, :take],
+                    sampled=sampled,
+                    score=None if keys is None else keys[:, :take],
+                    depth=level,
                 )
             else:
-                nodes = builder.add_top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+                nodes = builder.add_top_children(frontier, logprobs, k, None, depth=level)  # [B, m*k]; invalid frontier nodes have cum_logq -inf
             budget -= take
             if level == depth or budget == 0:
                 break
             frontier, frontier_valid = nodes, builder.last_valid
-            logprobs = builder.expand(frontier, frontier_valid)
+            logprobs = builder.expand(frontier, frontier_valid, depth=level)
         tree, origin = builder.finish()
         return Draft(tree, builder, origin)
 
@@ -179,17 +185,17 @@ class Eagle2Policy:
             return Draft(tree, builder, origin)
         k = min(self.top_k, builder.root_logprobs.shape[-1])
         log_rates = self.ranks.log_rates(k, dev) if sampled else None  # [k]
-        frontier = self._children(builder, builder.root, builder.root_logprobs[:, None, :], k, builder.root_valid, log_rates)  # [B, k]
-        for _ in range(2, depth + 1):
+        frontier = self._children(builder, builder.root, builder.root_logprobs[:, None, :], k, builder.root_valid, log_rates, 1)  # [B, k]
+        for level in range(2, depth + 1):
             frontier_valid = builder.valid.gather(1, frontier)
-            logprobs = builder.expand(frontier, frontier_valid)  # [B, k, V]
+            logprobs = builder.expand(frontier, frontier_valid, depth=level - 1)  # [B, k, V]
             start = builder.num_nodes
-            self._children(builder, frontier, logprobs, k, frontier_valid, log_rates)  # [B, k*k] nodes: columns start..start + k*k - 1
+            self._children(builder, frontier, logprobs, k, frontier_valid, log_rates, level)  # [B, k*k] nodes: columns start..start + k*k - 1
             # builder.score: cum_logq, or the positional value of sampled children (never their own
             # tokens' logq); -inf at invalid nodes
             best = torch.topk(builder.score[:, start:], k, dim=1).indices  # [B, k]
             frontier = best.add_(start)
-        keep = builder.top_by_score(builder.score, self.total_tokens)
+        keep = builder.top_by_score(None, self.total_tokens)  # by builder.score
         tree, origin = builder.finish(keep, width=1 + self.total_tokens)
         if sampled:
             self._last_tree = (tree.parents, tree.valid)
@@ -197,12 +203,13 @@ class Eagle2Policy:
 
     @staticmethod
     def _children(
-        builder: TreeBuilder, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor, log_rates: torch.Tensor | None
+        builder: TreeBuilder, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor, log_rates: torch.Tensor | None, depth: int
     ) -> torch.Tensor:
-        """Add k children of each node [B, m]: its top-k, or k draws valued by the parent's value
-        plus the log positional rate of their draw rank (log_rates [k]); returns them [B, m*k]."""
+        """Add k children of each node [B, m] (all at depth - 1): its top-k, or k draws valued by
+        the parent's value plus the log positional rate of their draw rank (log_rates [k]);
+        returns them [B, m*k]."""
         if log_rates is None:
-            return builder.add_top_children(nodes, logprobs, k, valid)
+            return builder.add_top_children(nodes, logprobs, k, None, depth=depth)  # invalid nodes have cum_logq -inf
         parents, tokens, logq, child_valid, _ = builder.sample_children(nodes, logprobs, k, valid)
         score = builder.score.gather(1, parents) + log_rates.repeat(nodes.shape[1])  # [B, m*k]: token-free, non-increasing in the rank
-        return builder.add(parents, tokens, logq, child_valid, sampled=True, score=score)
+        return builder.add(parents, tokens, logq, child_valid, sampled=True, score=score, depth=depth)

@@ -31,6 +31,8 @@ class NodeBatch:
     """[B, N] int64 depth of every node (root 0)"""
     ancestors: torch.Tensor
     """[B, N, N] bool: [b, i, j] when node j is node i or one of its ancestors"""
+    depth: int | None = None
+    """the depth of every entry of `nodes` when they share one (level-by-level policies), else None"""
 
 
 @dataclass(frozen=True)

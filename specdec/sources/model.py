@@ -120,7 +120,10 @@ class ModelDraftSource:
         # node); an invalid entry's row is never used (its slot stays invisible to everyone)
         anc_rows = batch.ancestors.gather(1, nodes[:, :, None].expand(b, k, n_alloc))  # [B, k, N]
         seen = anc_rows.gather(2, self._slot_node[:, None, :s_step].expand(b, k, s_step)).logical_and_(self._slot_ok[:, None, :s_step])  # [B, k, S_step]
-        positions = batch.depths.gather(1, nodes).add_(self._root_pos[:, None])
+        if batch.depth is None:
+            positions = batch.depths.gather(1, nodes).add_(self._root_pos[:, None])  # [B, k]
+        else:
+            positions = (self._root_pos + batch.depth)[:, None].expand(b, k)
         logits = self.runner.forward(batch.tokens.gather(1, nodes), positions, seen)  # [B, k, V]; the runner adds each node's own slot
         self._slot_node[:, s_step : s_step + k] = nodes
         self._slot_ok[:, s_step : s_step + k] = valid
