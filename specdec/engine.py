@@ -28,7 +28,7 @@ from specdec.hostwork import uncounted
 from specdec.models.runner import ModelRunner
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.sampling import SamplingParams, choose_tokens
-from specdec.sources.base import AcceptedPaths, DraftSource, TargetPath
+from specdec.sources.base import DraftSource, TargetPath
 from specdec.stats import GenerationStats, StepRecord
 from specdec.tree import TokenTree
 from specdec.verification.base import AcceptRule, Verdict
@@ -94,8 +94,6 @@ class StepResult:
 
     accepted_nodes: list[list[int]]
     """tree node indices of the accepted path (root excluded)"""
-    accepted_origin: list[list[int]]
-    """the same nodes as builder indices"""
     accepted_tokens: list[list[int]]
     bonus: list[int]
     relaxed: list[int]
@@ -108,29 +106,25 @@ class StepResult:
     """depth of the deepest valid node of the batch"""
 
     @classmethod
-    def read(cls, tree: TokenTree, verdict: Verdict, origin_path: torch.Tensor) -> StepResult:
-        """Pack everything the host needs into one int64 tensor and read it once (one sync on a GPU).
-
-        origin_path: [B, D] the accepted path's nodes as builder indices (`origin.gather(1, verdict.path)`)."""
-        path = verdict.path
+    def read(cls, tree: TokenTree, verdict: Verdict) -> StepResult:
+        """Pack everything the host needs into one int64 tensor and read it once (one sync on a GPU)."""
+        path = verdict.path  # [B, D]
         d = path.shape[1]
         packed = torch.cat(
             [
                 torch.stack([verdict.accepted_len, verdict.bonus_tokens, verdict.relaxed_count, verdict.fallback_count], dim=1),
                 path,
-                origin_path,
-                tree.tokens.gather(1, path),
+                tree.tokens.gather(1, path),  # [B, D]
                 tree.depths * tree.valid,  # [B, N]: each valid node's depth, 0 for the root and padding
             ],
             dim=1,
         ).tolist()
-        accepted_nodes, accepted_origin, accepted_tokens, drafted_by_depth = [], [], [], []
+        accepted_nodes, accepted_tokens, drafted_by_depth = [], [], []
         for row in packed:
             n = row[0]
             accepted_nodes.append(row[4 : 4 + n])
-            accepted_origin.append(row[4 + d : 4 + d + n])
-            accepted_tokens.append(row[4 + 2 * d : 4 + 2 * d + n])
-            depths = [x for x in row[4 + 3 * d :] if x > 0]
+            accepted_tokens.append(row[4 + d : 4 + d + n])
+            depths = [x for x in row[4 + 2 * d :] if x > 0]
             counts = [0] * max(depths, default=0)
             for depth in depths:
                 counts[depth - 1] += 1
@@ -138,7 +132,6 @@ class StepResult:
         deepest = max(len(counts) for counts in drafted_by_depth)
         return cls(
             accepted_nodes=accepted_nodes,
-            accepted_origin=accepted_origin,
             accepted_tokens=accepted_tokens,
             bonus=[row[1] for row in packed],
             relaxed=[row[2] for row in packed],
@@ -428,8 +421,7 @@ class DecodeSession:
         logits = engine.target.forward(tree.tokens, context_len[:, None] + tree.depths, tree.ancestor_mask())  # [B, N, V]
         verdict = engine.rule.verify(tree, logits, params, self.generator)
         t2 = time.perf_counter()
-        origin_path = draft.origin.gather(1, verdict.path)  # [B, D] the accepted path as builder nodes
-        result = StepResult.read(tree, verdict, origin_path)  # the step's one host read
+        result = StepResult.read(tree, verdict)  # the step's one host read
         # keep the root and the accepted path in the target cache (their KV from the verify forward);
         # the path's columns are trimmed to the longest accepted path (known now), so rows that
         # accept alike leave no holes in the cache
@@ -439,13 +431,11 @@ class DecodeSession:
         keep = torch.nn.functional.pad(path[:, :longest], (1, 0))  # [B, 1 + longest]: step slot 0 is the root
         keep_valid = constants.arange(1 + longest, dev)[None, :] <= accepted_len[:, None]
         engine.target.commit(keep, keep_valid, dense=len(set(lengths)) == 1)
-        if draft.builder is not None and engine.source is not None:
+        if engine.source is not None:  # the verdict in the source's own node numbering (`Draft.accepted_paths`)
             engine.source.end_step(
-                AcceptedPaths(
-                    nodes=origin_path,
-                    length=accepted_len,
-                    tokens=draft.builder.tokens,
-                    host_nodes=result.accepted_origin,
+                draft.accepted_paths(
+                    path,
+                    accepted_len,
                     host_tokens=result.accepted_tokens,
                     host_active=was_active,
                     target=TargetPath(logits, torch.arange(len(rows), device=dev), keep, params),  # read only by sources that learn from it

@@ -84,8 +84,8 @@ def draft(policy: DynaTreePolicy, dist: DistFn, rows: int = 1, max_depth: int = 
     act = torch.tensor(active if active is not None else [True] * rows)
     ctx = DraftContext(params=SamplingParams(), generator=None, max_depth=max_depth, active=act)
     drafted = policy.draft(src, torch.full((rows,), 3, dtype=torch.long), ctx)
-    tree, builder, origin = drafted.tree, drafted.builder, drafted.origin
-    assert origin.shape == tree.tokens.shape
+    tree, builder, builder_nodes = drafted.tree, drafted.builder, drafted.builder_nodes
+    assert builder_nodes.shape == tree.tokens.shape
     assert builder.draft_forwards == 1 + len(src.calls)
     return tree, src
 

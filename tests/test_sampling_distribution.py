@@ -216,8 +216,7 @@ class RankedByOwnLogq:
         parents, tokens, logq, valid, keys = builder.sample_children(root, builder.root_logprobs[:, None, :], 3, torch.ones(b, 1, dtype=torch.bool))
         builder.add(parents, tokens, logq, valid, sampled=True, score=keys)
         keep = builder.top_by_score(builder.cum_logq if self.score == "logq" else builder.score, 1)
-        tree, origin = builder.finish(keep, width=2)
-        return Draft(tree, builder, origin)
+        return builder.finish(keep, width=2)
 
     def feedback(self, record) -> None:
         return None
@@ -270,7 +269,7 @@ def one_node_counts(tests: SiblingTests, children: int, rows: int = 20000, seed:
     root = torch.zeros(rows, 1, dtype=torch.long)
     parents, tokens, logq, valid, keys = builder.sample_children(root, builder.root_logprobs[:, None, :], children, torch.ones(rows, 1, dtype=torch.bool))
     builder.add(parents, tokens, logq, valid, sampled=True, score=keys)
-    tree, _ = builder.finish()
+    tree = builder.finish().tree
     logits = ONE_NODE_TARGET.log().expand(rows, tree.num_nodes, V)  # temperature 1: the target distribution is ONE_NODE_TARGET
     verdict = SamplingRule(tests=tests).verify(tree, logits, params, generator)
     first = torch.where(verdict.accepted_len > 0, tree.tokens.gather(1, verdict.path[:, :1]).squeeze(1), verdict.bonus_tokens)

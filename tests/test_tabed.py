@@ -50,10 +50,10 @@ def test_target_path_logprobs_per_row_and_repeated():
         torch.testing.assert_close(got[row, : 1 + len(path)], want)
     accepted = AcceptedPaths(
         nodes=index[:, 1:], length=torch.tensor([2, 0, 2]), tokens=torch.zeros(b, n, dtype=torch.long),
-        host_nodes=paths, host_tokens=[[7] * len(p) for p in paths], host_active=[True, False, True], target=target,
+        host_tokens=[[7] * len(p) for p in paths], host_active=[True, False, True], target=target,
     )
     rep = accepted.repeat_rows(2)
-    assert rep.host_active == [True, True, False, False, True, True] and rep.host_nodes[4] == paths[2]
+    assert rep.host_active == [True, True, False, False, True, True] and torch.equal(rep.nodes[4], index[2, 1:])
     assert rep.target.logits is logits
     torch.testing.assert_close(rep.target.logprobs(), got.repeat_interleave(2, dim=0))
     assert rep.length.tolist() == [2, 2, 0, 0, 2, 2]

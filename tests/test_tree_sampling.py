@@ -18,6 +18,7 @@ from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
+from specdec.sources.base import TargetPath
 from specdec.verification import GreedyRule, SamplingRule
 
 V = 8
@@ -127,12 +128,12 @@ def test_sampled_trees_carry_their_proposals(method):
             kids = tree.children(row, node)
             if not kids:
                 continue
-            cols = d.origin[row, kids].tolist()
+            cols = d.builder_nodes[row, kids].tolist()
             assert cols == sorted(cols)
             assert torch.equal(tree.draft_logprobs[row, node].exp().sum().round(), torch.tensor(1.0))
             scores = builder.score[row, cols]
             assert (scores[1:] <= scores[:-1]).all()
-            all_kids = ((builder.parents[row] == int(d.origin[row, node])) & builder.valid[row]).nonzero().flatten().tolist()
+            all_kids = ((builder.parents[row] == int(d.builder_nodes[row, node])) & builder.valid[row]).nonzero().flatten().tolist()
             assert cols == all_kids[: len(cols)], "a kept sampled child skipped an earlier-drawn sibling"
 
 
@@ -144,6 +145,31 @@ def test_topk_rule_and_greedy_draft_deterministic_children(method):
     assert not greedy["sampled"].sampled.any()
     for field in ("tokens", "parents", "valid", "logq"):
         assert torch.equal(getattr(greedy["sampled"], field), getattr(greedy["topk"], field))
+
+
+@pytest.mark.parametrize("method", list(POLICIES))
+def test_accepted_paths_are_in_the_builders_numbering(method):
+    """`Draft.accepted_paths` maps a path of the verified (compacted) tree to the builder nodes
+    the draft source knows: same tokens, each node's builder parent the previous one."""
+    d = draft_once(method, SamplingParams())
+    tree, builder = d.tree, d.builder
+    paths = []
+    for row in range(tree.batch_size):  # the path to each row's last valid node, root excluded
+        last = max(i for i in range(tree.num_nodes) if tree.valid[row, i])
+        paths.append(tree.path_to(row, last)[1:])
+    d_max = max(len(p) for p in paths)
+    path = torch.tensor([p + [0] * (d_max - len(p)) for p in paths])  # [B, D]
+    length = torch.tensor([len(p) for p in paths])
+    host_tokens = [tree.tokens[row, p].tolist() for row, p in enumerate(paths)]
+    target = TargetPath(torch.zeros(tree.batch_size, tree.num_nodes, V), torch.arange(tree.batch_size), torch.nn.functional.pad(path, (1, 0)), SamplingParams())
+    accepted = d.accepted_paths(path, length, host_tokens, [True] * tree.batch_size, target)
+    assert torch.equal(accepted.nodes, d.builder_nodes.gather(1, path)) and accepted.tokens is not None
+    for row, p in enumerate(paths):
+        nodes = accepted.nodes[row, : len(p)].tolist()
+        assert accepted.tokens[row, nodes].tolist() == host_tokens[row]
+        assert builder.parents[row, nodes].tolist() == [0, *nodes[:-1]]
+    if method == "eagle2":  # it verifies 7 of its 22 builder nodes: the numberings differ
+        assert not torch.equal(accepted.nodes, path)
 
 
 @pytest.mark.parametrize("method", ["eagle2", "dynatree"])

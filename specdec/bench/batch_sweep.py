@@ -31,10 +31,9 @@ def run_batch_sweep(config: BenchConfig, batch_sizes: Sequence[int], argv: Seque
 
 def write_batch_sweep(per_batch: dict[int, list[MethodSummary]], out: Path, argv: Sequence[str] = ()) -> Path:
     """The cross-batch table, JSON and plot from per-batch summaries."""
-    import matplotlib
+    from specdec.bench.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out.mkdir(parents=True, exist_ok=True)
     sizes = sorted(per_batch)
@@ -93,7 +92,5 @@ def write_batch_sweep(per_batch: dict[int, list[MethodSummary]], out: Path, argv
         ax.grid(alpha=0.3)
     ax1.axhline(1.0, color="grey", lw=1, ls="--")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "speedup_vs_batch.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "speedup_vs_batch.png", dpi=120)
     return md

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from specdec.bench.report import MethodSummary
 from specdec.bench.runner import BASELINE
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-def _pyplot():
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (imported on first use: matplotlib comes with the bench extra)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -18,9 +23,18 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig: Figure, path: Path, dpi: int = 110, rect: tuple[float, float, float, float] | None = None) -> Path:
+    """Lay `fig` out (within `rect` of the figure, when given), write it to `path` as a PNG and
+    close it; returns path."""
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def plot_speedup(summaries: Sequence[MethodSummary], path: Path) -> Path:
     """Bars: median per-prompt speedup over AR with IQR whiskers; x marks the ratio of medians."""
-    plt = _pyplot()
+    plt = pyplot()
     labels = [s.label for s in summaries]
     mid = [s.speedup_per_prompt_median for s in summaries]
     lower = [max(0.0, m - s.speedup_per_prompt_q1) for m, s in zip(mid, summaries, strict=True)]
@@ -35,15 +49,12 @@ def plot_speedup(summaries: Sequence[MethodSummary], path: Path) -> Path:
     ax.set_ylabel("speedup over AR (x)")
     ax.set_title("Speedup over AR: per-prompt median, IQR whiskers")
     ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_tau(summaries: Sequence[MethodSummary], path: Path) -> Path:
     """Share of verification steps committing 1, 2, ... tokens (accepted_len + 1), per drafting method."""
-    plt = _pyplot()
+    plt = pyplot()
     drafting = [s for s in summaries if s.tau_histogram and s.label != BASELINE]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     if not drafting:
@@ -60,15 +71,12 @@ def plot_tau(summaries: Sequence[MethodSummary], path: Path) -> Path:
     ax.set_xlabel("tokens committed per step (accepted + 1)")
     ax.set_ylabel("share of steps")
     ax.set_title("τ distribution")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_acceptance_by_depth(summaries: Sequence[MethodSummary], path: Path) -> Path:
     """Accepted / drafted nodes at each tree depth, per drafting method."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     drafting = [s for s in summaries if s.drafted_by_depth]
@@ -85,10 +93,7 @@ def plot_acceptance_by_depth(summaries: Sequence[MethodSummary], path: Path) -> 
     ax.set_ylabel("accepted / drafted nodes")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by tree depth")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 MARS_PANELS: tuple[tuple[str, str], ...] = (
@@ -111,7 +116,7 @@ def plot_mars_sweep(summaries: Sequence[MethodSummary], path: Path) -> Path:
     Each method is one line over its mars variants; its strict variant is a dashed line in
     the same colour, AR a dotted black line (where AR has the figure).
     """
-    plt = _pyplot()
+    plt = pyplot()
     mars = [s for s in summaries if s.theta is not None]
     bases = list(dict.fromkeys(s.base for s in mars))
     ar = next((s for s in summaries if s.label == BASELINE), None)
@@ -146,10 +151,7 @@ def plot_mars_sweep(summaries: Sequence[MethodSummary], path: Path) -> Path:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize="small")
     fig.suptitle("MARS θ sweep (dashed: strict verification, dotted: AR)")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, rect=(0, 0.08, 1, 0.95))
 
 
 def write_plots(summaries: Sequence[MethodSummary], out_dir: Path, mars_sweep: bool = False) -> list[Path]:

@@ -43,7 +43,7 @@ from specdec.methods import method_uses_draft
 from specdec.multimodal.inputs import MultimodalPrompt
 from specdec.progress import progress_bar
 from specdec.sampling import SamplingParams
-from specdec.stats import GenerationStats, batch_stats, mean_nll
+from specdec.stats import GenerationStats, StepRecord, batch_stats, mean_nll
 from specdec.text import chat_ids, check_chat_template, has_chat_template
 from specdec.verification import make_rule
 
@@ -445,6 +445,8 @@ class _Runner:
         return record
 
     def _generate(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
+        stats: GenerationStats | None = None
+        steps: list[StepRecord] = []
         if variant.peer:
             if len(contexts) != 1:
                 raise SpecDecError(f"peer {variant.label} runs only at batch size 1")
@@ -460,39 +462,29 @@ class _Runner:
                 seed,
                 assistant_start=self.assistant_start,
             )
-            return CallRecord(
-                label=variant.label,
-                repeat=0,
-                group=0,
-                turn=0,
-                prompt_ids=[],
-                context_tokens=[len(contexts[0])],
-                outputs=[out.token_ids],
-                finish_reasons=[out.finish_reason],
-                new_tokens=out.new_tokens,
-                wall_s=out.wall_s,
-                stats=None,
-            )
-        decoder = self.decoders[variant.label]
-        device = next(self.models.target.parameters()).device
-        sync_device(device)
-        t0 = time.perf_counter()
-        outs = decoder.generate_ids(contexts, max_new, self.params, verify=variant.verify, seed=seed, keep_steps=True)
-        sync_device(device)
-        wall = time.perf_counter() - t0  # timed like the peers: the whole call, from outside
-        stats = batch_stats([o.stats for o in outs], wall_s=wall)
-        steps = outs[0].steps
+            outputs, finish_reasons, new_tokens, wall_s = [out.token_ids], [out.finish_reason], out.new_tokens, out.wall_s
+        else:
+            decoder = self.decoders[variant.label]
+            device = next(self.models.target.parameters()).device
+            sync_device(device)
+            t0 = time.perf_counter()
+            outs = decoder.generate_ids(contexts, max_new, self.params, verify=variant.verify, seed=seed, keep_steps=True)
+            sync_device(device)
+            wall = time.perf_counter() - t0  # timed like the peers: the whole call, from outside
+            stats = batch_stats([o.stats for o in outs], wall_s=wall)
+            steps = outs[0].steps
+            outputs, finish_reasons, new_tokens, wall_s = [o.token_ids for o in outs], [o.finish_reason for o in outs], stats.new_tokens, stats.wall_s
         return CallRecord(
             label=variant.label,
-            repeat=0,
+            repeat=0,  # repeat, group, turn and prompt_ids: set by the caller
             group=0,
             turn=0,
             prompt_ids=[],
             context_tokens=[len(c) for c in contexts],
-            outputs=[o.token_ids for o in outs],
-            finish_reasons=[o.finish_reason for o in outs],
-            new_tokens=stats.new_tokens,
-            wall_s=stats.wall_s,
+            outputs=outputs,
+            finish_reasons=finish_reasons,
+            new_tokens=new_tokens,
+            wall_s=wall_s,
             stats=stats,
             step_tau_max=[s.tree_depth + 1 for s in steps],
             step_draft_s=[s.draft_s for s in steps],

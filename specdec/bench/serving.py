@@ -422,10 +422,9 @@ def _best_speedups(levels: Sequence[LevelResult]) -> list[str]:
 
 def plot_serve(levels: Sequence[LevelResult], path: Path) -> Path:
     """Four panels against concurrency: throughput, speedup over AR, TTFT p50/p90, TPOT p50/p90."""
-    import matplotlib
+    from specdec.bench.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = list(dict.fromkeys(level.label for level in levels))
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
@@ -454,7 +453,4 @@ def plot_serve(levels: Sequence[LevelResult], path: Path) -> Path:
         else:
             ax.text(0.5, 0.5, "no AR run to compare with", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle("specdec serve: per method against concurrency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -299,9 +299,9 @@ def heatmap_name(tau: float) -> str:
 def plot_heatmaps(rows: Sequence[SweepRow], config: SweepConfig, out_dir: Path) -> list[Path]:
     """One PNG per τ: rows D, columns B, colour = speedup over AR (one scale for all, centred on 1x),
     each cell annotated with its speedup and tokens/s; the best cell of each map has a dashed border."""
-    from specdec.bench.plots import _pyplot
+    from specdec.bench.plots import pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.patches import Rectangle
 
@@ -331,9 +331,5 @@ def plot_heatmaps(rows: Sequence[SweepRow], config: SweepConfig, out_dir: Path) 
         ax.set_ylabel("depth D")
         ax.set_title(f"speedup over AR, prune τ = {tau:g}")
         fig.colorbar(image, ax=ax, label="speedup (x)")
-        fig.tight_layout()
-        path = out_dir / heatmap_name(tau)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out_dir / heatmap_name(tau)))
     return paths

@@ -325,10 +325,9 @@ def write_report(results: dict[str, Any], out_dir: Path) -> Path:
 
 
 def _plots(results: dict[str, Any], out_dir: Path) -> None:
-    import matplotlib
+    from specdec.bench.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cells = results["cells"]
     scenarios = results["settings"]["scenarios"]
@@ -343,9 +342,7 @@ def _plots(results: dict[str, Any], out_dir: Path) -> None:
     ax.set_ylabel("block efficiency τ")
     ax.set_title(f"Block efficiency per scenario ({main[0]['shape'] if main else ''})")
     ax.legend(fontsize="small", ncol=4)
-    fig.tight_layout()
-    fig.savefig(out_dir / "tau_by_scenario.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out_dir / "tau_by_scenario.png")
     # the paper's Figure 3: w(M) / (w(M) + w(T)) over decoding steps
     traced = [c for c in main if c["config"] == "TABED-MT" and c["weight_traces"]]
     if traced:
@@ -359,6 +356,4 @@ def _plots(results: dict[str, Any], out_dir: Path) -> None:
             ax.set_ylabel("w(M) / (w(M) + w(T))")
             ax.set_title(cell["scenario"])
         axes[0][0].legend(fontsize="small")
-        fig.tight_layout()
-        fig.savefig(out_dir / "weights_over_steps.png", dpi=110)
-        plt.close(fig)
+        save_figure(fig, out_dir / "weights_over_steps.png")

@@ -175,10 +175,9 @@ def first_token_acceptance(run: AgreementRun) -> float | None:
 def plot_whatif(runs: Sequence[AgreementRun], path: Path) -> Path:
     """Speedup over AR (left) and τ (right) against the achieved agreement, one line per method
     (Hugging Face peers dashed)."""
-    import matplotlib
+    from specdec.bench.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -205,10 +204,7 @@ def plot_whatif(runs: Sequence[AgreementRun], path: Path) -> Path:
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
     fig.suptitle("Synthetic pair: what-if speedup against draft agreement")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:

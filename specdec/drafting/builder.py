@@ -15,7 +15,7 @@ import torch
 from specdec import constants
 from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
-from specdec.sources.base import DraftSource, NodeBatch
+from specdec.sources.base import AcceptedPaths, DraftSource, NodeBatch, TargetPath
 from specdec.tree import TokenTree
 
 TREE_SAMPLING = ("sampled", "topk")
@@ -59,14 +59,39 @@ class DraftContext:
 
 @dataclass
 class Draft:
-    """A policy's draft for one step."""
+    """A policy's draft for one step: the trees to verify and where their nodes came from.
+
+    Two numberings of the step's nodes meet here. The draft source numbers nodes as the
+    builder created them (`NodeBatch.nodes`, its cache's step slots); the verified tree holds
+    only the nodes the policy kept, compacted (`TreeBuilder.finish`), and the accept rule's
+    path indexes that tree. `accepted_paths` turns the verdict into the source's numbering,
+    so the engine never handles builder indices.
+    """
 
     tree: TokenTree
     """the trees to verify"""
     builder: TreeBuilder | None
     """the builder that grew them (None for AR, which drafts nothing)"""
-    origin: torch.Tensor
-    """[B, N] int64: the builder node of each tree node (tree node i came from builder node origin[b, i])"""
+    builder_nodes: torch.Tensor
+    """[B, N] int64: the builder node of each tree node (tree node i of row b is builder node
+    builder_nodes[b, i]; identity for a root-only tree)"""
+
+    def accepted_paths(
+        self, path: torch.Tensor, length: torch.Tensor, host_tokens: list[list[int]], host_active: list[bool], target: TargetPath
+    ) -> AcceptedPaths:
+        """The accept rule's verdict in the builder's node indices, for `DraftSource.end_step`:
+        one gather on the device, no host read.
+
+        path: [B, D] int64 the accepted tree nodes, root excluded (`Verdict.path`); length: [B]
+        accepted draft tokens per row; host_tokens, host_active, target: as in `AcceptedPaths`."""
+        return AcceptedPaths(
+            nodes=self.builder_nodes.gather(1, path),  # [B, D]
+            length=length,
+            tokens=self.tree.tokens if self.builder is None else self.builder.tokens,  # [B, N_builder]
+            host_tokens=host_tokens,
+            host_active=host_active,
+            target=target,
+        )
 
 
 class TreeBuilder:
@@ -393,9 +418,9 @@ class TreeBuilder:
         return parents, tokens.reshape(b, m * k), logq.reshape(b, m * k), child_valid, key.reshape(b, m * k)
 
     # ----- emitting ------------------------------------------------------------------------
-    def finish(self, keep: torch.Tensor | None = None, width: int | None = None) -> tuple[TokenTree, torch.Tensor]:
-        """The TokenTree of the kept nodes and, for each of its nodes, the builder index it
-        came from ([B, N'] int64).
+    def finish(self, keep: torch.Tensor | None = None, width: int | None = None) -> Draft:
+        """The step's `Draft`: the TokenTree of the kept nodes and, for each of its nodes, the
+        builder index it came from (`Draft.builder_nodes`, [B, N'] int64).
 
         keep: [B, N] bool, closed under parents, with the root (as `top_by_score` gives);
         None keeps every node as it is (no selection at all). width: N' when keep is given
@@ -404,7 +429,7 @@ class TreeBuilder:
         """
         n, b = self._n, self.batch_size
         if keep is None:
-            origin = constants.arange(n, self.device).expand(b, n)
+            builder_nodes = constants.arange(n, self.device).expand(b, n)
             valid, invalid = self.valid, ~self.valid
             # padding nodes: parent -1, only themselves as ancestors (TokenTree's contract)
             ancestors = self.ancestors.masked_fill(invalid[:, :, None], False)
@@ -421,12 +446,12 @@ class TreeBuilder:
                 depth_bound=self.levels,
             )
         else:
-            tree, origin = self._select(keep & self.valid, width)
+            tree, builder_nodes = self._select(keep & self.valid, width)
         if self._dist_slot is not None:  # only the kept nodes' draft distributions are gathered
             dists = torch.cat(self._dist_chunks, dim=1) if len(self._dist_chunks) > 1 else self._dist_chunks[0]  # [B, S, V]
-            slot = self._dist_slot[:, :n].gather(1, origin)  # [B, N']
+            slot = self._dist_slot[:, :n].gather(1, builder_nodes)  # [B, N']
             tree.draft_logprobs = dists.gather(1, slot[:, :, None].expand(-1, -1, dists.shape[-1]))
-        return tree, origin
+        return Draft(tree, self, builder_nodes)
 
     def _select(self, keep: torch.Tensor, width: int | None) -> tuple[TokenTree, torch.Tensor]:
         """The TokenTree of the nodes in `keep` [B, N] (closed under parents, root included),

@@ -630,8 +630,7 @@ class CastPolicy:
         self._last_tree = None
         active_rows = [r for r, a in enumerate(ctx.host_active) if a] if ctx.host_active is not None else rows.nonzero().flatten().tolist()
         if depth == 0 or not active_rows:
-            tree, origin = builder.finish()
-            return Draft(tree, builder, origin)
+            return builder.finish()
         table = self.table_for(b)
         c1, c2, c3 = self.thresholds_for(b)
         if ctx.host_context_len is not None:  # known on the host: no device read
@@ -668,13 +667,14 @@ class CastPolicy:
             count = self._draft_layerwise(builder, st, candidates, cand_value)
         self._capacity = max(self._capacity, builder.capacity)
         keep = builder.top_by_score(None, count)  # by the nodes' values: the builder's score (`_add`)
-        tree, origin = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
+        drafted = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
+        tree = drafted.tree
         if self.calibrate:
-            self._last_tree = (torch.cat(self._cells, dim=1).gather(1, origin), tree.parents, tree.valid)
+            self._last_tree = (torch.cat(self._cells, dim=1).gather(1, drafted.builder_nodes), tree.parents, tree.valid)
         if self._learns_costs:
             nodes = min(tree.num_nodes, len(t_verify) - 1)
             self.overheads.expect(st.forward_ms, builder.draft_forwards - 1, st.expanded, t_verify[nodes], nodes)
-        return Draft(tree, builder, origin)
+        return drafted
 
     def _expand(
         self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor, width: int, kept_before: int, level: int

@@ -465,5 +465,4 @@ class DynaTreePolicy:
             frontier = order + start
             logprobs = builder.expand(frontier, frontier_valid, depth=depth + 1)  # [B, m', V]: one draft forward per level
         # the valid nodes only (levels are padded to a static width): `tree_width` columns
-        tree, origin = builder.finish(builder.valid, width=tree_width)
-        return Draft(tree, builder, origin)
+        return builder.finish(builder.valid, width=tree_width)

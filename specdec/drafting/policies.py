@@ -36,7 +36,7 @@ class ARPolicy(_Stateless):
 
     def draft(self, source: DraftSource | None, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         tree = TokenTree.root_only(roots)
-        return Draft(tree, None, tree.depths)  # origin: node 0 (the root-only tree's depths are that [B, 1] zero column)
+        return Draft(tree, None, tree.depths)  # builder_nodes: node 0 (the root-only tree's depths are that [B, 1] zero column)
 
 
 @dataclass
@@ -71,9 +71,9 @@ class ChainPolicy(_Stateless):
             if level < depth:
                 logprobs = builder.expand(node, builder.last_valid, depth=level)[:, 0]
             parent = node
-        tree, origin = builder.finish()
-        tree.chain = True  # node i's parent is node i - 1
-        return Draft(tree, builder, origin)
+        drafted = builder.finish()
+        drafted.tree.chain = True  # node i's parent is node i - 1
+        return drafted
 
 
 @dataclass
@@ -129,8 +129,7 @@ class StaticTreePolicy(_Stateless):
                 break
             frontier, frontier_valid = nodes, builder.last_valid
             logprobs = builder.expand(frontier, frontier_valid, depth=level)
-        tree, origin = builder.finish()
-        return Draft(tree, builder, origin)
+        return builder.finish()
 
 
 @dataclass
@@ -181,8 +180,7 @@ class Eagle2Policy:
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)
         if depth == 0:
-            tree, origin = builder.finish()
-            return Draft(tree, builder, origin)
+            return builder.finish()
         k = min(self.top_k, builder.root_logprobs.shape[-1])
         log_rates = self.ranks.log_rates(k, dev) if sampled else None  # [k]
         frontier = self._children(builder, builder.root, builder.root_logprobs[:, None, :], k, builder.root_valid, log_rates, 1)  # [B, k]
@@ -196,10 +194,10 @@ class Eagle2Policy:
             best = torch.topk(builder.score[:, start:], k, dim=1).indices  # [B, k]
             frontier = best.add_(start)
         keep = builder.top_by_score(None, self.total_tokens)  # by builder.score
-        tree, origin = builder.finish(keep, width=1 + self.total_tokens)
+        drafted = builder.finish(keep, width=1 + self.total_tokens)
         if sampled:
-            self._last_tree = (tree.parents, tree.valid)
-        return Draft(tree, builder, origin)
+            self._last_tree = (drafted.tree.parents, drafted.tree.valid)
+        return drafted
 
     @staticmethod
     def _children(

@@ -37,7 +37,7 @@ import hashlib
 import json
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -171,6 +171,12 @@ class Scene:
     def ordered(self) -> list[SceneObject]:
         """The objects in reading order (by cell)."""
         return sorted(self.objects, key=lambda o: o.cell)
+
+    def unique_by(self, key: Callable[[SceneObject], str]) -> list[SceneObject]:
+        """The objects, in reading order, whose `key` (shape, colour, name) no other object
+        shares: a question or an edit can name each of them by it alone."""
+        counts = Counter(key(o) for o in self.objects)
+        return [o for o in self.ordered() if counts[key(o)] == 1]
 
     def free_cells(self) -> list[int]:
         """Cells holding neither an object nor the sign."""
@@ -344,6 +350,12 @@ class _Draw:
                 return scene
         raise RuntimeError(f"no {self.split} scene in {_MAX_TRIES} draws")  # pragma: no cover
 
+    def unique_object(self, scene: Scene, key: Callable[[SceneObject], str]) -> SceneObject | None:
+        """A random object of `scene` that a question can name by `key` alone (`Scene.unique_by`),
+        or None when there is none."""
+        unique = scene.unique_by(key)
+        return self.rng.choice(unique) if unique else None
+
 
 def _describe(d: _Draw) -> _Turn | None:
     scene = d.scene()
@@ -369,21 +381,17 @@ def _count(d: _Draw) -> _Turn | None:
 
 def _colour(d: _Draw) -> _Turn | None:
     scene = d.scene()
-    counts = Counter(o.shape for o in scene.objects)
-    unique = [o for o in scene.ordered() if counts[o.shape] == 1]
-    if not unique:
+    obj = d.unique_object(scene, lambda o: o.shape)
+    if obj is None:
         return None
-    obj = d.rng.choice(unique)
     return _Turn([scene], f"What colour is the {obj.shape}?", f"The {obj.shape} is {obj.colour}.", word=obj.colour, colour=obj.colour)
 
 
 def _shape(d: _Draw) -> _Turn | None:
     scene = d.scene()
-    counts = Counter(o.colour for o in scene.objects)
-    unique = [o for o in scene.ordered() if counts[o.colour] == 1]
-    if not unique:
+    obj = d.unique_object(scene, lambda o: o.colour)
+    if obj is None:
         return None
-    obj = d.rng.choice(unique)
     return _Turn([scene], f"What shape is the {obj.colour} object?", f"The {obj.colour} object is {_a(obj.shape)}.", word=obj.shape)
 
 
@@ -391,11 +399,9 @@ def _where(d: _Draw) -> _Turn | None:
     scene = d.scene()
     if scene.sign_cell is not None and d.rng.random() < 0.25:
         return _Turn([scene], "Where is the sign?", f"The sign is {location(scene.sign_cell)}.")
-    counts = Counter(o.name for o in scene.objects)
-    unique = [o for o in scene.ordered() if counts[o.name] == 1]
-    if not unique:
+    obj = d.unique_object(scene, lambda o: o.name)
+    if obj is None:
         return None
-    obj = d.rng.choice(unique)
     return _Turn([scene], f"Where is the {obj.name}?", f"The {obj.name} is {location(obj.cell)}.")
 
 
@@ -408,10 +414,8 @@ def _edit(rng: random.Random, scene: Scene) -> tuple[Scene, str] | None:
     """One random edit of `scene` (move, recolour, add or remove an object) and the sentence describing it."""
     objs = scene.ordered()
     free = scene.free_cells()
-    names = Counter(o.name for o in objs)
-    shapes = Counter(o.shape for o in objs)
-    movable = [o for o in objs if names[o.name] == 1]
-    recolourable = [o for o in objs if shapes[o.shape] == 1]
+    movable = scene.unique_by(lambda o: o.name)
+    recolourable = scene.unique_by(lambda o: o.shape)
     options = []
     if movable and free:
         options.append("move")
@@ -435,6 +439,7 @@ def _edit(rng: random.Random, scene: Scene) -> tuple[Scene, str] | None:
         new = [SceneObject(obj.shape, colour, obj.cell) if o is obj else o for o in objs]
         answer = f"The {obj.shape} changed from {obj.colour} to {colour}."
     elif kind == "add":
+        names = {o.name for o in objs}
         shape, colour = rng.choice([(s, c) for s in SHAPES for c in COLOURS if f"{c} {s}" not in names])
         cell = rng.choice(free)
         new = [*objs, SceneObject(shape, colour, cell)]

@@ -62,7 +62,8 @@ class TargetPath:
 
 @dataclass(frozen=True)
 class AcceptedPaths:
-    """What the accept rule kept this step, in the builder's node indices."""
+    """What the accept rule kept this step, in the builder's node indices (the numbering of
+    `NodeBatch.nodes`; `Draft.accepted_paths` maps the verified tree's path to it)."""
 
     nodes: torch.Tensor
     """[B, D] int64 the accepted path's nodes, root excluded, root-to-leaf; entries at and past `length` are padding"""
@@ -70,10 +71,9 @@ class AcceptedPaths:
     """[B] int64 accepted draft tokens per row (0 for finished rows)"""
     tokens: torch.Tensor
     """[B, N] int64 the token of every builder node (tokens.gather(1, nodes) are the accepted tokens)"""
-    host_nodes: list[list[int]]
-    """per row, `nodes[b, :length[b]]` on the host (read once per step by the engine)"""
     host_tokens: list[list[int]]
-    """per row, the accepted tokens on the host"""
+    """per row, the accepted tokens on the host (read once per step by the engine; row b holds
+    `length[b]` of them)"""
     host_active: list[bool]
     """per row, whether it ran this step (finished rows did not)"""
     target: TargetPath
@@ -87,7 +87,6 @@ class AcceptedPaths:
             nodes=self.nodes.repeat_interleave(m, dim=0),
             length=self.length.repeat_interleave(m, dim=0),
             tokens=self.tokens.repeat_interleave(m, dim=0),
-            host_nodes=[p for p in self.host_nodes for _ in range(m)],
             host_tokens=[t for t in self.host_tokens for _ in range(m)],
             host_active=[a for a in self.host_active for _ in range(m)],
             target=self.target.repeat_rows(m),

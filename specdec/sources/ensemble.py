@@ -271,16 +271,18 @@ class EnsembleDraftSource:
     def end_step(self, accepted: AcceptedPaths) -> None:
         self.inner.end_step(accepted.repeat_rows(self.m))
         p_logs = accepted.target.logprobs()  # [B, 1 + D, V]
-        for row, path in enumerate(accepted.host_nodes):
+        for row, tokens in enumerate(accepted.host_tokens):
             if not accepted.host_active[row]:
                 continue
-            for i, node in enumerate([0, *path]):  # the distributions that decided each committed token
-                q_log = self._root_q[row] if node == 0 else self._node_q(row, node)
+            # the distributions that decided each committed token: the root's, then each accepted node's
+            for i in range(1 + len(tokens)):
+                q_log = self._root_q[row] if i == 0 else self._node_q(row, accepted.nodes[row, i - 1])
                 if q_log is not None:
                     self._observe(row, p_logs[row, i], q_log)
 
-    def _node_q(self, row: int, node: int) -> torch.Tensor | None:
-        """The views' [m, V] children distributions of builder node `node`, if it was expanded."""
+    def _node_q(self, row: int, node: torch.Tensor) -> torch.Tensor | None:
+        """The views' [m, V] children distributions of builder node `node` (a 0-d int64 tensor,
+        compared on the device), if it was expanded."""
         for nodes, valid, view_logprobs in self._expanded:
             hit = ((nodes[row] == node) & valid[row]).nonzero()
             if hit.numel():
