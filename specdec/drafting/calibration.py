@@ -34,8 +34,10 @@ from specdec.isotonic import isotonic
 
 RANK_PRIOR = 10.0
 """pseudo-observations before a rank's pooled rate replaces the identity as its bins' prior"""
-REFIT_EVERY = 4
-"""the calibrated table is refitted after each of the first REFIT_EVERY updates, then every REFIT_EVERY-th"""
+EARLY_REFITS = 4
+"""the calibrated table is refitted after each of the first EARLY_REFITS updates (it starts from a prior) ..."""
+REFIT_EVERY = 16
+"""... then after every REFIT_EVERY-th (each refit reads the counts from the device: one host read)"""
 LOG_FLOOR = math.log(1e-6)
 """calibrated local log-rates are clamped to [LOG_FLOOR, log(1 - 1e-6)]"""
 
@@ -154,7 +156,7 @@ class AcceptanceCalibrator:
         """Record verdicts: logq, rank, accepted (and mask) have one shape; the entries where
         mask is True (all when None) are verified nodes whose parent was reached. The counts
         are updated on the verdicts' device; the host reads them only when the table is refitted
-        (after each of the first REFIT_EVERY updates, then every REFIT_EVERY-th)."""
+        (after each of the first EARLY_REFITS updates, then every REFIT_EVERY-th)."""
         if logq.numel() == 0:
             return
         use = torch.isfinite(logq) if mask is None else (mask & torch.isfinite(logq))
@@ -179,7 +181,7 @@ class AcceptanceCalibrator:
         self._acc[2, :1].add_(n)
         self._dirty = True
         self._updates += 1
-        if self._updates <= REFIT_EVERY or self._updates % REFIT_EVERY == 0:  # refit the table now and then
+        if self._updates <= EARLY_REFITS or self._updates % REFIT_EVERY == 0:  # refit the table now and then
             self._flush()
             self._set_rates(self.rates())
             self._child = np.array([self._rate_of(r) for r in range(1, self.ranks + 1)])
