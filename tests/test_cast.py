@@ -677,3 +677,26 @@ def test_deterministic_cast_gives_the_same_sampled_tokens_for_a_seed():
         outs = engine.generate([[5, 6, 7, 8], [9, 10, 11]], 24, SamplingParams(temperature=1.0), seed=123)
         outputs.append([o.token_ids for o in outs])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_layer_values_pool_every_node_drafted_up_to_each_layer(rows):
+    """`_layer_values` (one masked top-k for all layers) equals the per-layer pools built one
+    layer at a time: each layer's candidates, then the best m values of the nodes drafted up to
+    it (root excluded), batch-averaged as confidences."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(0)
+    policy = CastPolicy(top_k=3, total_tokens=5, cost_table=linear_table())
+    score = -torch.rand(rows, 20, generator=gen) * 4  # [B, N] the builder's values in creation order
+    score[:, 0] = 0.0
+    score[score < -3.0] = float("-inf")  # invalid nodes
+    ends = [4, 10, 20]  # the builder's node count after each layer
+    values = [torch.sort(score[:, s:e], dim=1, descending=True).values[:, :3] for s, e in zip([1, 4, 10], ends, strict=True)]
+    policy._weights = torch.full((rows, 1), 1.0 / rows) if rows > 1 else None
+    got = policy._layer_values(SimpleNamespace(score=score, device=score.device), values, ends)  # [L, k + m']
+    for i, end in enumerate(ends):
+        pool = torch.topk(score[:, 1:end], min(5, end - 1), dim=1).values  # [B, m']
+        expected = torch.cat([values[i], pool], dim=1).exp().mean(dim=0)  # every row active: a plain mean
+        assert torch.allclose(got[i, : expected.shape[0]], expected)
+        assert torch.all(got[i, expected.shape[0] :] == 0)  # columns past this layer's pool: nothing (exp(-inf))

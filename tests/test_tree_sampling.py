@@ -221,3 +221,36 @@ def test_eagle2_learns_positional_rates_from_sampled_verdicts():
     greedy = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
     greedy.generate([[1, 4, 2, 5]], 8, SamplingParams())
     assert policy.ranks.observations == before  # top-k trees teach nothing about sampled ranks
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", ["chain", *POLICIES])
+def test_level_depth_hints_match_the_parents(method, temperature, monkeypatch):
+    """A policy's level `depth` hint (no gather of the parents' depths) must be the real one: the
+    draft source's positions come from it (`NodeBatch.depth`), and the builder stores it as the
+    children's depth. A wrong hint leaves greedy output lossless (only the draft degrades), so it
+    is checked here directly: each hinted forward's nodes sit at the hinted depth, and every
+    valid node is one deeper than its parent."""
+    hinted = []
+    expand = ModelDraftSource.expand
+
+    def checked(self, batch, params):
+        if batch.depth is not None:
+            depths = batch.depths.gather(1, batch.nodes)  # [B, k]
+            assert torch.equal(depths[batch.valid], torch.full_like(depths[batch.valid], batch.depth))
+            hinted.append(batch.depth)
+        return expand(self, batch, params)
+
+    monkeypatch.setattr(ModelDraftSource, "expand", checked)
+    options = POLICIES.get(method, {"k": 4})
+    _, draft = pair()
+    source = ModelDraftSource(draft)
+    prompt = torch.tensor([[1, 4, 2, 5, 3]] * 3)
+    source.prefill(prompt, torch.ones_like(prompt))
+    ctx = DraftContext(params=SamplingParams(temperature=temperature), generator=torch.Generator().manual_seed(0), max_depth=4, active=torch.ones(3, dtype=torch.bool))
+    d = make_policy(method, **options).draft(source, torch.full((3,), 6, dtype=torch.long), ctx)
+    assert hinted, "no level forward carried a depth hint"
+    builder = d.builder
+    valid = builder.valid[:, 1:]  # non-root builder nodes
+    parent_depth = builder.depths.gather(1, builder.parents[:, 1:].clamp(min=0))
+    assert torch.equal(builder.depths[:, 1:][valid], (parent_depth + 1)[valid])
