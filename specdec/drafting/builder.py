@@ -374,6 +374,15 @@ class TreeBuilder:
             return nodes.expand(b, k), top.indices.reshape(b, k), top.values.reshape(b, k), valid.expand(b, k)
         return nodes.repeat_interleave(k, dim=1), top.indices.reshape(b, m * k), top.values.reshape(b, m * k), valid.repeat_interleave(k, dim=1)
 
+    def draw_children(
+        self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`sample_children` without the Gumbel keys, for policies that value drawn children by
+        their own token-free rule (EAGLE-2's positional rates, CAST's values): (parents, tokens,
+        logq, valid), each [B, m*k]."""
+        parents, tokens, logq, child_valid, _ = self._draw(nodes, logprobs, k, valid)
+        return parents, tokens.reshape(parents.shape), logq.reshape(parents.shape), child_valid
+
     def sample_children(
         self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -398,11 +407,7 @@ class TreeBuilder:
         Returns (parents, tokens, logq, valid, keys), each [B, m*k]; pass keys to `add(score=...)`.
         """
         b, m, _ = logprobs.shape
-        # -Gumbel noise as log(-log u) (torch's exponential_ is several times slower than rand on CPU)
-        noise = torch.rand(logprobs.shape, generator=self.ctx.generator, device=logprobs.device).log_().neg_().log_()
-        top = torch.topk(torch.sub(logprobs, noise, out=noise), k, dim=-1)  # [B, m, k] logq + Gumbel, in draw order
-        tokens, perturbed = top.indices, top.values
-        logq = logprobs.gather(-1, tokens)  # [B, m, k]
+        parents, tokens, logq, child_valid, perturbed = self._draw(nodes, logprobs, k, valid)
         safe = nodes.clamp(min=0)
         parent_key = self.score.gather(1, safe)[:, :, None]  # [B, m, 1]
         parent_cum = self.cum_logq.gather(1, safe)[:, :, None]  # [B, m, 1]
@@ -413,9 +418,21 @@ class TreeBuilder:
         key = parent_key - w.clamp(min=0) - torch.log1p(torch.exp(-w.abs()))
         ok = valid[:, :, None] & torch.isfinite(logq) & torch.isfinite(key)
         key = key.masked_fill(~ok, float("-inf")).cummin(dim=-1).values  # monotone in draw order despite rounding
+        return parents, tokens.reshape(b, m * k), logq.reshape(b, m * k), child_valid, key.reshape(b, m * k)
+
+    def _draw(
+        self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Gumbel-top-k draw of `sample_children`: parents and valid [B, m*k]; tokens, logq
+        and the perturbed log-probs (logq + Gumbel noise) [B, m, k], in draw order."""
+        b, m, _ = logprobs.shape
+        # -Gumbel noise as log(-log u) (torch's exponential_ is several times slower than rand on CPU)
+        noise = torch.rand(logprobs.shape, generator=self.ctx.generator, device=logprobs.device).log_().neg_().log_()
+        top = torch.topk(torch.sub(logprobs, noise, out=noise), k, dim=-1)  # [B, m, k] logq + Gumbel, in draw order
+        logq = logprobs.gather(-1, top.indices)  # [B, m, k]
         parents = nodes[:, :, None].expand(b, m, k).reshape(b, m * k)
         child_valid = valid[:, :, None].expand(b, m, k).reshape(b, m * k)
-        return parents, tokens.reshape(b, m * k), logq.reshape(b, m * k), child_valid, key.reshape(b, m * k)
+        return parents, top.indices, logq, child_valid, top.values
 
     # ----- emitting ------------------------------------------------------------------------
     def finish(self, keep: torch.Tensor | None = None, width: int | None = None) -> Draft:

@@ -905,13 +905,13 @@ class CastPolicy:
         value, its draw rank and the parent's collision mass log sum_v q(v)^2 (the draft's
         expected probability of its own sample) in place of logq, calibrated per rank like
         logq (or taken as is without calibration), and made non-increasing in the rank so the
-        kept siblings are always the first ones drawn. (CAST ranks by these values, so the
-        builder's Gumbel keys are not kept.)
+        kept siblings are always the first ones drawn. (CAST ranks by these values, so no
+        Gumbel keys are computed: `draw_children`.)
         """
         start = builder.num_nodes  # the new nodes are columns start..start + m*k - 1
         b, m, _ = logprobs.shape
         if self._sampled:
-            parents, tokens, logq, child_valid, _ = builder.sample_children(nodes, logprobs, k, valid)
+            parents, tokens, logq, child_valid = builder.draw_children(nodes, logprobs, k, valid)  # valued below, not by Gumbel keys
             local = torch.logsumexp(2 * logprobs, dim=-1).clamp(max=0.0)[:, :, None]  # [B, m, 1]: the same for each parent's k draws
         else:
             top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]

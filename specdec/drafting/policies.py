@@ -208,6 +208,6 @@ class Eagle2Policy:
         returns them [B, m*k]."""
         if log_rates is None:
             return builder.add_top_children(nodes, logprobs, k, None, depth=depth)  # invalid nodes have cum_logq -inf
-        parents, tokens, logq, child_valid, _ = builder.sample_children(nodes, logprobs, k, valid)
+        parents, tokens, logq, child_valid = builder.draw_children(nodes, logprobs, k, valid)  # valued by rank, not by Gumbel keys
         score = builder.score.gather(1, parents) + log_rates.repeat(nodes.shape[1])  # [B, m*k]: token-free, non-increasing in the rank
         return builder.add(parents, tokens, logq, child_valid, sampled=True, score=score, depth=depth)

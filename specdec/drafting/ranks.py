@@ -71,7 +71,8 @@ class RankAcceptance:
         for row, path in enumerate(accepted_nodes):
             if active[row] and path:
                 on_path[row, list(path)] = True
-        parents, valid = parents.cpu(), valid.cpu()
+        host = torch.stack([parents, valid.long()]).cpu()  # one transfer: [2, B, N]
+        parents, valid = host[0], host[1].bool()
         reached = on_path.clone()
         reached[:, 0] = True
         parent_reached = reached.gather(1, parents.clamp(min=0)) & (parents >= 0)
