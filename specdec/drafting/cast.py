@@ -750,7 +750,8 @@ class CastPolicy:
         dev = builder.device
         prefixes = constants.prefix_masks(n, dev)
         drafted = torch.stack([prefixes[e - 1] for e in ends])  # [L, n] the nodes drafted up to each layer
-        pooled = torch.where(drafted[:, None, :], builder.score[:, 1 : n + 1], constants.full((), float("-inf"), torch.float32, dev))  # [L, B, n]
+        scores = builder.score[:, 1 : n + 1]  # [B, n]
+        pooled = torch.where(drafted[:, None, :], scores, constants.full((), float("-inf"), scores.dtype, dev))  # [L, B, n]
         pools = torch.topk(pooled, min(self.total_tokens, n), dim=2).values  # [L, B, m']
         return _batch_mean(torch.cat([torch.stack(values), pools], dim=2).exp(), self._weights, 1)
 
