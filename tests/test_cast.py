@@ -500,7 +500,7 @@ def test_calibrator_forgets_old_verdicts():
     for _ in range(10):
         cal.observe(q, rank, torch.ones(50, dtype=torch.bool))
     assert cal.child_rate() > 0.95
-    for _ in range(30):
+    for _ in range(32):  # updates 11..42: the table is refitted at update 42 (calibration.REFIT_EVERY)
         cal.observe(q, rank, torch.zeros(50, dtype=torch.bool))
     assert cal.child_rate() < 0.1 and cal.local_logprob(q[:1], rank[:1]).exp().item() < 0.1
 

@@ -90,6 +90,12 @@ def draft(policy: DynaTreePolicy, dist: DistFn, rows: int = 1, max_depth: int = 
     return tree, src
 
 
+def paper_policy(**options) -> DynaTreePolicy:
+    """DynaTree with the paper's raw draft probabilities as p(u) and c(u) (calibration off): the
+    rules below are checked on hand-built probabilities, which calibration would replace."""
+    return DynaTreePolicy(calibrate=False, **options)
+
+
 def nodes_of(tree, row: int = 0) -> dict[tuple[int, ...], float]:
     """{path of tokens (root excluded): p} of every drafted node of a row."""
     out = {}
@@ -113,7 +119,7 @@ def test_confidence_branching_rule():
 def test_branching_from_draft_confidence_one_level():
     """Three rows, one level: confident -> B_min, middling -> B_mid, uncertain -> B_max best children."""
     roots = [{7: 0.95, 8: 0.03}, {7: 0.6, 8: 0.3, 9: 0.05}, {7: 0.3, 8: 0.25, 9: 0.2, 10: 0.15}]
-    tree, src = draft(DynaTreePolicy(), lambda row, path: roots[row], rows=3, max_depth=1)
+    tree, src = draft(paper_policy(), lambda row, path: roots[row], rows=3, max_depth=1)
     assert tree.drafted_per_row().tolist() == [1, 2, 3]
     assert set(nodes_of(tree, 0)) == {(7,)}
     assert set(nodes_of(tree, 1)) == {(7,), (8,)}
@@ -137,7 +143,7 @@ def confident_chain(q: float, side: float = 0.0) -> DistFn:
 
 def test_deep_expansion_along_a_likely_path():
     """p = 0.95^d stays >= rho_deep, so the chain (c >= tau_h -> one child) grows past D_0 up to D_max."""
-    tree, src = draft(DynaTreePolicy(), confident_chain(0.95))
+    tree, src = draft(paper_policy(), confident_chain(0.95))
     assert tree.max_depth() == 8 and tree.drafted_per_row().item() == 8
     assert len(src.calls) == 7  # one draft forward per level below the root
 
@@ -145,7 +151,7 @@ def test_deep_expansion_along_a_likely_path():
 def test_depth_gate_stops_beyond_d0_and_early_stops_unlikely_siblings():
     """Main path p = 0.88^d: at depth 5 p = 0.53 >= 0.5 expands, at depth 6 p = 0.46 stops.
     The siblings (token 2, p <= 0.08 < rho_stop) are added (>= tau) but never expanded."""
-    tree, src = draft(DynaTreePolicy(), confident_chain(0.88, side=0.08))
+    tree, src = draft(paper_policy(), confident_chain(0.88, side=0.08))
     got = nodes_of(tree)
     main_path = [(1,) * d for d in range(1, 7)]
     siblings = [(1,) * d + (2,) for d in range(0, 6)]
@@ -158,7 +164,7 @@ def test_depth_gate_stops_beyond_d0_and_early_stops_unlikely_siblings():
 
 def test_early_stop_before_d0():
     """A path whose p falls below rho_stop stops even at depth < D_0."""
-    tree, _ = draft(DynaTreePolicy(rho_stop=0.3, prune_tau=0.01), confident_chain(0.6, side=0.35))
+    tree, _ = draft(paper_policy(rho_stop=0.3, prune_tau=0.01), confident_chain(0.6, side=0.35))
     # depth 1: 0.6 and 0.35 (both >= 0.3, expandable); depth 2: 0.36 (expandable), 0.21, 0.21, 0.12; depth 3: 0.216, 0.126
     assert tree.max_depth() == 3
     assert set(nodes_of(tree)) == {(1,), (2,), (1, 1), (1, 2), (1, 1, 1), (1, 1, 2)}
@@ -167,10 +173,10 @@ def test_early_stop_before_d0():
 def test_probability_threshold_pruning():
     """A child with p < tau is never added (not even as a leaf)."""
     dist = lambda row, path: {(): {1: 0.6, 2: 0.3}, (1,): {3: 0.5, 4: 0.45}}.get(path, {})  # noqa: E731
-    tree, _ = draft(DynaTreePolicy(prune_tau=0.28), dist)
+    tree, _ = draft(paper_policy(prune_tau=0.28), dist)
     got = nodes_of(tree)
     assert set(got) == {(1,), (2,), (1, 3)}  # (1, 4): 0.27 < 0.28 pruned
-    tree, _ = draft(DynaTreePolicy(prune_tau=0.35), dist)
+    tree, _ = draft(paper_policy(prune_tau=0.35), dist)
     assert set(nodes_of(tree)) == {(1,)}  # (2,) pruned, (1, 3) = 0.3 pruned
 
 
@@ -184,18 +190,18 @@ def budget_dist(row: int, path: tuple[int, ...]) -> dict[int, float]:
 
 
 def test_node_budget_keeps_the_most_likely_candidates_of_a_level():
-    tree, src = draft(DynaTreePolicy(max_nodes=6, rho_stop=0.05, prune_tau=0.01), budget_dist)
+    tree, src = draft(paper_policy(max_nodes=6, rho_stop=0.05, prune_tau=0.01), budget_dist)
     got = nodes_of(tree)
     assert len(got) == 6
     assert {p for p in got if len(p) == 2} == {(3, 9), (1, 4), (1, 5)}
     assert len(src.calls) == 1  # budget spent: the depth-2 nodes are not expanded
     # without the budget every candidate survives
-    tree, _ = draft(DynaTreePolicy(max_nodes=256, rho_stop=0.05, prune_tau=0.01), budget_dist)
+    tree, _ = draft(paper_policy(max_nodes=256, rho_stop=0.05, prune_tau=0.01), budget_dist)
     assert len(nodes_of(tree)) == 9
 
 
 def test_budget_of_one_and_budget_cut_function():
-    tree, src = draft(DynaTreePolicy(max_nodes=1), budget_dist)
+    tree, src = draft(paper_policy(max_nodes=1), budget_dist)
     assert set(nodes_of(tree)) == {(1,)} and src.calls == []
     score = torch.tensor([[-0.1, -2.0, -0.5, -0.5], [-1.0, -1.0, -1.0, -1.0]])
     valid = torch.tensor([[True, True, True, True], [True, False, True, True]])
@@ -208,7 +214,7 @@ def test_budget_of_one_and_budget_cut_function():
 def test_one_batched_forward_per_level_with_padding():
     """Rows with different frontier sizes share one expand call per level; short rows are padded invalid."""
     dists = [confident_chain(0.95), budget_dist]
-    policy = DynaTreePolicy(rho_stop=0.05, prune_tau=0.01, d0=3, d_max=4)
+    policy = paper_policy(rho_stop=0.05, prune_tau=0.01, d0=3, d_max=4)
     tree, src = draft(policy, lambda row, path: dists[row](row, path), rows=2)
     assert tree.depths[0].max().item() == 4
     assert len(src.calls) == 3  # levels 1, 2, 3 expanded; depth 4 = D_max
@@ -221,11 +227,11 @@ def test_one_batched_forward_per_level_with_padding():
 
 
 def test_respects_ctx_max_depth_and_inactive_rows():
-    tree, src = draft(DynaTreePolicy(), confident_chain(0.95), rows=2, max_depth=3, active=[True, False])
+    tree, src = draft(paper_policy(), confident_chain(0.95), rows=2, max_depth=3, active=[True, False])
     assert tree.max_depth() == 3 and len(src.calls) == 2
     assert tree.drafted_per_row().tolist() == [3, 0]
     assert all(not v[1].any() for _, v in src.calls)
-    tree, src = draft(DynaTreePolicy(), confident_chain(0.95), max_depth=0)
+    tree, src = draft(paper_policy(), confident_chain(0.95), max_depth=0)
     assert tree.drafted_per_row().tolist() == [0] and src.calls == []
 
 
@@ -234,16 +240,16 @@ def test_phases_change_the_shape():
     phase 2 adds the depth gate (deeper along likely paths)."""
     dist = lambda row, path: {1: 0.95, 2: 0.04}  # noqa: E731  confident everywhere
     kw = dict(d0=2, prune_tau=0.01)
-    t0, _ = draft(DynaTreePolicy(phase=0, **kw), dist)
+    t0, _ = draft(paper_policy(phase=0, **kw), dist)
     assert set(nodes_of(t0)) == {(1,), (2,), (1, 1), (1, 2), (2, 1)}  # (2, 2) = 0.0016 pruned
-    t1, _ = draft(DynaTreePolicy(phase=1, **kw), dist)
+    t1, _ = draft(paper_policy(phase=1, **kw), dist)
     assert set(nodes_of(t1)) == {(1,), (1, 1)}
-    t2, _ = draft(DynaTreePolicy(phase=2, **kw), dist)
+    t2, _ = draft(paper_policy(phase=2, **kw), dist)
     assert set(nodes_of(t2)) == {(1,) * d for d in range(1, 9)}
     # phase 1 ignores rho_stop: nodes with p < rho_stop still expand up to D_0
     low = lambda row, path: {1: 0.3, 2: 0.28, 3: 0.27}  # noqa: E731
-    t1, _ = draft(DynaTreePolicy(phase=1, d0=2, prune_tau=0.05, rho_stop=0.35), low)
-    t2, _ = draft(DynaTreePolicy(phase=2, d0=2, prune_tau=0.05, rho_stop=0.35), low)
+    t1, _ = draft(paper_policy(phase=1, d0=2, prune_tau=0.05, rho_stop=0.35), low)
+    t2, _ = draft(paper_policy(phase=2, d0=2, prune_tau=0.05, rho_stop=0.35), low)
     assert t1.max_depth() == 2 and t2.max_depth() == 1
 
 
@@ -269,7 +275,7 @@ def record(drafted: list[int], accepted: list[int], active: list[bool] | None = 
 
 
 def test_history_rule_moves_every_step_and_stays_in_bounds():
-    pol = DynaTreePolicy(history_rule="drafted")
+    pol = paper_policy(history_rule="drafted")
     assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (5, 0.9, 0.5)
     pol.feedback(record([10], [8]))  # a = 0.8 > a_high: more aggressive at once
     assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (6, 0.85, 0.45)
@@ -287,7 +293,7 @@ def test_history_rule_moves_every_step_and_stays_in_bounds():
 
 
 def test_history_window_and_batch_average():
-    pol = DynaTreePolicy(history_window=3, history_rule="drafted")
+    pol = paper_policy(history_window=3, history_rule="drafted")
     for _ in range(3):
         pol.feedback(record([4], [4]))  # a = 1
     assert pol.cur_d0 == 8 and pol.adjustments == 3
@@ -306,7 +312,7 @@ def test_history_window_and_batch_average():
 
 
 def test_history_bounds_contain_the_start_values_and_phases_below_3_do_not_adapt():
-    pol = DynaTreePolicy(d0=1, d_max=3, tau_high=0.42, tau_low=0.4, rho_stop=0.2, rho_deep=0.95, history_rule="drafted")
+    pol = paper_policy(d0=1, d_max=3, tau_high=0.42, tau_low=0.4, rho_stop=0.2, rho_deep=0.95, history_rule="drafted")
     assert pol.bounds() == {"d0": (1, 3), "tau_high": (0.42, 0.99), "rho_deep": (0.2, 0.95)}
     for _ in range(40):
         pol.feedback(record([2], [0]))
@@ -315,7 +321,7 @@ def test_history_bounds_contain_the_start_values_and_phases_below_3_do_not_adapt
         pol.feedback(record([2], [2]))
     assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep) == (3, 0.42, 0.2)
     for phase in (0, 1, 2):
-        pol = DynaTreePolicy(phase=phase, history_rule="drafted")
+        pol = paper_policy(phase=phase, history_rule="drafted")
         pol.feedback(record([10], [10]))
         assert (pol.cur_d0, pol.cur_tau_high, pol.cur_rho_deep, len(pol.history)) == (5, 0.9, 0.5, 0)
 
@@ -323,7 +329,7 @@ def test_history_bounds_contain_the_start_values_and_phases_below_3_do_not_adapt
 def test_adapted_values_drive_the_next_draft():
     """After aggressive adjustment tau_h drops: a node with c = 0.88 now gets one child, not two."""
     dist = lambda row, path: {1: 0.88, 2: 0.1} if len(path) == 0 else {}  # noqa: E731
-    pol = DynaTreePolicy(history_rule="drafted")
+    pol = paper_policy(history_rule="drafted")
     tree, _ = draft(pol, dist, max_depth=1)
     assert tree.drafted_per_row().item() == 2
     pol.feedback(record([10], [10]))
@@ -335,10 +341,10 @@ def test_predicted_history_decides_once_per_full_window():
     """history_rule 'predicted': the tree's predicted tokens (its nodes' summed path
     probabilities: 0.88 + 0.1 here) against the accepted ones, one decision per full window."""
     dist = lambda row, path: {1: 0.88, 2: 0.1} if len(path) == 0 else {}  # noqa: E731
-    pol = DynaTreePolicy(history_window=3)
+    pol = paper_policy(history_window=3)
     for step in range(3):
         draft(pol, dist, max_depth=1)
-        assert pol._predicted == pytest.approx([0.98], abs=1e-4)
+        assert pol._predicted_sum.tolist() == pytest.approx([0.98], abs=1e-4)
         pol.feedback(record([2], [1]))  # accepted 1 where 0.98 were predicted: within 10%
         assert pol.adjustments == 0 and len(pol.history) == step + 1
     assert pol.windowed_acceptance() == pytest.approx(1 / 0.98, abs=1e-4)
@@ -350,6 +356,52 @@ def test_predicted_history_decides_once_per_full_window():
     before = list(pol.history)
     pol.feedback(record([2], [2]))  # no tree drafted since: nothing to compare with
     assert list(pol.history) == before  # (history keeps the last history_window steps)
+
+
+def test_calibration_learns_from_verdicts_and_values_nodes_by_calibrated_rates():
+    """Calibrated DynaTree (the default): p(u) is the product of the calibrated local rates along
+    u's path. An underconfident draft (its best child at q = 0.6, raw p = 0.6^d below rho_stop =
+    0.3 from depth 3 on) whose chains the target always accepts learns rates near 1 for its
+    rank-1 tokens at q = 0.6 and drafts deeper; the uncalibrated rule keeps the shallow tree."""
+    dist = confident_chain(0.6, side=0.35)
+    options = {"rho_stop": 0.3, "prune_tau": 0.01, "phase": 2}
+    raw, _ = draft(paper_policy(**options), dist)
+    pol = DynaTreePolicy(**options)
+    first, _ = draft(pol, dist)
+    assert first.max_depth() <= raw.max_depth() + 1  # before any verdict the rates are the identity prior's bins
+
+    def drafted_and_scores() -> tuple:
+        src = TableSource(dist)
+        ctx = DraftContext(params=SamplingParams(), generator=None, max_depth=50, active=torch.tensor([True]))
+        drafted = pol.draft(src, torch.full((1,), 3, dtype=torch.long), ctx)
+        return drafted.tree, drafted.builder.score.gather(1, drafted.builder_nodes)
+
+    for step in range(40):  # the target accepts the whole all-1 chain every step
+        tree, _ = drafted_and_scores()
+        path = [i for i in range(1, tree.num_nodes) if tree.valid[0, i] and all(int(tree.tokens[0, j]) == 1 for j in tree.path_to(0, i)[1:])]
+        rec = record([tree.drafted_per_row().item()], [len(path)], step=step)
+        rec.accepted_nodes = [path]
+        pol.feedback(rec)
+    rates = pol._calibrator.rates()
+    assert rates[0, 6] > 0.9 and pol._calibrator.observations > 0  # rank 1, q in [0.6, 0.7): learned, not the prior's 0.65
+    tree, score = drafted_and_scores()
+    assert tree.max_depth() >= raw.max_depth() + 3
+    table = pol._calibrator._log_rate  # [ranks, bins] the log rates in use (as of the last refit)
+    for i in range(1, tree.num_nodes):  # each node's value: the sum of its path's calibrated local log-rates
+        if tree.valid[0, i]:
+            tokens = [int(tree.tokens[0, j]) for j in tree.path_to(0, i)[1:]]
+            local = [(1, 0.6) if tok == 1 else (2, 0.35) for tok in tokens]  # (rank, q) of each step along the path
+            expected = sum(float(table[rank - 1, int(q * 10)]) for rank, q in local)
+            assert float(score[0, i]) == pytest.approx(expected, abs=1e-4)
+
+
+def test_calibrated_history_predicts_with_calibrated_values():
+    """History rule 'predicted' with calibration: the prediction is the tree's summed calibrated p(u)."""
+    dist = lambda row, path: {1: 0.88, 2: 0.1} if len(path) == 0 else {}  # noqa: E731
+    pol = DynaTreePolicy(history_window=3)
+    draft(pol, dist, max_depth=1)
+    rates = pol._calibrator.rates()  # the identity prior: bin centres
+    assert pol._predicted_sum.tolist() == pytest.approx([float(rates[0, 8] + rates[1, 1])], abs=1e-4)
 
 
 # ----- validation, registry, CLI -------------------------------------------------------------
@@ -387,7 +439,7 @@ def test_registered_with_every_field_as_option():
     opts = method_options("dynatree")
     assert set(opts) == {
         "d0", "d_max", "b_min", "b_mid", "b_max", "tau_high", "tau_low", "prune_tau", "rho_stop", "rho_deep",
-        "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase", "tree_sampling", "history_rule",
+        "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase", "tree_sampling", "history_rule", "calibrate",
     }  # fmt: skip
     pol = make_policy("dynatree", d0=3, phase=1)
     assert (pol.d0, pol.phase, pol.d_max, pol.max_nodes, pol.prune_tau) == (3, 1, 8, 256, 0.03)

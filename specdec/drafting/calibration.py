@@ -25,6 +25,7 @@ step's tree depends on past verdicts only, as in DynaTree's history rule).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,12 +33,21 @@ import torch
 from specdec import constants
 from specdec.isotonic import isotonic
 
+if TYPE_CHECKING:
+    from specdec.stats import StepRecord
+
 RANK_PRIOR = 10.0
 """pseudo-observations before a rank's pooled rate replaces the identity as its bins' prior"""
 EARLY_REFITS = 4
 """the calibrated table is refitted after each of the first EARLY_REFITS updates (it starts from a prior) ..."""
 REFIT_EVERY = 16
-"""... then after every REFIT_EVERY-th (each refit reads the counts from the device: one host read)"""
+"""... then once the updates since the last refit reach 1 / REFIT_GROWTH of the updates at the last
+refit, at most REFIT_EVERY apart (each refit reads the counts from the device: one host read):
+refits after updates 1, 2, 3, 4, 6, 9, 13, 19, 28, 42, 58, 74, ... While the table still moves
+they follow each other closely: a table left stale for 12 steps after a prior-dominated early fit
+made CAST verify twice the nodes it should in the tree simulation (tests/test_tree_rules.py)"""
+REFIT_GROWTH = 2
+"""see REFIT_EVERY"""
 LOG_FLOOR = math.log(1e-6)
 """calibrated local log-rates are clamped to [LOG_FLOOR, log(1 - 1e-6)]"""
 
@@ -62,6 +72,7 @@ class AcceptanceCalibrator:
         self._acc: torch.Tensor | None = None
         self._dirty = False
         self._updates = 0
+        self._refitted_at = 0  # `_updates` at the last refit
         self._child = np.full(ranks, 0.5)  # child_rate per rank, as of the last refit
         self._edges: dict[torch.device, torch.Tensor] = {}  # log q bin edges per device
         self._set_rates(np.tile(self.centers, (ranks, 1)))  # the identity until verdicts arrive
@@ -152,11 +163,32 @@ class AcceptanceCalibrator:
         overflow = constants.full((), self.ranks * self.bins, torch.long, cells.device)  # the cell of unobserved entries
         self._accumulate(torch.where(mask, cells, overflow).flatten(), mask.sum(), accepted)
 
+    def observe_tree(self, cells: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, record: StepRecord) -> None:
+        """The verdicts on one verified tree: every valid non-root node whose parent was reached (the
+        root, or a node on the row's accepted path) is one observation, accepted iff it was reached.
+
+        cells: [B, N] each node's table cell (`cells`), in the verified tree's order; parents,
+        valid: [B, N] the tree's; record: the step's `StepRecord` (its `accepted_nodes` index the
+        same tree). The reached nodes are marked on the host and copied to the device once."""
+        if not record.accepted_nodes:
+            return
+        host_reached = np.zeros(tuple(parents.shape), dtype=np.bool_)  # [B, N]
+        for r, path in enumerate(record.accepted_nodes):
+            if record.active[r]:  # rows that finished accepted nothing
+                host_reached[r, [0, *path]] = True
+        if not host_reached.any():
+            return
+        reached = torch.from_numpy(host_reached).to(parents.device)
+        # observed: verified non-root nodes whose parent was reached (the root has no parent: column 0 off)
+        observed = valid & reached.gather(1, parents.clamp(min=0))
+        observed[:, 0] = False
+        self.observe_cells(cells, reached, observed)
+
     def observe(self, logq: torch.Tensor, rank: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Record verdicts: logq, rank, accepted (and mask) have one shape; the entries where
         mask is True (all when None) are verified nodes whose parent was reached. The counts
         are updated on the verdicts' device; the host reads them only when the table is refitted
-        (after each of the first EARLY_REFITS updates, then every REFIT_EVERY-th)."""
+        (after each of the first EARLY_REFITS updates, then further and further apart, at most REFIT_EVERY)."""
         if logq.numel() == 0:
             return
         use = torch.isfinite(logq) if mask is None else (mask & torch.isfinite(logq))
@@ -181,7 +213,9 @@ class AcceptanceCalibrator:
         self._acc[2, :1].add_(n)
         self._dirty = True
         self._updates += 1
-        if self._updates <= EARLY_REFITS or self._updates % REFIT_EVERY == 0:  # refit the table now and then
+        since = self._updates - self._refitted_at
+        if self._updates <= EARLY_REFITS or since >= min(REFIT_EVERY, max(1, self._refitted_at // REFIT_GROWTH)):  # refit the table now and then
+            self._refitted_at = self._updates
             self._flush()
             self._set_rates(self.rates())
             self._child = np.array([self._rate_of(r) for r in range(1, self.ranks + 1)])

@@ -965,19 +965,7 @@ class CastPolicy:
             return
         cells, parents, valid = self._last_tree
         self._last_tree = None
-        # the root and every accepted node were reached (rows that finished accepted nothing):
-        # marked on the host, copied to the device once
-        host_reached = np.zeros(tuple(parents.shape), dtype=np.bool_)  # [B, N]
-        for r, path in enumerate(record.accepted_nodes):
-            if record.active[r]:
-                host_reached[r, [0, *path]] = True
-        if not host_reached.any():
-            return
-        reached = torch.from_numpy(host_reached).to(parents.device)
-        # observed: verified non-root nodes whose parent was reached (the root has no parent: column 0 off)
-        observed = valid & reached.gather(1, parents.clamp(min=0))
-        observed[:, 0] = False
-        self._calibrator.observe_cells(cells, reached, observed)
+        self._calibrator.observe_tree(cells, parents, valid, record)
 
     def state(self) -> dict[str, Any]:
         """Introspection: the last step's layer widths and verified count, and the buffers."""

@@ -30,6 +30,7 @@ import torch
 
 from specdec import constants
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
+from specdec.drafting.calibration import AcceptanceCalibrator
 from specdec.errors import SpecDecError
 
 if TYPE_CHECKING:
@@ -197,6 +198,11 @@ class DynaTreePolicy:
     tree_sampling: str = "sampled"
     """when sampling: 'sampled' children drawn from the draft distribution, with their Gumbel keys
     standing for p(u) in pruning, the budget cut and the depth gate, or 'topk' (`TREE_SAMPLING`)"""
+    calibrate: bool = True
+    """p(u) and c(u) are calibrated acceptance rates learned online from the verifier's verdicts
+    (`AcceptanceCalibrator`, as CAST's): p(u) the product of its path's calibrated local rates, c(u)
+    the calibrated rate of u's best child; False: the paper's raw draft probabilities. Drawn
+    (sampled) children keep their Gumbel keys either way"""
     name: str = "dynatree"
     uses_draft: bool = True
 
@@ -210,6 +216,19 @@ class DynaTreePolicy:
     """steps on which the history rule moved the parameters (up or down)"""
     history: deque[float] = field(init=False, repr=False, default_factory=deque)
     """the last `history_window` per-step acceptances a_r"""
+    _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
+    _cells: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    """this step's calibration cells per node, [B, n] per add in creation order (calibrated steps only)"""
+    _ranks: dict[tuple[int, int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    """cached calibration rank offsets of k children per parent, m parents, [1, m, k]"""
+    _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    """the last calibrated step's (cells, parents, valid) in the verified tree's order, for feedback"""
+    _calibrating: bool = field(default=False, init=False, repr=False)
+    _rank_limits: dict[tuple[int, float, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    """`_allowed_children`'s per-rank thresholds on log c(u), [k] per (k, tau_h, device)"""
+    _predicted_sum: torch.Tensor | None = field(default=None, init=False, repr=False)
+    """[B] the last tree's predicted accepted tokens per row (sum of p(u)), read in `feedback`"""
+    """whether the step being drafted calibrates (`calibrate`, greedy or top-k children, phase >= 1)"""
 
     def __post_init__(self) -> None:
         self._validate()
@@ -259,17 +278,21 @@ class DynaTreePolicy:
                 "or 'drafted' (the paper's accepted / drafted); fix --history-rule"
             )
         check_tree_sampling(self.tree_sampling)
+        if not isinstance(self.calibrate, bool):
+            raise SpecDecError(f"dynatree calibrate={self.calibrate!r} must be true or false; fix --calibrate on|off")
 
     # ----- adaptive state ----------------------------------------------------------------
     def reset_history(self) -> None:
-        """Forget the acceptance history and restore the configured D_0, tau_h, rho_deep."""
+        """Forget the acceptance history (and the calibration) and restore the configured D_0, tau_h, rho_deep."""
+        self._calibrator = AcceptanceCalibrator()
+        self._last_tree = None
         self.cur_d0 = self.d0
         self.cur_tau_high = float(self.tau_high)
         self.cur_rho_deep = float(self.rho_deep)
         self.adjustments = 0
         self.history = deque(maxlen=self.history_window)
         self._pairs: deque[tuple[float, float]] = deque(maxlen=self.history_window)  # (accepted, predicted) per step
-        self._predicted: list[float] | None = None  # per row: the last tree's predicted accepted tokens
+        self._predicted_sum = None
         self._last_ratio: float | None = None  # the last full window's accepted / predicted
 
     def bounds(self) -> dict[str, tuple[float, float]]:
@@ -289,10 +312,16 @@ class DynaTreePolicy:
         return sum(self.history) / len(self.history) if self.history else None
 
     def feedback(self, record: StepRecord) -> None:
-        """Phase 3: record this step's acceptance and apply the history rule (every step)."""
+        """Calibration: the verdicts on the last tree (every phase that calibrates); phase 3: record
+        this step's acceptance and apply the history rule (every step)."""
+        if self._last_tree is not None:
+            cells, parents, valid = self._last_tree
+            self._last_tree = None
+            self._calibrator.observe_tree(cells, parents, valid, record)
         if self.phase < 3:
             return
-        predicted, self._predicted = self._predicted, None
+        predicted = self._predicted_sum.tolist() if self._predicted_sum is not None else None
+        self._predicted_sum = None
         if self.history_rule == "predicted":
             if predicted is None:
                 return
@@ -351,14 +380,19 @@ class DynaTreePolicy:
     def _allowed_children(self, top_logq: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
         """Which of each node's k top children the confidence rule keeps (rank < B(u)).
 
-        top_logq: [B, m, 1] the node's best child's log-prob (log c(u)). Returns [k] (phase 0:
-        b_mid for every node) or [B, m, k] bool. With b_min <= b_mid <= b_max:
-        rank < B(u) iff rank < b_min, or rank < b_mid and c(u) < tau_high, or rank < b_max and
-        c(u) < tau_low (the same B(u) as `confidence_branching`, compared in log space)."""
+        top_logq: [B, m, 1] log c(u) (the node's best child's log-prob, or its calibrated rate).
+        Returns [k] (phase 0: b_mid for every node) or [B, m, k] bool. With b_min <= b_mid <= b_max,
+        rank < B(u) iff log c(u) < T[rank], with T = +inf below b_min, log tau_h below b_mid, log
+        tau_l below b_max and -inf from b_max on (the same B(u) as `confidence_branching`): one
+        comparison against a per-rank table cached per (k, tau_h)."""
         if self.phase == 0:
             return constants.below(k, self.b_mid, device)
-        r_min, r_mid, r_max = (constants.below(k, bound, device) for bound in (self.b_min, self.b_mid, self.b_max))
-        return (r_mid & (top_logq < _log(self.cur_tau_high))).logical_or_(r_max & (top_logq < _log(self.tau_low))).logical_or_(r_min)
+        key = (k, self.cur_tau_high, device)
+        table = self._rank_limits.get(key)
+        if table is None:
+            limits = [math.inf if r < self.b_min else _log(self.cur_tau_high) if r < self.b_mid else _log(self.tau_low) if r < self.b_max else -math.inf for r in range(k)]
+            table = self._rank_limits[key] = torch.tensor(limits, device=device)  # [k]
+        return top_logq < table
 
     def _growing(self, depth: int, node_valid: torch.Tensor, score: torch.Tensor, limit: int) -> torch.Tensor | None:
         """Which of a level's nodes (all at `depth`) get children, [B, w] bool; None when no
@@ -389,29 +423,63 @@ class DynaTreePolicy:
         cut to each row's remaining budget, compacted and added at `depth`. Returns their indices [B, w]
         and which rows have budget left ([B] bool)."""
         dev = frontier.device
+        b, m = frontier.shape
         budget = self.max_nodes - (builder.valid.sum(dim=1) - 1)  # [B] draft tokens each row may still add
-        branch = self.branching(logprobs).masked_fill(~frontier_valid, 0)  # [B, m]
+        cells = None
         if sampled:  # drawn children are pruned and cut by their Gumbel keys, never by their own logq
             parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
         else:
             parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
-            cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
-        rank = torch.arange(k, device=dev).repeat(frontier.shape[1])  # [m*k] child rank under its parent
+            if self._calibrating:  # p(child): the parent's calibrated value times the child's calibrated local rate
+                cells, gain = self._calibrated(logq.view(b, m, k))  # [B, m, k] each
+                cum = builder.score.gather(1, parents) + gain.view(b, m * k)
+            else:
+                cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
+        # c(u): the calibrated rate of u's best child, or the draft's own confidence
+        branch = (self._branch_of(gain[:, :, :1]) if cells is not None else self.branching(logprobs)).masked_fill(~frontier_valid, 0)  # [B, m]
+        rank = torch.arange(k, device=dev).repeat(m)  # [m*k] child rank under its parent
         valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1)) & (logq > float("-inf"))
         valid = valid & (cum >= log_tau)  # probability-threshold pruning
         valid = keep_within_budget(cum, valid, budget)  # strict node budget
         # a static width: path probabilities of a level sum to at most 1 (no read); Gumbel keys
-        # of drawn children have no such bound, so their width is read
-        width = min(valid.shape[1], level_cap) if not sampled else max(1, int(valid.sum(dim=1).max()))
+        # of drawn children and calibrated rates have no such bound, so their width is read
+        width = min(valid.shape[1], level_cap) if not (sampled or cells is not None) else max(1, int(valid.sum(dim=1).max()))
         order, kept = compact(valid, width)  # [B, w]
+        if cells is not None:
+            self._cells.append(cells.view(b, m * k).gather(1, order))
         nodes = builder.add(
-            parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order), kept, sampled=sampled, score=cum.gather(1, order) if sampled else None, depth=depth
+            parents.gather(1, order),
+            tokens.gather(1, order),
+            logq.gather(1, order),
+            kept,
+            sampled=sampled,
+            score=cum.gather(1, order) if (sampled or cells is not None) else None,
+            depth=depth,
         )  # [B, w]
         return nodes, budget > builder.last_valid.sum(dim=1)
+
+    def _calibrated(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Calibration cells and calibrated local log acceptance rates of children with local draft
+        log-probs `local` [B, m, k], k per parent in rank order. Returns (cells, log rates), each
+        [B, m, k]. A token the draft rules out (local -inf) gets the lowest bin's finite rate: callers
+        rely on the builder, which marks a child invalid when its cum_logq is -inf."""
+        _, m, k = local.shape
+        key = (m, k, local.device)
+        if key not in self._ranks:  # (rank - 1) * bins per child: depends on the shape only
+            self._ranks[key] = self._calibrator.rank_offsets(torch.arange(1, k + 1, device=local.device)).view(1, 1, k)
+        cells = self._calibrator.cells(local, self._ranks[key])  # [B, m, k]
+        return cells, self._calibrator.log_rate(cells)
+
+    def _branch_of(self, log_conf: torch.Tensor) -> torch.Tensor:
+        """B(u) from log c(u) [B, m, 1] (the rule of `confidence_branching`, in log space) -> [B, m]."""
+        log_conf = log_conf[:, :, 0]
+        mid = torch.where(log_conf >= _log(self.cur_tau_high), self.b_min, self.b_mid)
+        return torch.where(log_conf < _log(self.tau_low), self.b_max, mid)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         limit = self.depth_limit(ctx)
         sampled = ctx.samples_children(self.tree_sampling)
+        self._calibrating = self.calibrate and not sampled and self.phase > 0  # phase 0 (fixed tree) has no p(u) or c(u) to calibrate
         level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
         frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
         proposed = self.b_mid if self.phase == 0 else self.b_max
@@ -425,7 +493,9 @@ class DynaTreePolicy:
         tree_width = 1  # nodes of the largest row so far: exact after a read, an upper bound between reads
         k = min(proposed, vocab)  # children proposed per node (B(u) <= k masks the rest)
         predicts = self.phase >= 3 and self.history_rule == "predicted"
-        self._predicted = None
+        self._predicted_sum = None
+        calibrating = self._calibrating
+        self._cells = [constants.full((roots.shape[0], 1), 0, torch.long, dev)] if calibrating else []  # the root's cell (never observed)
         for depth in range(limit):  # the frontier sits at `depth`, its children at depth + 1
             start = builder.num_nodes
             m = frontier.shape[1]
@@ -434,8 +504,16 @@ class DynaTreePolicy:
                 nodes, room = self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, level_cap, log_tau, sampled, depth + 1)
             else:  # top-k children; the budget cannot bind: one topk, the branching mask and one add
                 top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
-                allowed = frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # [B, m, k] rank < B(u)
-                nodes = builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau, depth=depth + 1)  # [B, m*k]
+                if calibrating:  # p(child) = p(u) x the child's calibrated local rate; c(u) = the best child's rate
+                    cells, gain = self._calibrated(top.values)  # [B, m, k] each
+                    self._cells.append(cells.view(cells.shape[0], m * k))
+                    value = builder.score.gather(1, frontier)[:, :, None] + gain  # [B, m, k]
+                    allowed = self._allowed_children(gain[:, :, :1], k, dev) & (value >= log_tau)  # [B, m, k]
+                    allowed &= frontier_valid[:, :, None]
+                    nodes = builder.add_children(frontier, allowed, top.indices, top.values, score=value, depth=depth + 1)  # [B, m*k]
+                else:
+                    allowed = frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # [B, m, k] rank < B(u)
+                    nodes = builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau, depth=depth + 1)  # [B, m*k]
             tree_width += nodes.shape[1]  # an upper bound until the next read
             # p(u): cum_logq, or for sampled nodes their Gumbel key (a sampled token's own draft probability says little about its acceptance)
             grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit)  # [B, w] or None (no deeper level)
@@ -445,24 +523,29 @@ class DynaTreePolicy:
             if not last:
                 assert grow is not None
                 growing, order = torch.sort(grow, dim=1, descending=True, stable=True)  # growing nodes first, in creation order
-                cap = min(grow.shape[1], frontier_cap if not sampled else grow.shape[1])
+                # path probabilities bound how many nodes of a level can grow (no read); Gumbel keys and
+                # calibrated rates do not, so their frontier is cut to the count read below
+                cap = min(grow.shape[1], frontier_cap if not (sampled or calibrating) else grow.shape[1])
                 frontier_valid, order = growing[:, :cap], order[:, :cap]  # [B, m']
             if last or depth > 0 or sampled or room is not None:
-                # the level's one host read: the largest row's node count (the tree's width), whether
-                # anything grows and (history rule 'predicted') each row's predicted accepted tokens so far.
-                # Skipped after the first level when no budget binds (the root's children nearly always grow;
-                # if none does, the next level adds nothing and its read stops the loop)
-                width_now = builder.valid.sum(dim=1).max()
-                packed = torch.stack([width_now] if grow is None else [width_now, grow.sum()])
-                if predicts:
-                    packed = torch.cat([packed.double(), builder.cum_logq[:, 1:].double().exp().sum(dim=1)])  # sum of p(u), 0 at invalid nodes
-                head = packed.tolist()
+                # the level's one host read: the largest row's node count (the tree's width) and the largest
+                # row's count of growing nodes (0: nothing grows). Skipped after the first level when no budget
+                # binds (the root's children nearly always grow; if none does, the next level adds nothing and
+                # its read stops the loop)
+                counts = builder.valid.sum(dim=1) if grow is None else torch.stack([builder.valid.sum(dim=1), grow.sum(dim=1)])  # [B] or [2, B]
+                head = counts.amax(dim=-1).reshape(-1).tolist()
                 tree_width, n_growing = int(head[0]), 0 if last else int(head[1])
-                if predicts:
-                    self._predicted = head[1 if last else 2 :]
                 if last or not n_growing:
                     break
+                if n_growing < frontier_valid.shape[1]:
+                    frontier_valid, order = frontier_valid[:, :n_growing], order[:, :n_growing]
             frontier = order + start
             logprobs = builder.expand(frontier, frontier_valid, depth=depth + 1)  # [B, m', V]: one draft forward per level
+        if predicts:  # each row's predicted accepted tokens: the sum of p(u) over its nodes (-inf at invalid ones), read in `feedback`
+            self._predicted_sum = (builder.score if calibrating else builder.cum_logq)[:, 1:].exp().sum(dim=1)  # [B]
         # the valid nodes only (levels are padded to a static width): `tree_width` columns
-        return builder.finish(builder.valid, width=tree_width)
+        drafted = builder.finish(builder.valid, width=tree_width)
+        if calibrating:
+            tree = drafted.tree
+            self._last_tree = (torch.cat(self._cells, dim=1).gather(1, drafted.builder_nodes), tree.parents, tree.valid)
+        return drafted
