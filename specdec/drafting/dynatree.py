@@ -404,6 +404,8 @@ class DynaTreePolicy:
         if self.phase < 2:
             return node_valid
         threshold = _log(self.rho_stop) if depth < self.cur_d0 else max(_log(self.rho_stop), _log(self.cur_rho_deep))
+        if threshold > float("-inf"):  # invalid nodes have score -inf (the builder writes it): the comparison alone
+            return score >= threshold
         return (score >= threshold).logical_and_(node_valid)
 
     def _add_level_with_budget(
@@ -509,7 +511,7 @@ class DynaTreePolicy:
                     self._cells.append(cells.view(cells.shape[0], m * k))
                     value = builder.score.gather(1, frontier)[:, :, None] + gain  # [B, m, k]
                     allowed = self._allowed_children(gain[:, :, :1], k, dev) & (value >= log_tau)  # [B, m, k]
-                    allowed &= frontier_valid[:, :, None]
+                    allowed &= frontier_valid[:, :, None]  # frontier padding points at real (non-growing) nodes
                     nodes = builder.add_children(frontier, allowed, top.indices, top.values, score=value, depth=depth + 1)  # [B, m*k]
                 else:
                     allowed = frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # [B, m, k] rank < B(u)
