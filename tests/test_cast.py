@@ -700,3 +700,18 @@ def test_layer_values_pool_every_node_drafted_up_to_each_layer(rows):
         expected = torch.cat([values[i], pool], dim=1).exp().mean(dim=0)  # every row active: a plain mean
         assert torch.allclose(got[i, : expected.shape[0]], expected)
         assert torch.all(got[i, expected.shape[0] :] == 0)  # columns past this layer's pool: nothing (exp(-inf))
+
+
+def test_best_with_many_equals_best_with_one_by_one():
+    """Break-even pruning weighs every width at once (`best_with_many`, array ops); it must give
+    exactly the rates of `best_with` per candidate set, including empty sets and pools longer than
+    the verification table."""
+    rng = random.Random(0)
+    for _ in range(300):
+        top = rng.randint(1, 30)
+        verify = sorted(rng.uniform(5, 30) for _ in range(top + 1))
+        values = tuple(sorted((rng.random() for _ in range(rng.randint(1, 40))), reverse=True))
+        plan = StepPlan(utility=0.5, verified=1, drafted=rng.uniform(0, 5), verify_cost=verify, values=values)
+        news = [[rng.random() for _ in range(rng.randint(0, 8))] for _ in range(rng.randint(1, 6))]
+        extras = [rng.uniform(0, 3) for _ in news]
+        assert plan.best_with_many(news, extras) == pytest.approx([plan.best_with(n, e) for n, e in zip(news, extras, strict=True)], rel=1e-12)
