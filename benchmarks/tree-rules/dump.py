@@ -16,6 +16,7 @@ POLICIES = {
     "eagle2": ("eagle2", {}),
     "dynatree": ("dynatree", {}),
     "dynatree-p0": ("dynatree", {"phase": 0}),
+    "dynatree-raw": ("dynatree", {"calibrate": False}),
     "cast": ("cast", {"deterministic": True}),
     "cast-learn": ("cast", {}),
     "cast-paper": ("cast", {"prune_rule": "threshold", "rerank_rule": "threshold", "calibrate": False}),
