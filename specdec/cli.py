@@ -922,6 +922,11 @@ def _cmd_train_evaluate(args: argparse.Namespace) -> int:
         raise SpecDecError(f"--max-tokens={args.max_tokens} and --loop-tokens={args.loop_tokens} must be positive integers")
     if args.threads < 0:
         raise SpecDecError(f"--threads={args.threads} must be >= 0")
+    if args.target is not None and args.draft is None:
+        raise SpecDecError(
+            f"specdec train evaluate --target {args.target} needs --draft too (the figures compare the two models); "
+            "pass --draft PATH, e.g. --draft specdec/assets/pair/draft for a target trained from the bundled pair"
+        )
     if args.threads:
         import torch
 

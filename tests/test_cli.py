@@ -80,6 +80,12 @@ def test_bad_input_exit_2_with_message(capsys, tiny_pair_dir, case):
     assert "Traceback" not in err
 
 
+def test_train_evaluate_target_without_draft(capsys, tiny_pair_dir):
+    """A custom target with no --draft: a clear error naming the fix, not the engine's "--method chain needs a draft"."""
+    code, _, err = run_cli(capsys, "train", "evaluate", "--target", str(tiny_pair_dir / "target"), "--no-latency")
+    assert code == 2 and "needs --draft too" in err and "Traceback" not in err
+
+
 def test_missing_model_path(capsys, tmp_path):
     code, _, err = run_cli(capsys, "generate", "--target", str(tmp_path / "missing"), "--draft", str(tmp_path / "missing2"), "--prompt", "x")
     assert code == 2 and "does not exist" in err
