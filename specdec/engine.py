@@ -25,7 +25,7 @@ from specdec.drafting.base import TreePolicy
 from specdec.drafting.builder import DraftContext
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
-from specdec.models.runner import ModelRunner
+from specdec.models.runner import ModelRunner, hole_filling_order
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.sampling import SamplingParams, choose_tokens
 from specdec.sources.base import DraftSource, TargetPath
@@ -557,11 +557,13 @@ class DecodeSession:
                 self.rows[r] = request
                 roots[r] = tok
             self.roots = roots
-        keep = [r for r, request in enumerate(self.rows) if not request.done]
+        # the unfinished rows, finished rows' places taken by rows from the end (`hole_filling_order`):
+        # the caches copy only the rows that move
+        keep = hole_filling_order([request.done for request in self.rows])
         if len(keep) < len(self.rows):
             engine = self.engine
             if keep:
-                engine.target.keep_rows(torch.tensor(keep, dtype=torch.long))
+                engine.target.keep_rows(keep)
                 if engine.source is not None:
                     engine.source.keep_rows(keep)
             self.rows = [self.rows[r] for r in keep]

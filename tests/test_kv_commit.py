@@ -8,7 +8,7 @@ from conftest import sharpen, tiny_model
 
 from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy
 from specdec.engine import SpeculativeEngine
-from specdec.models.runner import ModelRunner
+from specdec.models.runner import ModelRunner, hole_filling_order
 from specdec.sources import ModelDraftSource
 from specdec.verification import GreedyRule
 
@@ -81,3 +81,39 @@ def test_compaction_keeps_positions_and_values():
     for r in range(2):
         for got, ref in zip(committed_keys(runner, r), before[r], strict=True):
             assert torch.allclose(got[:, : ref.shape[1]], ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_keep_rows_hole_filling_equals_a_full_gather(arch):
+    """Rows finishing: keeping rows in hole-filling order (a host list: the moved rows are copied,
+    the storage cut to a view) leaves the same caches as a full gather, and the next forward and
+    commit give the same logits and keys."""
+    model = tiny_model(arch, seed=0)
+    ids = torch.tensor([[3 + r, 4, 5 + r, 6, 7 + 2 * r] for r in range(6)])
+    finished = [False, True, False, True, False, False]
+    order = hole_filling_order(finished)
+    assert order == [0, 4, 2, 5]
+    runners = []
+    for how in ("list", "tensor"):
+        runner = ModelRunner(model)
+        runner.prefill(ids, torch.ones_like(ids))
+        runner.keep_rows(order if how == "list" else torch.tensor(order))
+        runners.append(runner)
+    fast, full = runners
+    assert fast.cache.rows == full.cache.rows == 4
+    for r in range(4):
+        for got, ref in zip(committed_keys(fast, r), committed_keys(full, r), strict=True):
+            assert torch.equal(got, ref)
+    step = torch.tensor([[11], [12], [13], [14]])
+    outs = [runner.forward(step, runner.committed_len()[:, None], torch.ones(4, 1, 1, dtype=torch.bool)) for runner in runners]
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    for runner in runners:
+        runner.commit(torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.bool))
+    for r in range(4):
+        for got, ref in zip(committed_keys(fast, r), committed_keys(full, r), strict=True):
+            assert torch.equal(got, ref)
+    # a row in hole-filling order really holds the row it names: the filled row 1 is the old row 4
+    solo = ModelRunner(model)
+    solo.prefill(ids[4:5], torch.ones(1, 5, dtype=torch.long))
+    solo_out = solo.forward(step[1:2], solo.committed_len()[:, None], torch.ones(1, 1, 1, dtype=torch.bool))
+    assert torch.allclose(outs[0][1], solo_out[0], atol=1e-5)

@@ -89,7 +89,7 @@ class ModelDraftSource:
 
     def keep_rows(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.long, device=self.runner.device)
-        self.runner.keep_rows(index)
+        self.runner.keep_rows(rows)  # a host list: hole-filling orders copy only the moved rows
         self.pending_token = self.pending_token[index]
         self.pending_valid = self.pending_valid[index]
 
