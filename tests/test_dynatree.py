@@ -559,3 +559,16 @@ def test_sampling_verification_runs(models):
     engine = SpeculativeEngine(target, make_policy("dynatree"), make_rule("sampling"), ModelDraftSource(drafts["close"]), eos_token_ids=[])
     outs = engine.generate(PROMPTS[:2], 12, params=SamplingParams(temperature=1.0), seed=0)
     assert [len(o.token_ids) for o in outs] == [12, 12]
+
+
+def test_a_step_with_drawn_children_leaves_no_calibration_tree():
+    """Greedy and sampled steps can alternate on one policy (a server's requests): a step whose
+    children are drawn does not calibrate, so feedback must not pair its record with the last
+    greedy tree (shapes and nodes would not match)."""
+    pol = DynaTreePolicy()
+    dist = confident_chain(0.6, side=0.35)
+    draft(pol, dist)
+    assert pol._last_tree is not None
+    ctx = DraftContext(params=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(0), max_depth=50, active=torch.tensor([True]))
+    pol.draft(TableSource(dist), torch.full((1,), 3, dtype=torch.long), ctx)
+    assert pol._last_tree is None

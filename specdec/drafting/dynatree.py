@@ -482,6 +482,7 @@ class DynaTreePolicy:
         limit = self.depth_limit(ctx)
         sampled = ctx.samples_children(self.tree_sampling)
         self._calibrating = self.calibrate and not sampled and self.phase > 0  # phase 0 (fixed tree) has no p(u) or c(u) to calibrate
+        self._last_tree = None  # a step that does not calibrate (drawn children) leaves nothing for feedback to pair with its record
         level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
         frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
         proposed = self.b_mid if self.phase == 0 else self.b_max
