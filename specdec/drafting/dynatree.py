@@ -219,8 +219,8 @@ class DynaTreePolicy:
     _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
     _cells: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
     """this step's calibration cells per node, [B, n] per add in creation order (calibrated steps only)"""
-    _ranks: dict[tuple[int, int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    """cached calibration rank offsets of k children per parent, m parents, [1, m, k]"""
+    _ranks: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    """cached calibration rank offsets of k children per parent, [1, 1, k]"""
     _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     """the last calibrated step's (cells, parents, valid) in the verified tree's order, for feedback"""
     _calibrating: bool = field(default=False, init=False, repr=False)
@@ -465,8 +465,8 @@ class DynaTreePolicy:
         log-probs `local` [B, m, k], k per parent in rank order. Returns (cells, log rates), each
         [B, m, k]. A token the draft rules out (local -inf) gets the lowest bin's finite rate: callers
         rely on the builder, which marks a child invalid when its cum_logq is -inf."""
-        _, m, k = local.shape
-        key = (m, k, local.device)
+        k = local.shape[2]
+        key = (k, local.device)
         if key not in self._ranks:  # (rank - 1) * bins per child: depends on the shape only
             self._ranks[key] = self._calibrator.rank_offsets(torch.arange(1, k + 1, device=local.device)).view(1, 1, k)
         cells = self._calibrator.cells(local, self._ranks[key])  # [B, m, k]
