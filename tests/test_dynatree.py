@@ -116,6 +116,21 @@ def test_confidence_branching_rule():
     assert got.tolist() == [1, 1, 2, 2, 3, 3]
 
 
+@pytest.mark.parametrize(("b_min", "b_mid", "b_max"), [(1, 2, 3), (1, 1, 4), (2, 2, 2), (1, 3, 3)])
+def test_rank_table_keeps_the_first_b_u_children(b_min, b_mid, b_max):
+    """The policy's one-comparison rank table (both level paths use it) keeps exactly the first
+    B(u) children, B(u) from `confidence_branching` (the paper's rule), at every confidence (off the
+    exact thresholds, where float32 log-probs and probabilities round differently)."""
+    conf = torch.tensor([0.99, 0.9001, 0.8999, 0.6, 0.4001, 0.3999, 0.05])
+    logprobs = torch.stack([spread({0: c}) for c in conf.tolist()]).log()[None]  # [1, 7, V]
+    pol = DynaTreePolicy(b_min=b_min, b_mid=b_mid, b_max=b_max, calibrate=False)
+    k = b_max + 1
+    allowed = pol._allowed_children(logprobs.amax(dim=-1, keepdim=True), k, torch.device("cpu"))  # [1, 7, k]
+    expected = confidence_branching(logprobs, pol.cur_tau_high, pol.tau_low, b_min, b_mid, b_max)  # [1, 7]
+    assert allowed.sum(dim=-1).tolist() == expected.tolist()
+    assert (allowed == (torch.arange(k) < expected[..., None])).all()  # the first B(u), by rank
+
+
 def test_branching_from_draft_confidence_one_level():
     """Three rows, one level: confident -> B_min, middling -> B_mid, uncertain -> B_max best children."""
     roots = [{7: 0.95, 8: 0.03}, {7: 0.6, 8: 0.3, 9: 0.05}, {7: 0.3, 8: 0.25, 9: 0.2, 10: 0.15}]

@@ -75,6 +75,7 @@ class AcceptanceCalibrator:
         self._refitted_at = 0  # `_updates` at the last refit
         self._child = np.full(ranks, 0.5)  # child_rate per rank, as of the last refit
         self._edges: dict[torch.device, torch.Tensor] = {}  # log q bin edges per device
+        self._offsets: dict[tuple[int, torch.device], torch.Tensor] = {}  # `child_rates`' rank offsets per (k, device)
         self._set_rates(np.tile(self.centers, (ranks, 1)))  # the identity until verdicts arrive
 
     @property
@@ -144,6 +145,20 @@ class AcceptanceCalibrator:
         if edges is None:
             edges = self._edges[logq.device] = torch.log(torch.arange(1, self.bins, device=logq.device, dtype=torch.float32) / self.bins)
         return torch.bucketize(logq, edges, right=True) + rank_offset
+
+    def child_rates(self, local: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table cells and calibrated log acceptance rates of k children per parent in rank order.
+
+        local: [..., k] the children's local draft log-probs, or [..., 1] one stand-in value per
+        parent for all k (drawn children). Returns (cells, log rates), each [..., k]; a -inf local
+        log-prob falls in the q = 0 bin (finite rate: mask invalid children yourself). The rank
+        offsets are cached per (k, device): three ops per call."""
+        key = (k, local.device)
+        offsets = self._offsets.get(key)
+        if offsets is None:
+            offsets = self._offsets[key] = self.rank_offsets(torch.arange(1, k + 1, device=local.device))  # [k]
+        cells = self.cells(local, offsets)
+        return cells, self.log_rate(cells)
 
     def rank_offsets(self, ranks: torch.Tensor) -> torch.Tensor:
         """(min(rank, ranks) - 1) * bins for 1-based sibling ranks (cache it: it depends on the shape only)."""

@@ -525,8 +525,6 @@ class CastPolicy:
     _skipped: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _cells: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
     """this step's calibration cells per node (calibrate only), [B, n] per add in creation order"""
-    _ranks: dict[tuple[int, int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    """cached calibration rank offsets of k children per parent, m parents, [1, m * k]"""
     _weights: torch.Tensor | None = field(default=None, init=False, repr=False)
     """[B, 1]: each row's weight in the batch-averaged utilities (1 / active rows, or 0); None at B = 1"""
     _sampled: bool = field(default=False, init=False, repr=False)
@@ -942,12 +940,8 @@ class CastPolicy:
         value = None  # [B, m, k]; None: cum_logq (log v(u))
         if self.calibrate or self._sampled:
             if self.calibrate:
-                key = (k, m, logprobs.device)
-                if key not in self._ranks:  # (rank - 1) * bins per child: depends on the shape only
-                    self._ranks[key] = self._calibrator.rank_offsets(torch.arange(1, k + 1, device=logprobs.device).repeat(m))[None]
-                cells = self._calibrator.cells(local, self._ranks[key].view(1, m, k)).reshape(b, m * k)
-                self._cells.append(cells)
-                gain = self._calibrator.log_rate(cells).view(b, m, k)
+                cells, gain = self._calibrator.child_rates(local, k)  # [B, m, k] each
+                self._cells.append(cells.reshape(b, m * k))
             else:
                 gain = local.expand(b, m, k)
             if self._sampled:

@@ -219,16 +219,14 @@ class DynaTreePolicy:
     _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
     _cells: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
     """this step's calibration cells per node, [B, n] per add in creation order (calibrated steps only)"""
-    _ranks: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    """cached calibration rank offsets of k children per parent, [1, 1, k]"""
     _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     """the last calibrated step's (cells, parents, valid) in the verified tree's order, for feedback"""
     _calibrating: bool = field(default=False, init=False, repr=False)
+    """whether the step being drafted calibrates (`calibrate`, greedy or top-k children, phase >= 1)"""
     _rank_limits: dict[tuple[int, float, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     """`_allowed_children`'s per-rank thresholds on log c(u), [k] per (k, tau_h, device)"""
     _predicted_sum: torch.Tensor | None = field(default=None, init=False, repr=False)
     """[B] the last tree's predicted accepted tokens per row (sum of p(u)), read in `feedback`"""
-    """whether the step being drafted calibrates (`calibrate`, greedy or top-k children, phase >= 1)"""
 
     def __post_init__(self) -> None:
         self._validate()
@@ -433,14 +431,14 @@ class DynaTreePolicy:
         else:
             parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
             if self._calibrating:  # p(child): the parent's calibrated value times the child's calibrated local rate
-                cells, gain = self._calibrated(logq.view(b, m, k))  # [B, m, k] each
+                cells, gain = self._calibrator.child_rates(logq.view(b, m, k), k)  # [B, m, k] each
                 cum = builder.score.gather(1, parents) + gain.view(b, m * k)
             else:
                 cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
-        # c(u): the calibrated rate of u's best child, or the draft's own confidence
-        branch = (self._branch_of(gain[:, :, :1]) if cells is not None else self.branching(logprobs)).masked_fill(~frontier_valid, 0)  # [B, m]
-        rank = torch.arange(k, device=dev).repeat(m)  # [m*k] child rank under its parent
-        valid = valid & (rank[None, :] < branch.repeat_interleave(k, dim=1)) & (logq > float("-inf"))
+        # rank < B(u), with c(u) the calibrated rate of u's best child or the draft's own confidence
+        log_conf = gain[:, :, :1] if cells is not None else logprobs.amax(dim=-1, keepdim=True)  # [B, m, 1] log c(u)
+        allowed = (self._allowed_children(log_conf, k, dev) & frontier_valid[:, :, None]).reshape(b, m * k)
+        valid = valid & allowed & (logq > float("-inf"))
         valid = valid & (cum >= log_tau)  # probability-threshold pruning
         valid = keep_within_budget(cum, valid, budget)  # strict node budget
         # a static width: path probabilities of a level sum to at most 1 (no read); Gumbel keys
@@ -459,24 +457,6 @@ class DynaTreePolicy:
             depth=depth,
         )  # [B, w]
         return nodes, budget > builder.last_valid.sum(dim=1)
-
-    def _calibrated(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Calibration cells and calibrated local log acceptance rates of children with local draft
-        log-probs `local` [B, m, k], k per parent in rank order. Returns (cells, log rates), each
-        [B, m, k]. A token the draft rules out (local -inf) gets the lowest bin's finite rate: callers
-        rely on the builder, which marks a child invalid when its cum_logq is -inf."""
-        k = local.shape[2]
-        key = (k, local.device)
-        if key not in self._ranks:  # (rank - 1) * bins per child: depends on the shape only
-            self._ranks[key] = self._calibrator.rank_offsets(torch.arange(1, k + 1, device=local.device)).view(1, 1, k)
-        cells = self._calibrator.cells(local, self._ranks[key])  # [B, m, k]
-        return cells, self._calibrator.log_rate(cells)
-
-    def _branch_of(self, log_conf: torch.Tensor) -> torch.Tensor:
-        """B(u) from log c(u) [B, m, 1] (the rule of `confidence_branching`, in log space) -> [B, m]."""
-        log_conf = log_conf[:, :, 0]
-        mid = torch.where(log_conf >= _log(self.cur_tau_high), self.b_min, self.b_mid)
-        return torch.where(log_conf < _log(self.tau_low), self.b_max, mid)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         limit = self.depth_limit(ctx)
@@ -508,7 +488,7 @@ class DynaTreePolicy:
             else:  # top-k children; the budget cannot bind: one topk, the branching mask and one add
                 top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
                 if calibrating:  # p(child) = p(u) x the child's calibrated local rate; c(u) = the best child's rate
-                    cells, gain = self._calibrated(top.values)  # [B, m, k] each
+                    cells, gain = self._calibrator.child_rates(top.values, k)  # [B, m, k] each
                     self._cells.append(cells.view(cells.shape[0], m * k))
                     value = builder.score.gather(1, frontier)[:, :, None] + gain  # [B, m, k]
                     allowed = self._allowed_children(gain[:, :, :1], k, dev) & (value >= log_tau)  # [B, m, k]
