@@ -104,6 +104,8 @@ class StepResult:
     """drafted nodes at depth 1, 2, ... per row"""
     tree_depth: int
     """depth of the deepest valid node of the batch"""
+    tree_parents: list[list[int]]
+    """per row: each verified node's parent, -1 for the root and padding"""
 
     @classmethod
     def read(cls, tree: TokenTree, verdict: Verdict) -> StepResult:
@@ -116,15 +118,18 @@ class StepResult:
                 path,
                 tree.tokens.gather(1, path),  # [B, D]
                 tree.depths * tree.valid,  # [B, N]: each valid node's depth, 0 for the root and padding
+                tree.parents.masked_fill(~tree.valid, -1),  # [B, N]: each valid node's parent, -1 for the root and padding
             ],
             dim=1,
         ).tolist()
-        accepted_nodes, accepted_tokens, drafted_by_depth = [], [], []
+        n_nodes = tree.tokens.shape[1]
+        accepted_nodes, accepted_tokens, drafted_by_depth, tree_parents = [], [], [], []
         for row in packed:
             n = row[0]
             accepted_nodes.append(row[4 : 4 + n])
             accepted_tokens.append(row[4 + d : 4 + d + n])
-            depths = [x for x in row[4 + 2 * d :] if x > 0]
+            tree_parents.append(row[4 + 2 * d + n_nodes :])
+            depths = [x for x in row[4 + 2 * d : 4 + 2 * d + n_nodes] if x > 0]
             counts = [0] * max(depths, default=0)
             for depth in depths:
                 counts[depth - 1] += 1
@@ -139,6 +144,7 @@ class StepResult:
             drafted=[sum(counts) for counts in drafted_by_depth],
             drafted_by_depth=[counts + [0] * (deepest - len(counts)) for counts in drafted_by_depth],
             tree_depth=deepest,
+            tree_parents=tree_parents,
         )
 
 
@@ -460,6 +466,7 @@ class DecodeSession:
             accepted_depth=[len(p) for p in result.accepted_nodes],
             prompt_index=[r.index for r in rows],
             accepted_nodes=[list(p) if a else [] for p, a in zip(result.accepted_nodes, was_active, strict=True)],
+            tree_parents=result.tree_parents,
             step_s=time.perf_counter() - t0,
         )
         for r, request in enumerate(rows):

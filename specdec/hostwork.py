@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -147,3 +148,43 @@ class HostWorkCounter:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
         _active.reset(self._token)
+
+
+_HOST_ALIGN = 8
+"""bytes: every tensor's bytes start at a multiple of this in `read_together`'s transfer (so
+float64 and int64 views of it are aligned)"""
+
+
+def read_together(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The values of several tensors of one device on the host, in **one** transfer (one
+    synchronisation on a GPU, one `cpu()` for `HostWorkCounter`) instead of one each: every
+    tensor's bytes (bool as uint8, bfloat16 widened to float32, which numpy lacks) are
+    concatenated on the device, padded to 8-byte boundaries, copied at once and viewed back as
+    arrays of their own dtypes and shapes (views of one host buffer)."""
+    if not tensors:
+        return []
+    dev = tensors[0].device
+    chunks: list[torch.Tensor] = []
+    layout: list[tuple[np.dtype[Any], tuple[int, ...], int]] = []  # per tensor: dtype, shape, padded byte count
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"read_together needs tensors of one device (got {dev} and {t.device})")
+        flat = t.detach().reshape(-1)
+        if flat.dtype == torch.bfloat16:
+            flat = flat.float()
+        elif flat.dtype == torch.bool:
+            flat = flat.view(torch.uint8)
+        raw = flat.contiguous().view(torch.uint8)  # [numel * itemsize]
+        pad = -raw.numel() % _HOST_ALIGN
+        chunks.append(raw)
+        if pad:
+            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=dev))
+        np_dtype = np.dtype(np.bool_) if t.dtype == torch.bool else torch.empty(0, dtype=flat.dtype).numpy().dtype
+        layout.append((np_dtype, tuple(t.shape), raw.numel() + pad))
+    host = torch.cat(chunks).cpu().numpy()  # the one transfer
+    out, start = [], 0
+    for np_dtype, shape, size in layout:
+        count = int(np.prod(shape, dtype=np.int64))
+        out.append(host[start : start + count * np_dtype.itemsize].view(np_dtype).reshape(shape))
+        start += size
+    return out

@@ -81,6 +81,9 @@ class StepRecord:
     accepted_nodes: list[list[int]] = field(default_factory=list)
     """per row: the verified tree's node indices on the accepted path, root excluded (policies
     that learn from verdicts pair them with the tree they drafted)"""
+    tree_parents: list[list[int]] = field(default_factory=list)
+    """per row: each verified node's parent (-1 for the root and padding), read with the verdict,
+    so policies that learn from the tree's shape need no read of their own"""
     step_s: float = 0.0
     """wall time of the step from the start of drafting to this record: draft, verification,
     cache commits and bookkeeping (the policy's feedback comes after it); 0 when unmeasured"""

@@ -10,11 +10,12 @@ from conftest import sharpen, tiny_model
 from specdec.bench.divergence import TIE_ULPS, classify, first_difference, ulp
 from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy
 from specdec.engine import SpeculativeEngine
-from specdec.hostwork import HostWorkCounter, uncounted
+from specdec.hostwork import HostWorkCounter, read_together, uncounted
 from specdec.methods import make_policy
 from specdec.models.runner import ModelRunner
 from specdec.sources import ModelDraftSource
-from specdec.verification import GreedyRule
+from specdec.sampling import SamplingParams
+from specdec.verification import GreedyRule, SamplingRule
 
 
 def test_counter_counts_ops_and_reads_outside_uncounted_regions():
@@ -69,6 +70,50 @@ def test_one_host_read_per_decoding_step(policy):
     # plus each cache's (target and draft) compaction check, once per 64 committed slots (a step commits at most 1 + depth per row)
     assert reads["item"] <= 2 * (steps * (1 + 4) // 64 + 1), reads
     assert sum(reads.values()) == counter.host_reads
+
+
+def test_read_together_is_one_read_of_every_dtype_and_shape():
+    torch.manual_seed(0)
+    tensors = [
+        torch.randint(-5, 9, (3, 5)),  # int64
+        torch.rand(2, 3) > 0.5,  # bool: 6 bytes, padded
+        torch.randn(7),  # float32: 28 bytes, padded
+        torch.randn(2, 2, dtype=torch.float64),
+        torch.randn(3, dtype=torch.bfloat16),  # widened to float32
+        torch.randn(5, dtype=torch.float16),
+        torch.zeros(0, 4),  # empty
+        torch.tensor(3),  # 0-dim
+    ]
+    with HostWorkCounter(keep_names=True) as counter:
+        host = read_together(*tensors)
+    assert counter.host_reads == 1 and counter.read_names == {"cpu": 1}
+    for t, h in zip(tensors, host, strict=True):
+        want = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+        assert h.dtype == want.dtype and h.shape == want.shape and (h == want).all(), (t.dtype, h, want)
+    assert read_together() == []
+    with pytest.raises(ValueError, match="one device"):
+        read_together(torch.ones(2), torch.ones(2, device="meta"))
+
+
+@pytest.mark.parametrize("method", ["eagle2", "static", "chain"])
+def test_sampled_steps_read_twice(method):
+    """At T = 1 a step reads the device twice: the tree walk's inputs (one transfer) and the verdict;
+    learning the positional rates of drawn children reads nothing more (the verdict's read carries the tree)."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=1, layers=1))
+    policy = make_policy(method, **({"depth": 3, "top_k": 3, "total_tokens": 8} if method == "eagle2" else {}))
+    engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
+    params = SamplingParams(temperature=1.0)
+    engine.generate([[5, 6, 7, 8]], 4, params=params, seed=0)  # warm-up
+    with HostWorkCounter(keep_names=True) as counter:
+        out = engine.generate([[5, 6, 7, 8], [9, 10, 11]], 24, params=params, seed=1)
+    steps = max(o.stats.steps for o in out)
+    reads = counter.read_names
+    assert reads["tolist"] <= steps and reads["cpu"] <= steps, reads  # the verdict; the walk's inputs (chains: on the device)
+    assert reads["item"] <= 2 * (steps * (1 + 4) // 64 + 1), reads
+    assert sum(reads.values()) == counter.host_reads
+    if method == "eagle2":
+        assert policy.ranks.observations > 0  # it did learn from the verdicts
 
 
 def test_first_difference():

@@ -203,7 +203,7 @@ def test_sibling_ranks_and_positional_rates():
     rates = RankAcceptance(ranks=3, prior=(0.5, 0.2), prior_weight=1.0, decay=1.0)
     assert rates.rates().tolist() == [0.5, 0.2, 0.2]
     # the root's children are observed (rank 1 accepted, ranks 2 and 3 not); node 1 was reached: its child (rank 1) rejected
-    rates.observe(parents, valid, [[1]], [True])
+    rates.observe(parents.masked_fill(~valid, -1).tolist(), [[1]], [True])
     assert rates.observations == 4
     assert rates.rates().round(6).tolist() == [0.5, 0.1, 0.1]  # rank 1: (1 + 1 * 0.5 + 0) / (2 + 1); rank 2: 0.2 / 2
     assert torch.allclose(rates.log_rates(5), torch.log(torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1])))

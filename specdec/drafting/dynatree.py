@@ -441,9 +441,11 @@ class DynaTreePolicy:
         valid = valid & allowed & (logq > float("-inf"))
         valid = valid & (cum >= log_tau)  # probability-threshold pruning
         valid = keep_within_budget(cum, valid, budget)  # strict node budget
-        # a static width: path probabilities of a level sum to at most 1 (no read); Gumbel keys
-        # of drawn children and calibrated rates have no such bound, so their width is read
-        width = min(valid.shape[1], level_cap) if not (sampled or cells is not None) else max(1, int(valid.sum(dim=1).max()))
+        # a static width, no read: path probabilities of a level sum to at most 1; Gumbel keys of
+        # drawn children and calibrated rates have no such bound, so their level keeps every
+        # candidate column (the builder has room for uncompacted levels; the level's read in
+        # `draft` cuts the frontier and `finish` the tree to the counts that are real)
+        width = min(valid.shape[1], level_cap) if not (sampled or cells is not None) else valid.shape[1]
         order, kept = compact(valid, width)  # [B, w]
         if cells is not None:
             self._cells.append(cells.view(b, m * k).gather(1, order))

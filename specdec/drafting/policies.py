@@ -157,8 +157,8 @@ class Eagle2Policy:
     uses_draft: bool = True
     ranks: RankAcceptance = field(default_factory=RankAcceptance, init=False, repr=False)
     """positional acceptance of sampled children, learned across steps and calls"""
-    _last_tree: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
-    """(parents, valid) of the last sampled tree, for `feedback`"""
+    _drew_tree: bool = field(default=False, init=False, repr=False)
+    """the last step drew its children: its verdicts (`feedback`) are observations of the positional rates"""
 
     def __post_init__(self) -> None:
         for name in ("depth", "top_k", "total_tokens"):
@@ -168,14 +168,14 @@ class Eagle2Policy:
     def feedback(self, record: StepRecord) -> None:
         """Sampled trees: every verified node whose parent was reached is one observation of
         (sibling rank, accepted) for the positional rates."""
-        if self._last_tree is not None and record.accepted_nodes:
-            self.ranks.observe(*self._last_tree, record.accepted_nodes, record.active)
-        self._last_tree = None
+        if self._drew_tree and record.accepted_nodes and record.tree_parents:
+            self.ranks.observe(record.tree_parents, record.accepted_nodes, record.active)
+        self._drew_tree = False
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         k = self.top_k
         sampled = ctx.samples_children(self.tree_sampling)
-        self._last_tree = None
+        self._drew_tree = False
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + k + (self.depth - 1) * k * k)
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)
@@ -196,7 +196,7 @@ class Eagle2Policy:
         keep = builder.top_by_score(None, self.total_tokens)  # by builder.score
         drafted = builder.finish(keep, width=1 + self.total_tokens)
         if sampled:
-            self._last_tree = (drafted.tree.parents, drafted.tree.valid)
+            self._drew_tree = True
         return drafted
 
     @staticmethod

@@ -63,16 +63,17 @@ class RankAcceptance:
         rates = self.rates()
         return torch.tensor(np.log(rates[np.minimum(np.arange(k), self.ranks - 1)]), dtype=torch.float32, device=device)
 
-    def observe(self, parents: torch.Tensor, valid: torch.Tensor, accepted_nodes: Sequence[Sequence[int]], active: Sequence[bool]) -> None:
-        """One step's verdict on a tree: parents, valid [B, N] (the verified TokenTree's);
-        accepted_nodes: per row, the accepted path's node indices; active: per row."""
+    def observe(self, tree_parents: Sequence[Sequence[int]], accepted_nodes: Sequence[Sequence[int]], active: Sequence[bool]) -> None:
+        """One step's verdict on a tree, all on the host (no device read): tree_parents: per row,
+        each verified node's parent, -1 for the root and padding (`StepRecord.tree_parents`, read
+        with the verdict); accepted_nodes: per row, the accepted path's node indices; active: per row."""
+        parents = torch.tensor([list(p) for p in tree_parents], dtype=torch.long)  # [B, N] host
         b, n = parents.shape
+        valid = parents >= 0  # the root has no parent and is never an observation
         on_path = torch.zeros(b, n, dtype=torch.bool)
         for row, path in enumerate(accepted_nodes):
             if active[row] and path:
                 on_path[row, list(path)] = True
-        host = torch.stack([parents, valid.long()]).cpu()  # one transfer: [2, B, N]
-        parents, valid = host[0], host[1].bool()
         reached = on_path.clone()
         reached[:, 0] = True
         parent_reached = reached.gather(1, parents.clamp(min=0)) & (parents >= 0)

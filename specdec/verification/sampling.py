@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from specdec import constants
+from specdec.hostwork import read_together
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict
@@ -62,15 +63,21 @@ class RowTree:
     @classmethod
     def read(cls, tree: TokenTree) -> list[RowTree]:
         """Every row of `tree`, from one host read of its tokens, parents, valid and sampled."""
-        b, n = tree.tokens.shape
-        packed = torch.cat([tree.tokens, tree.parents.masked_fill(~tree.valid, -1), tree.sampled.long()], dim=1).tolist()  # [B, 3N]
+        tokens, parents, sampled = read_together(tree.tokens, tree.parents.masked_fill(~tree.valid, -1), tree.sampled)
+        return cls.from_host(tokens, parents, sampled)
+
+    @classmethod
+    def from_host(cls, tokens: np.ndarray, parents: np.ndarray, sampled: np.ndarray) -> list[RowTree]:
+        """Every row of a tree from host arrays [B, N]: tokens, parents (-1 for the root and
+        padding), sampled."""
+        n = tokens.shape[1]
         rows = []
-        for values in packed:
+        for row_tokens, row_parents, row_sampled in zip(tokens.tolist(), parents.tolist(), sampled.tolist(), strict=True):
             children: list[list[int]] = [[] for _ in range(n)]
-            for node, parent in enumerate(values[n : 2 * n]):
+            for node, parent in enumerate(row_parents):
                 if parent >= 0:
                     children[parent].append(node)  # BFS order: nodes in increasing index = tree order
-            rows.append(cls(tokens=values[:n], sampled=[bool(s) for s in values[2 * n :]], children=children))
+            rows.append(cls(tokens=row_tokens, sampled=[bool(s) for s in row_sampled], children=children))
         return rows
 
 
@@ -224,11 +231,19 @@ class HostBatch:
 
     @classmethod
     def read(cls, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> HostBatch:
+        """Everything the walk reads, in one transfer (`read_together`)."""
         target_probs = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]
         b, n = tree.tokens.shape
-        uniforms = torch.rand(b, n, generator=generator, device=target_logits.device)
-        draft = None if tree.draft_logprobs is None else tree.draft_logprobs.exp().cpu().numpy()
-        return cls(rows=RowTree.read(tree), target_probs=target_probs.cpu().numpy(), draft_probs=draft, uniforms=uniforms.cpu().numpy())
+        uniforms = torch.rand(b, n, generator=generator, device=target_logits.device)  # [B, N]
+        parents = tree.parents.masked_fill(~tree.valid, -1)  # [B, N]
+        if tree.draft_logprobs is None:
+            tokens, parents_h, sampled, target_h, uniforms_h = read_together(tree.tokens, parents, tree.sampled, target_probs, uniforms)
+            draft_h = None
+        else:
+            tokens, parents_h, sampled, target_h, uniforms_h, draft_h = read_together(
+                tree.tokens, parents, tree.sampled, target_probs, uniforms, tree.draft_logprobs.exp()
+            )
+        return cls(rows=RowTree.from_host(tokens, parents_h, sampled), target_probs=target_h, draft_probs=draft_h, uniforms=uniforms_h)
 
     def walk(self, row: int, relax: RelaxHook | None = None, tests: SiblingTests = EXACT) -> RowWalk:
         draft = None if self.draft_probs is None else self.draft_probs[row]
