@@ -13,8 +13,8 @@ from specdec.engine import SpeculativeEngine
 from specdec.hostwork import HostWorkCounter, read_together, uncounted
 from specdec.methods import make_policy
 from specdec.models.runner import ModelRunner
-from specdec.sources import ModelDraftSource
 from specdec.sampling import SamplingParams
+from specdec.sources import ModelDraftSource
 from specdec.verification import GreedyRule, SamplingRule
 
 
