@@ -67,21 +67,23 @@ class RankAcceptance:
         """One step's verdict on a tree, all on the host (no device read): tree_parents: per row,
         each verified node's parent, -1 for the root and padding (`StepRecord.tree_parents`, read
         with the verdict); accepted_nodes: per row, the accepted path's node indices; active: per row."""
-        parents = torch.tensor([list(p) for p in tree_parents], dtype=torch.long)  # [B, N] host
+        parents = np.array([list(p) for p in tree_parents], dtype=np.int64).reshape(len(tree_parents), -1)  # [B, N] host (numpy: no device op)
         b, n = parents.shape
         valid = parents >= 0  # the root has no parent and is never an observation
-        on_path = torch.zeros(b, n, dtype=torch.bool)
+        on_path = np.zeros((b, n), dtype=np.bool_)
         for row, path in enumerate(accepted_nodes):
             if active[row] and path:
                 on_path[row, list(path)] = True
-        reached = on_path.clone()
+        reached = on_path.copy()
         reached[:, 0] = True
-        parent_reached = reached.gather(1, parents.clamp(min=0)) & (parents >= 0)
-        observed = valid & parent_reached & torch.tensor(list(active), dtype=torch.bool)[:, None]  # [B, N]
-        rank = (sibling_ranks(parents, valid)[observed] - 1).clamp(max=self.ranks - 1).numpy()
+        parent_reached = np.take_along_axis(reached, np.maximum(parents, 0), axis=1) & valid
+        observed = parent_reached & np.asarray(active, dtype=np.bool_)[:, None]  # [B, N]
+        earlier = np.tril(np.ones((n, n), dtype=np.bool_), -1)  # [i, j]: j < i
+        siblings = (parents[:, :, None] == parents[:, None, :]) & valid[:, None, :] & earlier  # [B, N, N] j is an earlier sibling of i
+        rank = np.minimum(siblings.sum(axis=2)[observed], self.ranks - 1)  # 0-based sibling rank (`sibling_ranks` - 1)
         if rank.size == 0:
             return
-        hit = on_path[observed].numpy().astype(float)
+        hit = on_path[observed].astype(float)
         factor = self.decay**rank.size
         self.seen = self.seen * factor + np.bincount(rank, minlength=self.ranks)
         self.hits = self.hits * factor + np.bincount(rank, weights=hit, minlength=self.ranks)
