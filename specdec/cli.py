@@ -739,6 +739,10 @@ def _add_train(sub) -> None:
     pair.add_argument("--site-packages", default=None, help="the site-packages folder for --with-packages (default: this interpreter's)")
     pair.add_argument("--init-target", default=None, help="warm start: initialise the target from this trained model folder (fresh optimizer and LR schedule)")
     pair.add_argument("--init-draft", default=None, help="warm start: initialise the draft from this trained model folder")
+    pair.add_argument(
+        "--draft-layers", type=int, default=None,
+        help="decoder layers of the draft (default 1); with --init-draft of fewer layers, the new ones start as the identity (`deepen`)",
+    )
     pair.add_argument("--target-lr", type=float, default=1e-3, help="peak learning rate of the target (1e-3)")
     pair.add_argument("--target-batch-size", type=int, default=None, help="target sequences per step (default 4; 2 with --tiny)")
     pair.add_argument("--target-warmup", type=int, default=50, help="linear warm-up steps of the target (50)")
@@ -850,6 +854,13 @@ def _cmd_train_pair(args: argparse.Namespace) -> int:
     if args.tiny:
         cfg.target_shape = ModelShape(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
         cfg.draft_shape = ModelShape(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64)
+    if args.draft_layers is not None:
+        if args.draft_layers < 1:
+            raise SpecDecError(f"--draft-layers {args.draft_layers}: a draft needs at least 1 layer")
+        import dataclasses
+
+        cfg.draft_layers = args.draft_layers
+        cfg.draft_shape = dataclasses.replace(cfg.draft_shape, num_layers=args.draft_layers)
     summary = train_pair(cfg, tokenizer_dir=Path(tokenizer_dir) if tokenizer_dir else None)
     print(json.dumps(summary, indent=2))
     return 0

@@ -333,3 +333,41 @@ def test_one_bpe_builder_for_text_and_vision_tokenizers(tmp_path):
     vision = train_lvlm_tokenizer(texts, None, 320)
     assert vision.convert_ids_to_tokens(2) == IMAGE_PLACEHOLDER == vision.image_token and vision.model_max_length == 1024
     assert vision("USER: <image>\nx").input_ids.count(2) == 1  # the placeholder is one special token
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
+def test_deepen_keeps_the_function_and_the_old_layers(arch):
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    from specdec.errors import SpecDecError
+    from specdec.training.pair import deepen
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    config = GPTNeoXConfig(**common) if arch == "gpt_neox" else LlamaConfig(**common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    deeper = deepen(model, 3, seed=1, flag="--init-draft").eval()
+    assert deeper.config.num_hidden_layers == 3
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, deeper(ids).logits, atol=1e-6)
+    old = model.state_dict()
+    new = deeper.state_dict()
+    assert all(torch.equal(old[k], new[k]) for k in old)
+    # the new layers are not all zero: only their output projections are, so training moves them
+    extra = [k for k in new if k not in old and new[k].dim() == 2]
+    assert extra and any(new[k].abs().sum() > 0 for k in extra)
+    assert deepen(model, 1, seed=1, flag="x") is model
+    with pytest.raises(SpecDecError, match="has 3 layers and --draft-layers asks for 1; pass --draft-layers 3 or more"):
+        deepen(deeper, 1, seed=1, flag="--init-draft")
+
+
+def test_draft_layers_deepens_a_warm_started_draft(tmp_path, capsys):
+    base = ["train", "pair", "--tiny", "--corpus", str(STDLIB / "json"), "--vocab-size", "320", "--seq-len", "32", "--target-steps", "1", "--draft-steps", "1"]
+    first = tmp_path / "first"
+    assert main([*base, "--out", str(first)]) == 0
+    second = tmp_path / "second"
+    assert main([*base, "--out", str(second), "--tokenizer", str(first / "tokenizer"), "--init-draft", str(first / "draft"), "--draft-layers", "2"]) == 0
+    assert AutoModelForCausalLM.from_pretrained(second / "draft").config.num_hidden_layers == 2
+    assert main([*base, "--out", str(tmp_path / "third"), "--draft-layers", "0"]) == 2
+    assert "--draft-layers 0" in capsys.readouterr().err

@@ -116,6 +116,9 @@ class PairConfig:
     """warm start: initialise the target from this trained model folder (fresh optimizer and schedule)"""
     init_draft: str | None = None
     """warm start: initialise the draft from this trained model folder"""
+    draft_layers: int | None = None
+    """the draft's decoder layers when asked for (`--draft-layers`): the draft shape's, or a
+    deepened `init_draft` (`deepen`); None: the shape's, or the warm start's own"""
     packages: bool = False
     """also train on the licence-filtered sources of installed packages (`training.packages`)"""
     site_packages: str | None = None
@@ -373,6 +376,8 @@ def train_pair(cfg: PairConfig, tokenizer_dir: Path | None = None) -> dict:
     t0 = time.time()
     if cfg.init_draft:
         draft = load_init(cfg.init_draft, tokenizer, "--init-draft")
+        if cfg.draft_layers is not None:
+            draft = deepen(draft, cfg.draft_layers, cfg.seed + 1, "--init-draft")
     else:
         torch.manual_seed(cfg.seed + 1)
         draft = AutoModelForCausalLM.from_config(cfg.draft_shape.config(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id))
@@ -425,6 +430,38 @@ def load_init(folder: str, tokenizer, flag: str) -> PreTrainedModel:
             f"or maps them differently); pass --tokenizer {folder} so the warm start keeps its own tokenizer"
         )
     return model
+
+
+def deepen(model: PreTrainedModel, layers: int, seed: int, flag: str) -> PreTrainedModel:
+    """`model` with `layers` decoder layers, computing the same function: its layers are kept and
+    each new one (appended after them, before the final norm) starts from a fresh initialisation
+    with the projections that write into the residual stream zeroed (attention and MLP output
+    projections, `synthetic.OUTPUT_PROJECTIONS`), so it adds nothing until trained. A warm start
+    for a deeper draft: a one-layer draft cannot copy from its context (induction needs two
+    layers), which on repetitive code is most of what a draft must predict."""
+    from specdec.errors import SpecDecError
+    from specdec.models.synthetic import OUTPUT_PROJECTIONS, _layer_of, _module_of, num_layers, with_layers
+
+    have = num_layers(model.config)
+    if layers == have:
+        return model
+    if layers < have:
+        raise SpecDecError(f"{flag} has {have} layers and --draft-layers asks for {layers}; pass --draft-layers {have} or more")
+    torch.manual_seed(seed)
+    deeper = AutoModelForCausalLM.from_config(with_layers(model.config, layers), dtype=torch.float32)
+    missing, unexpected = deeper.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or any((_layer_of(name) or 0) < have for name in missing):
+        raise SpecDecError(f"{flag}: cannot deepen a {model.config.model_type!r} model by name (unexpected {unexpected[:3]}, missing {missing[:3]})")
+    zeroed = 0
+    with torch.no_grad():
+        for name, param in deeper.named_parameters():
+            layer = _layer_of(name)
+            if layer is not None and layer >= have and _module_of(name) in OUTPUT_PROJECTIONS:
+                param.zero_()
+                zeroed += 1
+    if zeroed < 2 * (layers - have):
+        raise SpecDecError(f"{flag}: found no attention/MLP output projections to zero in the new layers of a {model.config.model_type!r} model")
+    return deeper
 
 
 def save_snapshot(model: PreTrainedModel, tokenizer, dest: Path, step: int) -> None:
