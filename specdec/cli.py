@@ -740,6 +740,13 @@ def _add_train(sub) -> None:
     pair.add_argument("--init-target", default=None, help="warm start: initialise the target from this trained model folder (fresh optimizer and LR schedule)")
     pair.add_argument("--init-draft", default=None, help="warm start: initialise the draft from this trained model folder")
     pair.add_argument(
+        "--unlikelihood-steps", type=int, default=0,
+        help="after the target stage, fine-tune the target this many steps with sequence-level unlikelihood on its own "
+        "greedy continuations (against loops; docs/bundled-pair.md); 0: none",
+    )
+    pair.add_argument("--unlikelihood-lr", type=float, default=1e-4, help="peak LR of the unlikelihood fine-tuning (1e-4)")
+    pair.add_argument("--unlikelihood-weight", type=float, default=1.0, help="weight of the unlikelihood term beside the next-token loss (1.0)")
+    pair.add_argument(
         "--draft-layers", type=int, default=None,
         help="decoder layers of the draft (default 1); with --init-draft of fewer layers, the new ones start as the identity (`deepen`)",
     )
@@ -854,6 +861,19 @@ def _cmd_train_pair(args: argparse.Namespace) -> int:
     if args.tiny:
         cfg.target_shape = ModelShape(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
         cfg.draft_shape = ModelShape(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64)
+    if args.unlikelihood_steps < 0 or args.unlikelihood_lr <= 0 or args.unlikelihood_weight < 0:
+        raise SpecDecError(
+            f"--unlikelihood-steps {args.unlikelihood_steps}, --unlikelihood-lr {args.unlikelihood_lr}, --unlikelihood-weight "
+            f"{args.unlikelihood_weight}: steps and weight must be >= 0 and the LR > 0"
+        )
+    if args.unlikelihood_steps:
+        from specdec.training.unlikelihood import UnlikelihoodConfig
+
+        cfg.unlikelihood = StageConfig(
+            steps=args.unlikelihood_steps, batch_size=args.target_batch_size or batch_t, seq_len=args.seq_len, lr=args.unlikelihood_lr,
+            warmup_steps=min(10, args.unlikelihood_steps), checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+        )
+        cfg.unlikelihood_loss = UnlikelihoodConfig(weight=args.unlikelihood_weight, **({"prefix_len": 8, "continuation_len": 12, "batch_size": 2} if args.tiny else {}))
     if args.draft_layers is not None:
         if args.draft_layers < 1:
             raise SpecDecError(f"--draft-layers {args.draft_layers}: a draft needs at least 1 layer")

@@ -371,3 +371,63 @@ def test_draft_layers_deepens_a_warm_started_draft(tmp_path, capsys):
     assert AutoModelForCausalLM.from_pretrained(second / "draft").config.num_hidden_layers == 2
     assert main([*base, "--out", str(tmp_path / "third"), "--draft-layers", "0"]) == 2
     assert "--draft-layers 0" in capsys.readouterr().err
+
+
+def test_repeat_mask_marks_repeated_ngrams_only():
+    from specdec.training.unlikelihood import repeat_mask
+
+    assert repeat_mask([1, 2, 1, 2, 3], 2) == [False, False, True, True, False]
+    assert repeat_mask([5, 5, 5, 5], 2) == [False, True, True, True]
+    assert repeat_mask([1, 2, 3, 4, 5], 2) == [False] * 5
+    assert repeat_mask([7, 8, 9, 7, 8, 9, 7, 8, 9], 4) == [False, False, False, True, True, True, True, True, True]
+    assert repeat_mask([1, 2], 4) == [False, False]
+
+
+def test_unlikelihood_lowers_the_probability_of_its_own_loops():
+    """A few steps of the unlikelihood term alone make the model's repeated greedy tokens less likely
+    (the term falls on the same prefixes) and its greedy continuations repeat less."""
+    from transformers import GPTNeoXConfig
+
+    from specdec.training.unlikelihood import SequenceUnlikelihood, UnlikelihoodConfig, greedy_continuations, repeat_mask
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # a loop-prone model: each token predicts itself (head = 5 x embeddings, layer output damped)
+        model.get_output_embeddings().weight.copy_(5 * model.get_input_embeddings().weight)
+        for name, param in model.named_parameters():
+            if name.endswith(("attention.dense.weight", "mlp.dense_4h_to_h.weight")):
+                param.mul_(0.1)
+    stream = np.random.default_rng(0).integers(0, 16, 4096).astype(np.uint16)
+    term = SequenceUnlikelihood(stream, UnlikelihoodConfig(prefix_len=6, continuation_len=16, batch_size=4, ngram=2))
+
+    def state() -> tuple[float, float]:
+        loss, info = term(model, torch.Generator().manual_seed(1))
+        return float(loss.detach()), info["repeat_share"]
+
+    before = state()
+    assert before[1] > 0.5  # the loop-prone model repeats itself
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        loss, _ = term(model, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = state()
+    assert after[1] < before[1] and after[0] < before[0], (before, after)
+    prefix = torch.from_numpy(stream[:6].astype(np.int64))[None]
+    tokens = greedy_continuations(model.eval(), prefix, 16)[0].tolist()
+    assert sum(repeat_mask(tokens, 2)) < 15
+
+
+def test_train_pair_with_unlikelihood_stage(tmp_path, capsys):
+    out = tmp_path / "ul"
+    base = ["train", "pair", "--tiny", "--corpus", str(STDLIB / "json"), "--vocab-size", "320", "--seq-len", "32", "--draft-steps", "1"]
+    assert main([*base, "--out", str(out), "--target-steps", "1", "--unlikelihood-steps", "2"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    rows = [r for r in log["log"] if r["stage"] == "unlikelihood"]
+    assert rows and all("ul" in r and 0 <= r["repeat_share"] <= 1 for r in rows)
+    assert (out / "work" / "unlikelihood.ckpt").exists()
+    assert main([*base, "--out", str(tmp_path / "bad"), "--target-steps", "1", "--unlikelihood-steps", "-1"]) == 2
+    assert "--unlikelihood-steps -1" in capsys.readouterr().err

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, Pre
 from specdec.training.corpus import SourceFile, build_prompt_set, iter_texts, list_sources, split_sources
 from specdec.training.packages import package_sources
 from specdec.training.tokenizer import train_tokenizer
+from specdec.training.unlikelihood import SequenceUnlikelihood, UnlikelihoodConfig
 
 
 @dataclass
@@ -119,6 +120,11 @@ class PairConfig:
     draft_layers: int | None = None
     """the draft's decoder layers when asked for (`--draft-layers`): the draft shape's, or a
     deepened `init_draft` (`deepen`); None: the shape's, or the warm start's own"""
+    unlikelihood: StageConfig | None = None
+    """after the target stage (or `target_from`): fine-tune the target with the next-token loss
+    plus sequence-level unlikelihood on its own greedy continuations (`training.unlikelihood`)
+    for this many steps; None: no such stage"""
+    unlikelihood_loss: UnlikelihoodConfig = field(default_factory=UnlikelihoodConfig)
     packages: bool = False
     """also train on the licence-filtered sources of installed packages (`training.packages`)"""
     site_packages: str | None = None
@@ -219,6 +225,7 @@ def train_stage(
     log: list[dict] | None = None,
     eval_sample: torch.Tensor | None = None,
     on_checkpoint: Callable[[PreTrainedModel, int], None] | None = None,
+    extra_loss: Callable[[PreTrainedModel, torch.Generator], tuple[torch.Tensor, dict[str, float]]] | None = None,
 ) -> PreTrainedModel:
     """Train `model` on random windows of `stream`, checkpointing to `work_dir/{name}.ckpt`.
 
@@ -231,6 +238,9 @@ def train_stage(
     appended to `work_dir/{name}_heldout.jsonl` as `{"step", "heldout_loss",
     "heldout_ppl", "lr", "elapsed_s", "time"}`; `step` counts optimizer steps done.
     `on_checkpoint(model, step)` runs after each checkpoint (e.g. to save a loadable snapshot).
+    `extra_loss(model, generator)` adds a term to every step's loss (drawing what it needs
+    with the stage's generator, so a resumed run draws the same) and fields to its log rows
+    (`unlikelihood.SequenceUnlikelihood`).
     """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -282,6 +292,10 @@ def train_stage(
                     teacher_logprobs = F.log_softmax(teacher(inputs).logits, dim=-1)  # [B, T, V]
                 kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), teacher_logprobs.flatten(0, 1), log_target=True, reduction="batchmean")
                 loss = (1 - cfg.distill_weight) * ce + cfg.distill_weight * kl
+            extra: dict[str, float] = {}
+            if extra_loss is not None:
+                term, extra = extra_loss(model, gen)
+                loss = loss + term
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -289,7 +303,7 @@ def train_stage(
             last_ce = ce.item()
             progress.update(task, advance=1, loss=last_ce)
             if step % 10 == 0 or step == cfg.steps - 1:
-                row = {"stage": name, "step": step, "ce": ce.item(), "lr": lr_at(step, cfg), "elapsed_s": time.time() - t0}
+                row = {"stage": name, "step": step, "ce": ce.item(), **extra, "lr": lr_at(step, cfg), "elapsed_s": time.time() - t0}
                 record(log_path, row)
                 if log is not None:
                     log.append(row)
@@ -372,6 +386,14 @@ def train_pair(cfg: PairConfig, tokenizer_dir: Path | None = None) -> dict:
             on_checkpoint=lambda model, step: save_snapshot(model, tokenizer, work / "target-latest", step),
         )
     timings["target_s"] = time.time() - t0
+    if cfg.unlikelihood is not None and cfg.unlikelihood.steps > 0:
+        t0 = time.time()
+        target = train_stage(
+            "unlikelihood", target, stream, cfg.unlikelihood, work, cfg.seed + 2, log=log, eval_sample=sample,
+            on_checkpoint=lambda model, step: save_snapshot(model, tokenizer, work / "unlikelihood-latest", step),
+            extra_loss=SequenceUnlikelihood(stream, cfg.unlikelihood_loss),
+        )
+        timings["unlikelihood_s"] = time.time() - t0
 
     t0 = time.time()
     if cfg.init_draft:
@@ -402,7 +424,7 @@ def train_pair(cfg: PairConfig, tokenizer_dir: Path | None = None) -> dict:
         "timings_s": timings,
         "total_s": time.time() - t_start,
     }
-    curves = {name: [json.loads(line) for line in path.read_text().splitlines()] for name in ("target", "draft") if (path := work / f"{name}_heldout.jsonl").exists()}
+    curves = {name: [json.loads(line) for line in path.read_text().splitlines()] for name in ("target", "unlikelihood", "draft") if (path := work / f"{name}_heldout.jsonl").exists()}
     (out / "train_log.json").write_text(json.dumps({"summary": summary, "log": log, "heldout_curve": curves}, indent=1))
     return summary
 
