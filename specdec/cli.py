@@ -744,6 +744,7 @@ def _add_train(sub) -> None:
         help="after the target stage, fine-tune the target this many steps with sequence-level unlikelihood on its own "
         "greedy continuations (against loops; docs/bundled-pair.md); 0: none",
     )
+    pair.add_argument("--draft-lr", type=float, default=2e-3, help="peak learning rate of the draft (2e-3; lower for a warm start)")
     pair.add_argument("--unlikelihood-lr", type=float, default=1e-4, help="peak LR of the unlikelihood fine-tuning (1e-4)")
     pair.add_argument("--unlikelihood-weight", type=float, default=1.0, help="weight of the unlikelihood term beside the next-token loss (1.0)")
     pair.add_argument(
@@ -854,13 +855,15 @@ def _cmd_train_pair(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
         ),
         draft=StageConfig(
-            steps=args.draft_steps, batch_size=batch_d, seq_len=args.seq_len, lr=2e-3, warmup_steps=min(50, args.draft_steps), distill_weight=args.distill_weight,
+            steps=args.draft_steps, batch_size=batch_d, seq_len=args.seq_len, lr=args.draft_lr, warmup_steps=min(50, args.draft_steps), distill_weight=args.distill_weight,
             checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
         ),
     )
     if args.tiny:
         cfg.target_shape = ModelShape(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
         cfg.draft_shape = ModelShape(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64)
+    if args.draft_lr <= 0:
+        raise SpecDecError(f"--draft-lr {args.draft_lr} must be > 0")
     if args.unlikelihood_steps < 0 or args.unlikelihood_lr <= 0 or args.unlikelihood_weight < 0:
         raise SpecDecError(
             f"--unlikelihood-steps {args.unlikelihood_steps}, --unlikelihood-lr {args.unlikelihood_lr}, --unlikelihood-weight "
