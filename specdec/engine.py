@@ -118,7 +118,7 @@ class StepResult:
                 path,
                 tree.tokens.gather(1, path),  # [B, D]
                 tree.depths * tree.valid,  # [B, N]: each valid node's depth, 0 for the root and padding
-                tree.parents.masked_fill(~tree.valid, -1),  # [B, N]: each valid node's parent, -1 for the root and padding
+                tree.parents,  # [B, N]: kept on the host where the depth above is > 0 (no op for a mask)
             ],
             dim=1,
         ).tolist()
@@ -128,8 +128,9 @@ class StepResult:
             n = row[0]
             accepted_nodes.append(row[4 : 4 + n])
             accepted_tokens.append(row[4 + d : 4 + d + n])
-            tree_parents.append(row[4 + 2 * d + n_nodes :])
-            depths = [x for x in row[4 + 2 * d : 4 + 2 * d + n_nodes] if x > 0]
+            node_depths = row[4 + 2 * d : 4 + 2 * d + n_nodes]
+            tree_parents.append([p if depth > 0 else -1 for p, depth in zip(row[4 + 2 * d + n_nodes :], node_depths, strict=True)])
+            depths = [x for x in node_depths if x > 0]
             counts = [0] * max(depths, default=0)
             for depth in depths:
                 counts[depth - 1] += 1

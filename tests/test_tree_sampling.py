@@ -199,10 +199,12 @@ def test_option_wiring():
 def test_sibling_ranks_and_positional_rates():
     parents = torch.tensor([[-1, 0, 0, 1, 0, 3]])
     valid = torch.tensor([[True, True, True, True, True, False]])
-    assert sibling_ranks(parents, valid).tolist() == [[0, 1, 2, 1, 3, 0]]
+    assert sibling_ranks(parents.masked_fill(~valid, -1).tolist()) == [[0, 1, 2, 1, 3, 0]]
     rates = RankAcceptance(ranks=3, prior=(0.5, 0.2), prior_weight=1.0, decay=1.0)
     assert rates.rates().tolist() == [0.5, 0.2, 0.2]
     # the root's children are observed (rank 1 accepted, ranks 2 and 3 not); node 1 was reached: its child (rank 1) rejected
+    rates.observe(parents.masked_fill(~valid, -1).tolist(), [[1]], [False])  # a finished row: no observation
+    assert rates.observations == 0
     rates.observe(parents.masked_fill(~valid, -1).tolist(), [[1]], [True])
     assert rates.observations == 4
     assert rates.rates().round(6).tolist() == [0.5, 0.1, 0.1]  # rank 1: (1 + 1 * 0.5 + 0) / (2 + 1); rank 2: 0.2 / 2
@@ -254,3 +256,22 @@ def test_level_depth_hints_match_the_parents(method, temperature, monkeypatch):
     valid = builder.valid[:, 1:]  # non-root builder nodes
     parent_depth = builder.depths.gather(1, builder.parents[:, 1:].clamp(min=0))
     assert torch.equal(builder.depths[:, 1:][valid], (parent_depth + 1)[valid])
+
+
+def test_step_result_carries_the_verified_tree_parents():
+    """The verdict's one read also brings each verified node's parent (-1 for the root and padding,
+    whatever the padding's stored parent), for policies that learn from the tree's shape."""
+    from specdec.engine import StepResult
+    from specdec.tree import TokenTree
+    from specdec.verification.base import Verdict
+
+    parents = torch.tensor([[-1, 0, 0, 1, 0], [-1, 0, 1, 0, 0]])  # row 1: nodes 3 and 4 are padding (stored parent 0)
+    valid = torch.tensor([[True, True, True, True, True], [True, True, True, False, False]])
+    depths = torch.tensor([[0, 1, 1, 2, 1], [0, 1, 2, 0, 0]])
+    zeros = torch.zeros(2, 5)
+    tree = TokenTree(tokens=torch.arange(10).view(2, 5), parents=parents, depths=depths, logq=zeros, cum_logq=zeros, valid=valid,
+                     sampled=torch.zeros(2, 5, dtype=torch.bool))
+    verdict = Verdict.from_lists([[1, 3], [1]], [7, 8], [0, 0], [0, 0], torch.device("cpu"))
+    result = StepResult.read(tree, verdict)
+    assert result.tree_parents == [[-1, 0, 0, 1, 0], [-1, 0, 1, -1, -1]]
+    assert result.accepted_nodes == [[1, 3], [1]] and result.drafted == [4, 2]

@@ -30,15 +30,23 @@ DEFAULT_PRIOR = (0.6, 0.12, 0.05, 0.02)
 """prior rates per rank (the last one repeats): roughly the bundled pair's at T = 1"""
 
 
-def sibling_ranks(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B, N] int64 1-based rank of each node among its valid siblings, in tree order (0 for the
-    root and padding). parents, valid: [B, N] (a TokenTree's).
+def sibling_ranks(tree_parents: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Per row, the 1-based rank of each node among its valid siblings, in tree order (0 for the
+    root and padding). tree_parents: per row, each node's parent, -1 for the root and padding
+    (`StepRecord.tree_parents`; host lists, no device op).
     Example: parents [-1, 0, 0, 1, 0] -> ranks [0, 1, 2, 1, 3]."""
-    n = parents.shape[1]
-    real = valid & (parents >= 0)  # [B, N]
-    earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)  # [i, j]: j < i
-    same = (parents[:, :, None] == parents[:, None, :]) & real[:, None, :] & earlier  # [B, N, N] j is an earlier sibling of i
-    return torch.where(real, same.sum(dim=2) + 1, 0)
+    out = []
+    for parents in tree_parents:
+        seen: dict[int, int] = {}
+        ranks = []
+        for parent in parents:
+            if parent < 0:
+                ranks.append(0)
+            else:
+                seen[parent] = seen.get(parent, 0) + 1
+                ranks.append(seen[parent])
+        out.append(ranks)
+    return out
 
 
 class RankAcceptance:
@@ -67,23 +75,20 @@ class RankAcceptance:
         """One step's verdict on a tree, all on the host (no device read): tree_parents: per row,
         each verified node's parent, -1 for the root and padding (`StepRecord.tree_parents`, read
         with the verdict); accepted_nodes: per row, the accepted path's node indices; active: per row."""
-        parents = np.array([list(p) for p in tree_parents], dtype=np.int64).reshape(len(tree_parents), -1)  # [B, N] host (numpy: no device op)
-        b, n = parents.shape
-        valid = parents >= 0  # the root has no parent and is never an observation
-        on_path = np.zeros((b, n), dtype=np.bool_)
-        for row, path in enumerate(accepted_nodes):
-            if active[row] and path:
-                on_path[row, list(path)] = True
-        reached = on_path.copy()
-        reached[:, 0] = True
-        parent_reached = np.take_along_axis(reached, np.maximum(parents, 0), axis=1) & valid
-        observed = parent_reached & np.asarray(active, dtype=np.bool_)[:, None]  # [B, N]
-        earlier = np.tril(np.ones((n, n), dtype=np.bool_), -1)  # [i, j]: j < i
-        siblings = (parents[:, :, None] == parents[:, None, :]) & valid[:, None, :] & earlier  # [B, N, N] j is an earlier sibling of i
-        rank = np.minimum(siblings.sum(axis=2)[observed], self.ranks - 1)  # 0-based sibling rank (`sibling_ranks` - 1)
-        if rank.size == 0:
+        observed_ranks: list[int] = []  # 0-based, capped at the last tracked rank
+        hits: list[float] = []
+        for row, (parents, ranks) in enumerate(zip(tree_parents, sibling_ranks(tree_parents), strict=True)):
+            if not active[row]:
+                continue
+            reached = {0, *accepted_nodes[row]}  # the root and the accepted path
+            for node, (parent, rank) in enumerate(zip(parents, ranks, strict=True)):
+                if parent >= 0 and parent in reached:  # a verified node whose parent was reached
+                    observed_ranks.append(min(rank, self.ranks) - 1)
+                    hits.append(float(node in reached))
+        if not observed_ranks:
             return
-        hit = on_path[observed].astype(float)
+        rank = np.asarray(observed_ranks, dtype=np.int64)
+        hit = np.asarray(hits)
         factor = self.decay**rank.size
         self.seen = self.seen * factor + np.bincount(rank, minlength=self.ranks)
         self.hits = self.hits * factor + np.bincount(rank, weights=hit, minlength=self.ranks)

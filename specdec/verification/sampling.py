@@ -61,12 +61,6 @@ class RowTree:
     """valid children of each node, in tree order"""
 
     @classmethod
-    def read(cls, tree: TokenTree) -> list[RowTree]:
-        """Every row of `tree`, from one host read of its tokens, parents, valid and sampled."""
-        tokens, parents, sampled = read_together(tree.tokens, tree.parents.masked_fill(~tree.valid, -1), tree.sampled)
-        return cls.from_host(tokens, parents, sampled)
-
-    @classmethod
     def from_host(cls, tokens: np.ndarray, parents: np.ndarray, sampled: np.ndarray) -> list[RowTree]:
         """Every row of a tree from host arrays [B, N]: tokens, parents (-1 for the root and
         padding), sampled."""
