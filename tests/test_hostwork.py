@@ -193,3 +193,21 @@ def test_cuda_greedy_equals_generate_and_times_forwards(method):
         ref = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(prompt) :].tolist()
     assert out == ref
     assert engine.target.forward_s > 0  # read from CUDA events
+
+
+def test_sampled_dynatree_reads_once_per_level():
+    """Drawn children: DynaTree's levels keep a static width (no read of their own); what it reads is
+    one count per drafted level, the walk's inputs and the verdict."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=1, layers=1))
+    policy = make_policy("dynatree")
+    engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
+    params = SamplingParams(temperature=1.0)
+    engine.generate([[5, 6, 7, 8]], 4, params=params, seed=0)  # warm-up
+    with HostWorkCounter(keep_names=True) as counter:
+        out = engine.generate([[5, 6, 7, 8], [9, 10, 11]], 24, params=params, seed=1)
+    steps = max(o.stats.steps for o in out)
+    reads = counter.read_names
+    assert reads["__int__"] == 0, reads  # no width read per level
+    assert reads["cpu"] <= steps, reads  # the walk's inputs, once per step
+    assert reads["tolist"] <= steps * (policy.d_max + 2), reads  # a count per level, the verdict, the history rule
