@@ -3,6 +3,8 @@ host reads, and the half-precision divergence classifier of the benchmark."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from conftest import sharpen, tiny_model
@@ -95,23 +97,27 @@ def test_read_together_is_one_read_of_every_dtype_and_shape():
         read_together(torch.ones(2), torch.ones(2, device="meta"))
 
 
-@pytest.mark.parametrize("method", ["eagle2", "static", "chain"])
-def test_sampled_steps_read_twice(method):
-    """At T = 1 a step reads the device twice: the tree walk's inputs (one transfer) and the verdict;
-    learning the positional rates of drawn children reads nothing more (the verdict's read carries the tree)."""
+def _sampled_reads(policy) -> tuple[int, Counter[str], int]:
+    """Two prompts decoded at T = 1 with `policy` on tiny models: (steps, host reads by name, all host reads)."""
     target = sharpen(tiny_model("llama", seed=0))
     draft = sharpen(tiny_model("llama", seed=1, layers=1))
-    policy = make_policy(method, **({"depth": 3, "top_k": 3, "total_tokens": 8} if method == "eagle2" else {}))
     engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
     params = SamplingParams(temperature=1.0)
     engine.generate([[5, 6, 7, 8]], 4, params=params, seed=0)  # warm-up
     with HostWorkCounter(keep_names=True) as counter:
         out = engine.generate([[5, 6, 7, 8], [9, 10, 11]], 24, params=params, seed=1)
-    steps = max(o.stats.steps for o in out)
-    reads = counter.read_names
+    return max(o.stats.steps for o in out), counter.read_names, counter.host_reads
+
+
+@pytest.mark.parametrize("method", ["eagle2", "static", "chain"])
+def test_sampled_steps_read_twice(method):
+    """At T = 1 a step reads the device twice: the tree walk's inputs (one transfer) and the verdict;
+    learning the positional rates of drawn children reads nothing more (the verdict's read carries the tree)."""
+    policy = make_policy(method, **({"depth": 3, "top_k": 3, "total_tokens": 8} if method == "eagle2" else {}))
+    steps, reads, total = _sampled_reads(policy)
     assert reads["tolist"] <= steps and reads["cpu"] <= steps, reads  # the verdict; the walk's inputs (chains: on the device)
     assert reads["item"] <= 2 * (steps * (1 + 4) // 64 + 1), reads
-    assert sum(reads.values()) == counter.host_reads
+    assert sum(reads.values()) == total
     if method == "eagle2":
         assert policy.ranks.observations > 0  # it did learn from the verdicts
 
@@ -198,16 +204,8 @@ def test_cuda_greedy_equals_generate_and_times_forwards(method):
 def test_sampled_dynatree_reads_once_per_level():
     """Drawn children: DynaTree's levels keep a static width (no read of their own); what it reads is
     one count per drafted level, the walk's inputs and the verdict."""
-    target = sharpen(tiny_model("llama", seed=0))
-    draft = sharpen(tiny_model("llama", seed=1, layers=1))
     policy = make_policy("dynatree")
-    engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
-    params = SamplingParams(temperature=1.0)
-    engine.generate([[5, 6, 7, 8]], 4, params=params, seed=0)  # warm-up
-    with HostWorkCounter(keep_names=True) as counter:
-        out = engine.generate([[5, 6, 7, 8], [9, 10, 11]], 24, params=params, seed=1)
-    steps = max(o.stats.steps for o in out)
-    reads = counter.read_names
+    steps, reads, _ = _sampled_reads(policy)
     assert reads["__int__"] == 0, reads  # no width read per level
     assert reads["cpu"] <= steps, reads  # the walk's inputs, once per step
     assert reads["tolist"] <= steps * (policy.d_max + 2), reads  # a count per level, the verdict, the history rule
