@@ -226,3 +226,45 @@ def test_bench_bad_prompt_file_exit_2(tiny_pair_dir, tmp_path, capsys):
     prompts = _write_jsonl(tmp_path / "p.jsonl", [LINES[0], "{oops"])
     assert main(_bench_args(tiny_pair_dir, prompts, tmp_path / "out")) == 2
     assert "p.jsonl:2" in capsys.readouterr().err
+
+
+def test_host_work_count_skips_prompts_that_end_at_once():
+    """The ops/reads per step come from as many prompt groups as it takes to see 16 decoding steps:
+    a first prompt whose first token is EOS (no step) must not make the count that of set-up alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specdec.bench.prompts import BenchPrompt
+    from specdec.bench.runner import HOST_WORK_MIN_STEPS, _Runner
+
+    steps_per_group = [0, 10, 10, 10]  # group 0: EOS at once
+    calls: list[int] = []
+
+    def generate_ids(contexts, max_new_tokens, params, verify=None, seed=None):
+        steps = steps_per_group[len(calls)]
+        calls.append(steps)
+        x = torch.zeros(4)
+        for _ in range(3):  # set-up: 3 ops whatever the prompt
+            x = x + 1
+        for _ in range(steps):  # 5 ops and 1 host read per decoding step
+            for _ in range(5):
+                x = x * 1.5
+            x.sum().item()
+        return [SimpleNamespace(stats=SimpleNamespace(steps=steps)) for _ in contexts]
+
+    stub = SimpleNamespace(
+        models=SimpleNamespace(tokenizer=lambda text: {"input_ids": [1, 2, 3]}),
+        eos_token_ids=[0],
+        config=SimpleNamespace(chat=False, system=None, max_new_tokens=8),
+        max_context=None,
+        decoders={"chain": SimpleNamespace(generate_ids=generate_ids)},
+        params=None,
+        seed=lambda repeat, group, turn: 0,
+    )
+    groups = [[BenchPrompt(id=str(i), turns=["x"])] for i in range(len(steps_per_group))]
+    work = _Runner.count_host_work(stub, SimpleNamespace(label="chain", verify="greedy"), groups)  # type: ignore[arg-type]
+    assert calls == [0, 10, 10]  # stops once 20 >= 16 steps were seen; group 3 never runs
+    assert work["steps"] == 20.0 >= HOST_WORK_MIN_STEPS
+    assert work["host_reads"] == 1.0  # the sum's .item(), once per step
+    assert 5.0 <= work["ops"] <= 7.0  # 5 multiplies + the sum per step, set-up (3 x 3 adds) spread over 20 steps

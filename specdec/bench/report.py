@@ -606,7 +606,7 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         "- **prefill/draft/verify/overhead**: share of wall time; **engine efficiency**: share of wall time inside model forwards.",
         "- **ops/step, host reads/step**: per decoding step, outside model forwards: torch ops that do work (views excluded; each is a "
         "kernel launch on a GPU) and device-to-host value reads (`.item()`, `.tolist()`, `bool(t)`, ...; each a full sync on a GPU), "
-        "counted on one extra untimed call on the first prompt group (`specdec.hostwork`).",
+        "counted on extra untimed calls on the first prompt groups, until 16 steps are seen (`specdec.hostwork`).",
         "- **= AR**: greedy outputs equal AR's token for token; where one differs, its first divergence is classified "
         "(`specdec.bench.divergence`): a *numerical tie* when AR's and the method's tokens have logits within a few units in the "
         "last place of the run's dtype (either is the target's greedy choice to the precision it computes in), else a *mismatch*.",

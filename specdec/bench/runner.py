@@ -176,6 +176,10 @@ class CallRecord:
         }
 
 
+HOST_WORK_MIN_STEPS = 16
+"""`count_host_work` counts prompt groups until it has seen this many decoding steps"""
+
+
 @dataclass
 class BenchResult:
     """The raw outcome of a run."""
@@ -194,7 +198,7 @@ class BenchResult:
     wall_s: float
     host_work: dict[str, dict[str, float]] = field(default_factory=dict)
     """per engine method: ops, ops_all and host_reads per decoding step outside model forwards
-    (`specdec.hostwork`), from one extra, untimed call on the first prompt group"""
+    (`specdec.hostwork`), from extra, untimed calls on the first prompt groups (`count_host_work`)"""
     cost_profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     """per cost-aware variant (cast): where its cost table came from (`ProfileSource.to_dict`),
     loaded or measured before the warm-up and the timed calls"""
@@ -417,20 +421,30 @@ class _Runner:
             records.append(record)
         return records
 
-    def count_host_work(self, variant: Variant, prompts: Sequence[BenchPrompt]) -> dict[str, float]:
+    def count_host_work(self, variant: Variant, groups: Sequence[Sequence[BenchPrompt]], min_steps: int = HOST_WORK_MIN_STEPS) -> dict[str, float]:
         """Ops and host reads per decoding step outside model forwards (`specdec.hostwork`) on the
-        first turn of `prompts`, in one untimed call (the counting itself is slow)."""
-        contexts = []
-        for p in prompts:
-            if p.images:
-                contexts.append(image_prompt(self.probe, p, self.max_context, self.config.max_new_tokens))
-            else:
-                ids = turn_context(self.models.tokenizer, p, 0, None, [], self.eos_token_ids, self.config.chat, self.config.system)
-                contexts.append(fit_context(ids, self.max_context, self.config.max_new_tokens)[0])
-        with HostWorkCounter() as counter:
-            outs = self.decoders[variant.label].generate_ids(contexts, self.config.max_new_tokens, self.params, verify=variant.verify, seed=self.seed(0, 0, 0))
-        steps = max(1, max(o.stats.steps for o in outs))
-        return {"ops": counter.ops / steps, "ops_all": counter.ops_all / steps, "host_reads": counter.host_reads / steps, "steps": float(steps)}
+        first turns of the prompt groups, in untimed calls (the counting itself is slow): group
+        after group until `min_steps` decoding steps were counted (a prompt the model ends at
+        once, with EOS as its first token, has no step to count), or the groups run out."""
+        ops = ops_all = reads = steps = 0
+        for prompts in groups:
+            contexts = []
+            for p in prompts:
+                if p.images:
+                    contexts.append(image_prompt(self.probe, p, self.max_context, self.config.max_new_tokens))
+                else:
+                    ids = turn_context(self.models.tokenizer, p, 0, None, [], self.eos_token_ids, self.config.chat, self.config.system)
+                    contexts.append(fit_context(ids, self.max_context, self.config.max_new_tokens)[0])
+            with HostWorkCounter() as counter:
+                outs = self.decoders[variant.label].generate_ids(
+                    contexts, self.config.max_new_tokens, self.params, verify=variant.verify, seed=self.seed(0, 0, 0)
+                )
+            ops, ops_all, reads = ops + counter.ops, ops_all + counter.ops_all, reads + counter.host_reads
+            steps += max(o.stats.steps for o in outs)  # the rows of a group share their steps
+            if steps >= min_steps:
+                break
+        per = max(1, steps)
+        return {"ops": ops / per, "ops_all": ops_all / per, "host_reads": reads / per, "steps": float(steps)}
 
     def _call(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
         """One timed generation; the process RSS (and on CUDA the peak GPU memory) is read right after."""
@@ -555,7 +569,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
                     progress.update(task, description=f"repeat {repeat + 1}/{config.repeats} prompt group {g + 1}/{len(groups)} {escape(v.label)}")
                     records.extend(runner.run_group(v, group, repeat, g))
                     progress.advance(task)
-    host_work = {v.label: runner.count_host_work(v, groups[0]) for v in variants if not v.peer}
+    host_work = {v.label: runner.count_host_work(v, groups) for v in variants if not v.peer}
     if config.temperature == 0:
         _classify_divergences(records, models.target)
     if config.quality or config.mars_thetas:
