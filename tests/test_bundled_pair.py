@@ -17,8 +17,10 @@ def test_bundled_pair_shapes_and_dtype():
     target = AutoModelForCausalLM.from_pretrained(bundled_target())
     draft = AutoModelForCausalLM.from_pretrained(bundled_draft())
     assert target.config.model_type == draft.config.model_type == "gpt_neox"
-    assert sum(p.numel() for p in target.parameters()) >= 20_000_000
-    assert sum(p.numel() for p in draft.parameters()) <= 3_000_000
+    target_params = sum(p.numel() for p in target.parameters())
+    draft_params = sum(p.numel() for p in draft.parameters())
+    assert target_params >= 20_000_000
+    assert draft_params * 5 <= target_params  # a draft at most a fifth of the target
     decoder = SpeculativeDecoder.from_pretrained(method="chain")  # no paths: the bundled pair
     assert next(decoder.target.parameters()).dtype == torch.float32  # stored float16, loaded float32 on CPU
 

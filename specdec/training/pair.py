@@ -63,7 +63,8 @@ class ModelShape:
 TARGET_SHAPE = ModelShape(hidden_size=448, num_layers=10, num_heads=7, intermediate_size=1792)
 """~28M parameters: deep enough that one decoding step costs >= 8x the draft's on a CPU."""
 DRAFT_SHAPE = ModelShape(hidden_size=256, num_layers=1, num_heads=4, intermediate_size=1024)
-"""~2.9M parameters (2.1M of them the tied embedding): one layer keeps a step cheap."""
+"""~2.9M parameters (2.1M of them the tied embedding): one layer keeps a step cheap. The bundled
+v2 draft was deepened to two layers (`--draft-layers 2`, 3.7M) so it can copy from its context."""
 
 
 @dataclass
