@@ -254,10 +254,8 @@ def test_host_work_count_skips_prompts_that_end_at_once():
         return [SimpleNamespace(stats=SimpleNamespace(steps=steps)) for _ in contexts]
 
     stub = SimpleNamespace(
-        models=SimpleNamespace(tokenizer=lambda text: {"input_ids": [1, 2, 3]}),
-        eos_token_ids=[0],
-        config=SimpleNamespace(chat=False, system=None, max_new_tokens=8),
-        max_context=None,
+        context=lambda prompt, turn, previous, answers, max_new: ([1, 2, 3], False),
+        config=SimpleNamespace(max_new_tokens=8),
         decoders={"chain": SimpleNamespace(generate_ids=generate_ids)},
         params=None,
         seed=lambda repeat, group, turn: 0,

@@ -400,14 +400,7 @@ class _Runner:
                 break
             contexts: list[list[int]] = []
             for i in rows:
-                if prompts[i].images:  # a prompt with images: encoded by the target's processor, never cut
-                    ids = image_prompt(self.probe, prompts[i], self.max_context, max_new)
-                    cut = False
-                else:
-                    ids = turn_context(
-                        self.models.tokenizer, prompts[i], turn, previous[i], answers[i], self.eos_token_ids, self.config.chat, self.config.system
-                    )
-                    ids, cut = fit_context(ids, self.max_context, max_new)
+                ids, cut = self.context(prompts[i], turn, previous[i], answers[i], max_new)
                 if cut:
                     self.truncated.add((prompts[i].id, turn))
                 previous[i] = ids
@@ -421,6 +414,17 @@ class _Runner:
             records.append(record)
         return records
 
+    def context(
+        self, prompt: BenchPrompt, turn: int, previous: list[int] | None, answers: list[list[int]], max_new: int
+    ) -> tuple[list[int] | MultimodalPrompt, bool]:
+        """What turn `turn` of `prompt` feeds the decoder, and whether it was cut to fit the context:
+        a prompt with images is encoded by the target's processor and never cut; text goes through
+        `turn_context` and `fit_context`."""
+        if prompt.images:
+            return image_prompt(self.probe, prompt, self.max_context, max_new), False
+        ids = turn_context(self.models.tokenizer, prompt, turn, previous, answers, self.eos_token_ids, self.config.chat, self.config.system)
+        return fit_context(ids, self.max_context, max_new)
+
     def count_host_work(self, variant: Variant, groups: Sequence[Sequence[BenchPrompt]], min_steps: int = HOST_WORK_MIN_STEPS) -> dict[str, float]:
         """Ops and host reads per decoding step outside model forwards (`specdec.hostwork`) on the
         first turns of the prompt groups, in untimed calls (the counting itself is slow): group
@@ -428,13 +432,7 @@ class _Runner:
         once, with EOS as its first token, has no step to count), or the groups run out."""
         ops = ops_all = reads = steps = 0
         for prompts in groups:
-            contexts = []
-            for p in prompts:
-                if p.images:
-                    contexts.append(image_prompt(self.probe, p, self.max_context, self.config.max_new_tokens))
-                else:
-                    ids = turn_context(self.models.tokenizer, p, 0, None, [], self.eos_token_ids, self.config.chat, self.config.system)
-                    contexts.append(fit_context(ids, self.max_context, self.config.max_new_tokens)[0])
+            contexts = [self.context(p, 0, None, [], self.config.max_new_tokens)[0] for p in prompts]
             with HostWorkCounter() as counter:
                 outs = self.decoders[variant.label].generate_ids(
                     contexts, self.config.max_new_tokens, self.params, verify=variant.verify, seed=self.seed(0, 0, 0)
