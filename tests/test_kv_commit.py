@@ -117,3 +117,75 @@ def test_keep_rows_hole_filling_equals_a_full_gather(arch):
     solo.prefill(ids[4:5], torch.ones(1, 5, dtype=torch.long))
     solo_out = solo.forward(step[1:2], solo.committed_len()[:, None], torch.ones(1, 1, 1, dtype=torch.bool))
     assert torch.allclose(outs[0][1], solo_out[0], atol=1e-5)
+
+
+class _Deferring:
+    """Wraps a policy: drafts nothing (`DraftSource.defer`) at the steps `pattern` marks."""
+
+    uses_draft = True
+
+    def __init__(self, inner, pattern) -> None:
+        self.inner, self.pattern, self.name, self.step, self.refused = inner, pattern, inner.name, 0, 0
+
+    def draft(self, source, roots, ctx):
+        from specdec.drafting.builder import root_only_draft
+
+        skip = self.pattern(self.step)
+        self.step += 1
+        if skip:
+            if source.defer(roots):
+                return root_only_draft(roots)
+            self.refused += 1
+        return self.inner.draft(source, roots, ctx)
+
+    def feedback(self, record) -> None:
+        self.inner.feedback(record)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("pattern", [lambda s: s % 3 != 2, lambda s: s % 2 == 0, lambda s: s < 7], ids=["two-of-three", "alternate", "first-seven"])
+def test_deferred_steps_keep_caches_and_output(arch, pattern):
+    """Steps that draft nothing leave the draft owing their roots; the next drafted step forwards
+    them all (several pending tokens per row, different counts per row): the draft cache then
+    equals a fresh prefill of the committed tokens minus the pending ones, and greedy output
+    is the target's own, in a batch of unequal prompts."""
+    target = sharpen(tiny_model(arch, seed=0))
+    draft = sharpen(tiny_model(arch, seed=0))  # same weights: long accepted paths, accepted leaves become pending
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 4], [2, 9, 8, 7, 6, 5, 4]]
+    reference = SpeculativeEngine(target, ChainPolicy(k=1), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[]).generate(prompts, 16)
+    from specdec.drafting.policies import ARPolicy
+
+    ar = SpeculativeEngine(target, ARPolicy(), GreedyRule(), None, eos_token_ids=[]).generate(prompts, 16)
+    assert [o.token_ids for o in reference] == [o.token_ids for o in ar]
+    for inner in (ChainPolicy(k=3), Eagle2Policy(depth=3, top_k=2, total_tokens=6)):
+        policy = _Deferring(inner, pattern)
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+        out = engine.generate(prompts, 16)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    # one prompt alone, checked cache against cache (rows of a finished batch retire)
+    for inner in (ChainPolicy(k=3), Eagle2Policy(depth=3, top_k=2, total_tokens=6)):
+        for max_new in (3, 8, 13):
+            engine = SpeculativeEngine(target, _Deferring(inner, pattern), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+            out = engine.generate([prompts[0]], max_new)[0]
+            committed = prompts[0] + out.token_ids[:-1]
+            pending = engine.source.pending[0]
+            draft_expected = committed[: len(committed) - len(pending)]
+            assert committed[len(draft_expected) :] == pending
+            for got, ref in zip(committed_keys(engine.source.runner), fresh_keys(draft, draft_expected), strict=True):
+                assert got.shape == ref.shape
+                assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_defer_refused_past_max_pending():
+    """A source owing `max_pending` tokens refuses to defer: the policy drafts, and the debt is paid."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=1))
+    source = ModelDraftSource(draft)
+    source.max_pending = 3
+    policy = _Deferring(ChainPolicy(k=2), lambda s: True)
+    engine = SpeculativeEngine(target, policy, GreedyRule(), source, eos_token_ids=[])
+    ar = SpeculativeEngine(target, ChainPolicy(k=1), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[]).generate([[5, 6, 7]], 12)
+    out = engine.generate([[5, 6, 7]], 12)
+    assert out[0].token_ids == ar[0].token_ids
+    assert policy.refused >= 2  # every third step had to draft
+    assert len(source.pending[0]) <= 3

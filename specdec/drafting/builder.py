@@ -94,6 +94,14 @@ class Draft:
         )
 
 
+def root_only_draft(roots: torch.Tensor) -> Draft:
+    """A step that drafts nothing: each row's tree is its root [B] alone (plain decoding; the
+    caller has not called the source's `begin_step`: AR has no source, a policy that skips
+    drafting has called `defer`)."""
+    tree = TokenTree.root_only(roots)
+    return Draft(tree, None, tree.depths)  # builder_nodes: node 0 (the root-only tree's depths are that [B, 1] zero column)
+
+
 class TreeBuilder:
     """Candidate nodes in creation order (level by level, so parents precede children).
 

@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling, root_only_draft
 from specdec.drafting.ranks import RankAcceptance
 from specdec.errors import SpecDecError
 from specdec.sampling import sample_from_probs
-from specdec.tree import TokenTree
 
 if TYPE_CHECKING:
     from specdec.sources.base import DraftSource
@@ -35,8 +34,7 @@ class ARPolicy(_Stateless):
     uses_draft = False
 
     def draft(self, source: DraftSource | None, roots: torch.Tensor, ctx: DraftContext) -> Draft:
-        tree = TokenTree.root_only(roots)
-        return Draft(tree, None, tree.depths)  # builder_nodes: node 0 (the root-only tree's depths are that [B, 1] zero column)
+        return root_only_draft(roots)
 
 
 @dataclass

@@ -118,6 +118,13 @@ class DraftSource(Protocol):
         log-distribution of the root's children: [B, V] float32 (after `params`)."""
         ...
 
+    def defer(self, roots: torch.Tensor) -> bool:
+        """Instead of `begin_step`: this step drafts nothing (a policy found plain decoding
+        faster; its tree is the root alone). The source takes note of the roots [B] it never
+        saw, to catch up at the next drafted step, and `end_step` follows as usual. Returns
+        False, taking no note, when it cannot defer now; the policy must then draft."""
+        ...
+
     def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
         """One draft forward over `batch.nodes` [B, k]. Returns the draft log-distribution over
         each node's children: [B, k, V] float32."""

@@ -212,6 +212,7 @@ class EnsembleDraftSource:
         """per row: the weights chosen at each step (for plots of the adaptation)"""
         self._root_q = torch.zeros(0)
         self._expanded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._deferring = False  # this step drafted nothing (`defer`)
 
     @property
     def view_names(self) -> list[str]:
@@ -250,6 +251,7 @@ class EnsembleDraftSource:
 
     # ----- drafting ----------------------------------------------------------------
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        self._deferring = False
         self.weights = torch.stack([self._choose(r) for r in range(roots.shape[0])])  # [B, m]
         for r in range(roots.shape[0]):
             self.traces[r].append(self.weights[r].tolist())
@@ -268,8 +270,17 @@ class EnsembleDraftSource:
         self._expanded.append((nodes, valid, view_logprobs))
         return mixture_logprobs(view_logprobs, self.weights)
 
+    def defer(self, roots: torch.Tensor) -> bool:
+        """A step that drafts nothing: the views' draft owes the root (`ModelDraftSource.defer`);
+        its verdict teaches the weights nothing."""
+        self._deferring = self.inner.defer(roots.repeat_interleave(self.m))
+        return self._deferring
+
     def end_step(self, accepted: AcceptedPaths) -> None:
         self.inner.end_step(accepted.repeat_rows(self.m))
+        if self._deferring:  # no view drafted: nothing to compare with the target's distributions
+            self._deferring = False
+            return
         p_logs = accepted.target.logprobs()  # [B, 1 + D, V]
         for row, tokens in enumerate(accepted.host_tokens):
             if not accepted.host_active[row]:

@@ -70,6 +70,11 @@ class LookupDraftSource:
                 out[i, token] = 0.0
         return out
 
+    def defer(self, roots: torch.Tensor) -> bool:
+        """A step that drafts nothing: the root joins the history at `end_step`."""
+        self._roots = roots.tolist()
+        return True
+
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         self._roots = roots.tolist()
         return self._propose([h + [r] for h, r in zip(self.history, self._roots, strict=True)], roots.device)

@@ -27,13 +27,17 @@ _SLOT_BLOCK = 64
 class ModelDraftSource:
     """Draft distributions from one causal LM sharing the target's tokenizer.
 
-    The draft cache holds every committed token except at most one "pending" token per
-    row: an accepted leaf, which the draft never forwarded. The next step forwards the
-    pending token and the new root together (two step slots, the first masked out when
-    nothing is pending), so nothing is re-prefilled. Tree nodes are forwarded level by
-    level; a node sees the committed prefix, the step's pending and root slots, and its
-    ancestors' slots, never its siblings'. Everything stays on the device: no host reads.
+    The draft cache holds every committed token except a few "pending" ones per row that
+    the draft never forwarded: an accepted leaf, and the roots of steps that drafted nothing
+    (`defer`). The next step forwards the pending tokens and the new root together (P + 1
+    step slots, pending slots masked out where a row has fewer), so nothing is re-prefilled.
+    Tree nodes are forwarded level by level; a node sees the committed prefix, the step's
+    pending and root slots, and its ancestors' slots, never its siblings'. Everything stays
+    on the device: no host reads.
     """
+
+    max_pending = 16
+    """the most tokens a row may owe the draft: `defer` refuses past it (the policy then drafts)"""
 
     def __init__(
         self, model: PreTrainedModel, view: PromptView | None = None, vocab: VocabFit | None = None, static_shapes: bool = False, cuda_graphs: bool = False
@@ -47,9 +51,10 @@ class ModelDraftSource:
         self.view = view
         self.multimodal = is_multimodal(model)
         dev = self.runner.device
-        self.pending_token = torch.zeros(0, dtype=torch.long, device=dev)  # [B]
-        self.pending_valid = torch.zeros(0, dtype=torch.bool, device=dev)  # [B]
-        # per step slot (0: pending, 1: root, then the forwarded nodes in forward order): the
+        self.pending_token = torch.zeros(0, 1, dtype=torch.long, device=dev)  # [B, P] oldest first
+        self.pending_valid = torch.zeros(0, 1, dtype=torch.bool, device=dev)  # [B, P] (rows owe different counts)
+        self._deferred: torch.Tensor | None = None  # [B] the roots of a step that drafted nothing (`defer`)
+        # per step slot (0..P-1: pending, P: root, then the forwarded nodes in forward order): the
         # builder node it holds and whether it is visible; preallocated, reused every step
         self._slot_node = torch.zeros(0, 0, dtype=torch.long, device=dev)  # [B, S_cap] (pending and root slots: node 0)
         self._slot_ok = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [B, S_cap]
@@ -58,8 +63,8 @@ class ModelDraftSource:
 
     @property
     def pending(self) -> list[list[int]]:
-        """Per row, the pending tokens (at most one; a host read, for tests and debugging)."""
-        return [[t] if v else [] for t, v in zip(self.pending_token.tolist(), self.pending_valid.tolist(), strict=True)]
+        """Per row, the pending tokens, oldest first (a host read, for tests and debugging)."""
+        return [[t for t, v in zip(tokens, valid, strict=True) if v] for tokens, valid in zip(self.pending_token.tolist(), self.pending_valid.tolist(), strict=True)]
 
     def prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None, prompts: Sequence[Sequence[int]] | None = None
@@ -80,8 +85,9 @@ class ModelDraftSource:
         if rows is None:
             self.runner.prefill(input_ids, attention_mask, model_inputs)
             b = input_ids.shape[0]
-            self.pending_token = torch.zeros(b, dtype=torch.long, device=dev)
-            self.pending_valid = torch.zeros(b, dtype=torch.bool, device=dev)
+            self.pending_token = torch.zeros(b, 1, dtype=torch.long, device=dev)
+            self.pending_valid = torch.zeros(b, 1, dtype=torch.bool, device=dev)
+            self._deferred = None
             return
         self.runner.replace_rows(rows, input_ids, attention_mask, model_inputs)
         index = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -93,18 +99,33 @@ class ModelDraftSource:
         self.pending_token = self.pending_token[index]
         self.pending_valid = self.pending_valid[index]
 
+    def defer(self, roots: torch.Tensor) -> bool:
+        """This step drafts nothing (its tree is the root alone, so `begin_step` is not called):
+        the root joins the row's pending tokens at `end_step`, to be forwarded with the next
+        drafted step's. Returns False, deferring nothing, when a row could owe more than
+        `max_pending` tokens: the policy must draft this step."""
+        if self.pending_token.shape[1] >= self.max_pending:
+            return False
+        self._deferred = roots
+        return True
+
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        b = roots.shape[0]
-        if self._slot_ok.shape[0] != b:
-            self._slot_node = torch.zeros(b, _SLOT_BLOCK, dtype=torch.long, device=self.runner.device)
-            self._slot_ok = torch.ones(b, _SLOT_BLOCK, dtype=torch.bool, device=self.runner.device)
-        self._slot_ok[:, 0] = self.pending_valid  # slot 1 (the root) is always visible
-        ids = fit_draft_inputs(torch.stack([self.pending_token, roots], dim=1), self.vocab)  # [B, 2]: pending (maybe masked), root; target-emitted ids the draft has no row for -> 0
-        base = self.runner.committed_len()  # [B]
-        positions = torch.stack([base, base + self.pending_valid], dim=1)  # [B, 2]
-        visibility = self._causal2 & self._slot_ok[:, None, :2]  # [B, 2, 2]
+        b, p = self.pending_token.shape
+        self._deferred = None
+        if self._slot_ok.shape[0] != b or self._slot_ok.shape[1] < p + 1:
+            cap = -(-(p + 1) // _SLOT_BLOCK) * _SLOT_BLOCK
+            self._slot_node = torch.zeros(b, cap, dtype=torch.long, device=self.runner.device)
+            self._slot_ok = torch.ones(b, cap, dtype=torch.bool, device=self.runner.device)
+        self._slot_node[:, : p + 1] = 0  # the pending and root slots hold no builder node but the root
+        self._slot_ok[:, :p] = self.pending_valid  # slot p (the root) is always visible
+        self._slot_ok[:, p] = True
+        ids = fit_draft_inputs(torch.cat([self.pending_token, roots[:, None]], dim=1), self.vocab)  # [B, P + 1]: pending (maybe masked), root; target-emitted ids the draft has no row for -> 0
+        owed = self.pending_valid.long().cumsum(dim=1)  # [B, P] valid pending tokens up to each slot
+        positions = self.runner.committed_len()[:, None] + torch.nn.functional.pad(owed, (1, 0))  # [B, P + 1]: each slot after the valid ones before it
+        causal = self._causal2 if p == 1 else torch.tril(torch.ones(p + 1, p + 1, dtype=torch.bool, device=roots.device))
+        visibility = causal & self._slot_ok[:, None, : p + 1]  # [B, P + 1, P + 1]
         logits = self.runner.forward(ids, positions, visibility)[:, -1]  # [B, V]
-        self._root_pos = positions[:, 1]
+        self._root_pos = positions[:, p]
         return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
     def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
@@ -131,20 +152,27 @@ class ModelDraftSource:
 
     def end_step(self, accepted: AcceptedPaths) -> None:
         """Keep the pending and root slots and the accepted nodes the draft forwarded; an
-        accepted leaf it never forwarded becomes the row's pending token."""
+        accepted leaf it never forwarded becomes the row's pending token. After a deferred
+        step (nothing drafted, nothing accepted) the root is pending too."""
+        if self._deferred is not None:
+            roots, self._deferred = self._deferred, None
+            self.pending_token = torch.cat([self.pending_token, roots[:, None]], dim=1)
+            self.pending_valid = torch.nn.functional.pad(self.pending_valid, (0, 1), value=True)
+            return
         path, length = accepted.nodes, accepted.length  # [B, D], [B]
         b, d = path.shape
+        p = self.pending_token.shape[1]
         s_step = self.runner.step_len
         on_path = constants.arange(d, path.device)[None, :] < length[:, None]  # [B, D]
         # the step slot that holds each path node, if the draft forwarded it
         hit = (path[:, :, None] == self._slot_node[:, None, :s_step]).logical_and_(self._slot_ok[:, None, :s_step])  # [B, D, S_step]
         forwarded, path_slots = hit.max(dim=2)  # [B, D] each: at most one slot per node
         forwarded.logical_and_(on_path)  # padding entries (node 0) match the pending and root slots
-        keep = torch.cat([constants.arange(2, path.device).expand(b, 2), path_slots], dim=1)  # [B, 2 + D]
-        keep_valid = torch.cat([self._slot_ok[:, :2], forwarded], dim=1)
+        keep = torch.cat([constants.arange(p + 1, path.device).expand(b, p + 1), path_slots], dim=1)  # [B, P + 1 + D]
+        keep_valid = torch.cat([self._slot_ok[:, : p + 1], forwarded], dim=1)
         last = (length - 1).clamp_(min=0)[:, None]  # [B, 1] the deepest accepted node's column
-        self.pending_valid = on_path.logical_and_(~forwarded).gather(1, last).squeeze(1)  # accepted but never forwarded
-        self.pending_token = accepted.tokens.gather(1, path.gather(1, last)).squeeze(1)  # only read when pending
+        self.pending_valid = on_path.logical_and_(~forwarded).gather(1, last)  # [B, 1]: accepted but never forwarded
+        self.pending_token = accepted.tokens.gather(1, path.gather(1, last))  # [B, 1], only read when pending
         self.runner.commit(keep, keep_valid)
 
     def feedback(self, record: StepRecord) -> None:
