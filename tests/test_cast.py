@@ -19,8 +19,10 @@ from specdec.drafting.calibration import AcceptanceCalibrator, isotonic
 from specdec.drafting.cast import (
     CastPolicy,
     DepthBuffers,
+    PlainDecodingCheck,
     StepOverheads,
     StepPlan,
+    batch_bucket,
     batch_utility,
     breadth_count,
     break_even_count,
@@ -715,3 +717,98 @@ def test_best_with_many_equals_best_with_one_by_one():
         news = [[rng.random() for _ in range(rng.randint(0, 8))] for _ in range(rng.randint(1, 6))]
         extras = [rng.uniform(0, 3) for _ in news]
         assert plan.best_with_many(news, extras) == pytest.approx([plan.best_with(n, e) for n, e in zip(news, extras, strict=True)], rel=1e-12)
+
+
+# ----- plain steps: drafting against drafting nothing, timed -----------------------------------
+
+
+def test_plain_check_warms_up_then_times_one_plain_step():
+    check = PlainDecodingCheck(warm_up=4)
+    decisions = []
+    for _ in range(6):
+        plain = check.plain_next(1)
+        decisions.append(plain)
+        check.observe(1, plain, 10.0, 1.0 if plain else 3.0)
+    assert decisions[:4] == [False] * 4 and decisions[4] is True  # drafts first, then one plain step is timed
+    assert decisions[5] is False  # drafting (3.3 ms/token) beats plain (10): back to drafting
+
+
+def test_plain_check_runs_the_faster_mode_and_probes_the_other():
+    check = PlainDecodingCheck(warm_up=2, probe_every=5, margin=0.0)
+    trace = []
+    for _ in range(60):
+        plain = check.plain_next(2)
+        trace.append(plain)
+        check.observe(2, plain, 10.0 if plain else 30.0, 1.0 if plain else 2.0)  # plain 10 ms/token, drafted 15
+    tail = trace[20:]
+    assert 0.6 < sum(tail) / len(tail) < 0.9  # mostly plain ...
+    runs = "".join("p" if p else "d" for p in tail).split("p")
+    assert {len(r) for r in runs if r} == {2}  # ... with drafted probes in pairs (the first pays the draft's catch-up)
+    # the other way round: drafting ahead by more than clear_lead probes plain once per 4 * probe_every
+    check = PlainDecodingCheck(warm_up=2, probe_every=5)
+    trace = []
+    for _ in range(200):
+        plain = check.plain_next(2)
+        trace.append(plain)
+        check.observe(2, plain, 10.0 if plain else 10.0, 1.0 if plain else 3.0)
+    assert sum(trace[20:]) in (8, 9, 10)  # 180 steps, one plain step every 21
+
+
+def test_plain_check_divides_sums_not_per_step_ratios():
+    """Drafted steps that commit 1 token in 10 ms and 5 tokens in 12 ms run at 22 / 6 = 3.7 ms per
+    token; the mean of per-step ratios (10 and 2.4: 6.2) would lose to plain steps at 5 ms."""
+    check = PlainDecodingCheck(warm_up=2, probe_every=4, decay=1.0)
+    for i in range(40):
+        plain = check.plain_next(1)
+        check.observe(1, plain, 5.0 if plain else (10.0 if i % 2 else 12.0), 1.0 if plain else (1.0 if i % 2 else 5.0))
+    times = check.times(1)
+    assert times.plain == pytest.approx(5.0)
+    assert times.drafted is not None and times.drafted < 4.5
+    assert not check.plain_next(1) or times.since_plain >= 4
+
+
+def test_plain_check_buckets_and_stalls():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    check = PlainDecodingCheck(warm_up=1, probe_every=100)
+    check.observe(3, False, 10.0, 2.0)
+    assert check.times(4).drafted == pytest.approx(5.0) and check.times(8).drafted is None  # 3 and 4 share a bucket
+    check.observe(4, True, 6.0, 1.0)
+    check.observe(4, False, 10_000.0, 2.0)  # one stalled drafted step: clipped to 3x the mean
+    assert check.times(4).drafted < 6.0
+    assert not check.plain_next(4)
+
+
+class _AlternatingCheck(PlainDecodingCheck):
+    """Plain at every other step, whatever the times."""
+
+    def plain_next(self, batch: int) -> bool:
+        self.calls = getattr(self, "calls", 0) + 1
+        return self.calls % 2 == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_cast_plain_steps_keep_greedy_output(arch):
+    """Plain steps draw nothing (no draft forward; the draft catches up at the next drafted step):
+    greedy output is still the target's own, at batch 1 and 3, and a row's last token is never drafted."""
+    target, draft = close_pair(arch)
+    refs = [reference(target, p, 20) for p in PROMPTS]
+    policy = make_policy("cast", cost_table=linear_table())
+    policy.plain_check = _AlternatingCheck()
+    source = ModelDraftSource(draft)
+    begun = []
+    begin_step = source.begin_step
+    source.begin_step = lambda roots, params: begun.append(1) or begin_step(roots, params)
+    engine = SpeculativeEngine(target, policy, GreedyRule(), source, eos_token_ids=[EOS])
+    out = engine.generate([PROMPTS[0]], 20, keep_steps=True)[0]
+    assert out.token_ids == refs[0]
+    drafted = [rec.drafted[0] for rec in out.steps]
+    assert drafted[1::2] == [0] * len(drafted[1::2]) and sum(drafted[0::2]) > 0
+    assert out.stats.accepted_tokens > 0
+    assert len(begun) <= (len(out.steps) + 1) // 2  # plain steps (and the last token's) ran no draft forward
+    assert [o.token_ids for o in engine.generate(PROMPTS, 20)] == refs
+    # deterministic mode never skips drafting (the check is timed by the wall clock)
+    policy = make_policy("cast", cost_table=linear_table(), deterministic=True)
+    policy.plain_check = _AlternatingCheck()
+    engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+    out = engine.generate([PROMPTS[0]], 20, keep_steps=True)[0]
+    assert out.token_ids == refs[0] and not hasattr(policy.plain_check, "calls")

@@ -51,7 +51,7 @@ import torch
 
 from specdec import constants
 from specdec.cost.table import CostTable
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling, root_only_draft
 from specdec.drafting.calibration import AcceptanceCalibrator
 from specdec.errors import SpecDecError
 
@@ -417,6 +417,119 @@ class StepPlan:
         return False
 
 
+def batch_bucket(batch: int) -> int:
+    """The power of two at or above `batch` (1, 2, 4, 8, ...): rows of a rolling batch that
+    shrinks share estimates within a bucket."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class _ModeTimes:
+    """Drafted and plain steps at one batch bucket: exponentially decayed sums of their wall ms,
+    of the tokens they commit per row and of their count; ms per token is the ratio of the two
+    sums (a mean of per-step ratios would overstate it: a step that commits one token costs
+    about as much as one that commits six)."""
+
+    ms: dict[bool, float] = field(default_factory=dict)
+    """plain (True) / drafted (False) -> decayed sum of step ms"""
+    tokens: dict[bool, float] = field(default_factory=dict)
+    """plain / drafted -> decayed sum of tokens committed per active row"""
+    count: dict[bool, float] = field(default_factory=dict)
+    """plain / drafted -> decayed count of timed steps"""
+    since_plain: int = 0
+    """drafted steps since the last plain one"""
+    since_drafted: int = 0
+    """plain steps since the last drafted one"""
+
+    def ms_per_token(self, plain: bool) -> float | None:
+        """None until the mode has been timed."""
+        return self.ms[plain] / self.tokens[plain] if plain in self.ms else None
+
+    @property
+    def drafted(self) -> float | None:
+        return self.ms_per_token(False)
+
+    @property
+    def plain(self) -> float | None:
+        return self.ms_per_token(True)
+
+
+@dataclass
+class PlainDecodingCheck:
+    """Whether drafting pays at all, from the wall clock: CAST's plan is only as good as its
+    cost model, so a step that drafts and a plain step (the root alone, no draft forward:
+    `DraftSource.defer`) are timed against each other, per committed token, and the faster
+    mode runs. The slower one is probed now and then, so a change (a harder stretch of text,
+    a batch that fills up) is noticed:
+
+    - while drafting is ahead, one plain step every `probe_every` drafted steps, or every
+      `4 * probe_every` once it is ahead by more than `clear_lead` (a probe then costs less
+      than 1 / (4 * probe_every) of the throughput: it is itself a plain step, at plain speed);
+    - while plain steps are ahead by more than `margin`, two drafted steps every `probe_every`
+      plain steps (the first forwards the tokens the draft owes, so only the second is timed;
+      drafted steps' token counts vary widely, so they are probed this often even when plain
+      steps lead clearly: a wrong early verdict must not stick).
+
+    Times are kept per batch bucket (`batch_bucket`): a step of 8 rows says little about a
+    step of 2. A mode's speed is its steps' wall time (drafting, verification, commits,
+    bookkeeping and the policy's feedback) over the tokens they committed per active row, both
+    summed with exponential decay (`decay`, `_ModeTimes`), each step's time clipped to 3x the
+    mode's mean so one stalled step cannot flip the decision. Until both modes are timed at a
+    bucket, steps draft (after `warm_up` drafted steps, one plain step is timed)."""
+
+    probe_every: int = 16
+    clear_lead: float = 1.15
+    margin: float = 0.03
+    """plain steps run only when faster by more than this share (in a tie drafting keeps learning)"""
+    decay: float = 0.98
+    """per timed step of a mode: its older steps' weight (about the last 50 count)"""
+    warm_up: int = 16
+    _buckets: dict[int, _ModeTimes] = field(default_factory=dict, repr=False)
+    _discard_next: bool = field(default=False, repr=False)
+    """the next drafted step pays the draft's catch-up: not timed"""
+
+    def times(self, batch: int) -> _ModeTimes:
+        return self._buckets.setdefault(batch_bucket(batch), _ModeTimes())
+
+    def plain_next(self, batch: int) -> bool:
+        """Whether the next step at this batch size should draft nothing."""
+        t = self.times(batch)
+        if t.drafted is None:
+            return False
+        if t.plain is None:
+            return t.since_plain >= self.warm_up
+        if t.plain * (1 + self.margin) < t.drafted:  # plain steps are ahead: probe drafting now and then, two steps in a row
+            return t.since_plain != 1 and t.since_drafted < self.probe_every
+        interval = self.probe_every * (4 if t.plain > self.clear_lead * t.drafted else 1)
+        return t.since_plain >= interval
+
+    def observe(self, batch: int, plain: bool, step_ms: float, tokens_per_row: float) -> None:
+        """One step's wall time (ms) and the tokens it committed per active row."""
+        t = self.times(batch)
+        if plain:
+            t.since_drafted += 1
+            t.since_plain = 0
+            self._discard_next = True
+        else:
+            t.since_plain += 1
+            t.since_drafted = 0
+            if self._discard_next:
+                self._discard_next = False
+                return
+        if step_ms <= 0 or tokens_per_row <= 0:
+            return
+        d = self.decay
+        if plain in t.ms:
+            step_ms = min(step_ms, 3.0 * t.ms[plain] / t.count[plain])
+        t.ms[plain] = d * t.ms.get(plain, 0.0) + step_ms
+        t.tokens[plain] = d * t.tokens.get(plain, 0.0) + tokens_per_row
+        t.count[plain] = d * t.count.get(plain, 0.0) + 1.0
+
+    def state(self) -> dict[int, dict[str, float | None]]:
+        """Per batch bucket: ms per committed token of drafted and plain steps."""
+        return {b: {"drafted_ms_per_token": t.drafted, "plain_ms_per_token": t.plain} for b, t in sorted(self._buckets.items())}
+
+
 def _cumsum(values: Sequence[float]) -> list[float]:
     out, total = [], 0.0
     for v in values:
@@ -515,6 +628,9 @@ class CastPolicy:
     tree_sampling: str = "sampled"
     """when sampling: 'sampled' children drawn from the draft distribution, valued without looking
     at their own tokens (see `_add`), or 'topk' (`TREE_SAMPLING`)"""
+    plain_steps: bool = True
+    """draft nothing (no draft forward) while plain steps are measured faster than drafted ones
+    (`PlainDecodingCheck`), and at a row's last token; off with `deterministic` (wall clock)"""
     name: str = "cast"
     uses_draft: bool = True
     last_widths: list[int] = field(default_factory=list, init=False, repr=False)
@@ -541,6 +657,10 @@ class CastPolicy:
     _capacity: int = field(default=64, init=False, repr=False)
     """the largest builder capacity a step has needed (the next builder starts with it)"""
     _loaded: CostTable | None = field(default=None, init=False, repr=False)
+    plain_check: PlainDecodingCheck = field(default_factory=PlainDecodingCheck, init=False, repr=False)
+    """drafted against plain steps, timed (`plain_steps`)"""
+    _step_plain: bool | None = field(default=None, init=False, repr=False)
+    """whether the step just drafted was plain (None: not timed, e.g. a row's last token)"""
 
     def __post_init__(self) -> None:
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
@@ -567,7 +687,7 @@ class CastPolicy:
                     f"{name}={getattr(self, name)!r} is a threshold, but {rule}={getattr(self, rule)!r} sets its own from the "
                     f"measured costs; pass {rule}='threshold' ({flag} threshold) to use {name}, or leave {name} unset"
                 )
-        for name in ("breadth_pruning", "depth_pruning", "dynamic_rerank", "calibrate"):
+        for name in ("breadth_pruning", "depth_pruning", "dynamic_rerank", "calibrate", "plain_steps", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.cost_table is not None and not isinstance(self.cost_table, CostTable):
@@ -639,15 +759,22 @@ class CastPolicy:
     # ----- drafting ----------------------------------------------------------------------
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         self._sampled = ctx.samples_children(self.tree_sampling)
-        # capacity: the most nodes a step has needed so far, so the builder's buffers rarely grow mid-step
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=self._capacity)
         b = roots.shape[0]
-        dev = roots.device
-        rows = ctx.active.to(dev).bool()  # [B] rows whose utilities count
         depth = min(self.depth_for(b), ctx.max_depth)
         self.last_widths = []
         self.last_verified = 0
         self._last_tree = None
+        self._step_plain = None
+        if self._plain_steps_on:
+            plain = self.plain_check.plain_next(b)
+            if (plain or depth == 0) and source.defer(roots):  # no draft forward at all
+                self._step_plain = plain if depth > 0 else None  # a last token is not a timing of plain steps
+                return root_only_draft(roots)
+            self._step_plain = False if depth > 0 else None
+        # capacity: the most nodes a step has needed so far, so the builder's buffers rarely grow mid-step
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=self._capacity)
+        dev = roots.device
+        rows = ctx.active.to(dev).bool()  # [B] rows whose utilities count
         active_rows = [r for r, a in enumerate(ctx.host_active) if a] if ctx.host_active is not None else rows.nonzero().flatten().tolist()
         if depth == 0 or not active_rows:
             return builder.finish()
@@ -957,6 +1084,11 @@ class CastPolicy:
         return top_nodes.indices.add_(start), top_nodes.values
 
     @property
+    def _plain_steps_on(self) -> bool:
+        """Steps may draft nothing (`plain_steps`, timed by the wall clock: not when `deterministic`)."""
+        return self.plain_steps and not self.deterministic
+
+    @property
     def _learns_costs(self) -> bool:
         """Break-even rules correct the tables with the engine's measured step times (unless `deterministic`)."""
         return (self.prune_rule == "break-even" or self.rerank_rule == "break-even") and not self.deterministic
@@ -973,6 +1105,12 @@ class CastPolicy:
             self._feedback_ms = (time.perf_counter() - started) * 1e3
 
     def _feedback(self, record: StepRecord) -> None:
+        if self._step_plain is not None and record.step_s > 0:
+            active = sum(record.active)
+            if active:
+                tokens = sum(c for c, a in zip(record.committed, record.active, strict=True) if a) / active
+                self.plain_check.observe(len(record.active), self._step_plain, record.step_s * 1e3 + self._feedback_ms, tokens)
+            self._step_plain = None
         if self._learns_costs:
             self.overheads.observe(record.draft_s * 1e3, record.verify_s * 1e3)
             if record.step_s > 0:  # outside drafting and verification: commits, bookkeeping, the last feedback
@@ -990,6 +1128,7 @@ class CastPolicy:
             "verified": self.last_verified,
             "buffers": {i: self._buffers.values(i) for i in sorted(self._buffers._buffers)},
             "calibration": self._calibrator.state(),
+            "plain_vs_drafted": self.plain_check.state(),
             "overheads_ms": {
                 "draft_step": self.overheads.draft_step_ms,
                 "draft_layer": self.overheads.draft_ms,
