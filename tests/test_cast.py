@@ -739,11 +739,20 @@ def test_plain_check_runs_the_faster_mode_and_probes_the_other():
     for _ in range(60):
         plain = check.plain_next(2)
         trace.append(plain)
-        check.observe(2, plain, 10.0 if plain else 30.0, 1.0 if plain else 2.0)  # plain 10 ms/token, drafted 15
+        check.observe(2, plain, 10.0 if plain else 24.0, 1.0 if plain else 2.0)  # plain 10 ms/token, drafted 12
     tail = trace[20:]
     assert 0.6 < sum(tail) / len(tail) < 0.9  # mostly plain ...
     runs = "".join("p" if p else "d" for p in tail).split("p")
     assert {len(r) for r in runs if r} == {2}  # ... with drafted probes in pairs (the first pays the draft's catch-up)
+    assert "p" * 5 + "dd" in "".join("p" if p else "d" for p in tail) and "p" * 6 not in "".join("p" if p else "d" for p in tail)
+    # plain steps ahead by more than sure_lead: drafted pairs 4x less often
+    check = PlainDecodingCheck(warm_up=2, probe_every=5, margin=0.0)
+    trace = []
+    for _ in range(100):
+        plain = check.plain_next(2)
+        trace.append(plain)
+        check.observe(2, plain, 10.0 if plain else 40.0, 1.0 if plain else 2.0)  # drafted 20 ms/token
+    assert "p" * 20 + "dd" in "".join("p" if p else "d" for p in trace[20:])
     # the other way round: drafting ahead by more than clear_lead probes plain once per 4 * probe_every
     check = PlainDecodingCheck(warm_up=2, probe_every=5)
     trace = []

@@ -466,9 +466,8 @@ class PlainDecodingCheck:
       `4 * probe_every` once it is ahead by more than `clear_lead` (a probe then costs less
       than 1 / (4 * probe_every) of the throughput: it is itself a plain step, at plain speed);
     - while plain steps are ahead by more than `margin`, two drafted steps every `probe_every`
-      plain steps (the first forwards the tokens the draft owes, so only the second is timed;
-      drafted steps' token counts vary widely, so they are probed this often even when plain
-      steps lead clearly: a wrong early verdict must not stick).
+      plain steps, or every `4 * probe_every` once they lead by more than `sure_lead` (the
+      first drafted step forwards the tokens the draft owes, so only the second is timed).
 
     Times are kept per batch bucket (`batch_bucket`): a step of 8 rows says little about a
     step of 2. A mode's speed is its steps' wall time (drafting, verification, commits,
@@ -479,6 +478,9 @@ class PlainDecodingCheck:
 
     probe_every: int = 16
     clear_lead: float = 1.15
+    sure_lead: float = 1.3
+    """plain steps ahead by more than this: drafting is probed 4x less often (a drafted step's
+    speed is noisy, so a smaller lead keeps the frequent probes: a wrong early verdict must not stick)"""
     margin: float = 0.03
     """plain steps run only when faster by more than this share (in a tie drafting keeps learning)"""
     decay: float = 0.98
@@ -499,7 +501,8 @@ class PlainDecodingCheck:
         if t.plain is None:
             return t.since_plain >= self.warm_up
         if t.plain * (1 + self.margin) < t.drafted:  # plain steps are ahead: probe drafting now and then, two steps in a row
-            return t.since_plain != 1 and t.since_drafted < self.probe_every
+            interval = self.probe_every * (4 if t.drafted > self.sure_lead * t.plain else 1)
+            return t.since_plain != 1 and t.since_drafted < interval
         interval = self.probe_every * (4 if t.plain > self.clear_lead * t.drafted else 1)
         return t.since_plain >= interval
 

@@ -36,7 +36,7 @@ class ModelDraftSource:
     on the device: no host reads.
     """
 
-    max_pending = 16
+    max_pending = 128
     """the most tokens a row may owe the draft: `defer` refuses past it (the policy then drafts)"""
 
     def __init__(
