@@ -801,7 +801,7 @@ def test_cast_plain_steps_keep_greedy_output(arch):
     greedy output is still the target's own, at batch 1 and 3, and a row's last token is never drafted."""
     target, draft = close_pair(arch)
     refs = [reference(target, p, 20) for p in PROMPTS]
-    policy = make_policy("cast", cost_table=linear_table())
+    policy = make_policy("cast", cost_table=linear_table(), plain_steps=True)
     policy.plain_check = _AlternatingCheck()
     source = ModelDraftSource(draft)
     begun = []
@@ -816,7 +816,7 @@ def test_cast_plain_steps_keep_greedy_output(arch):
     assert len(begun) <= (len(out.steps) + 1) // 2  # plain steps (and the last token's) ran no draft forward
     assert [o.token_ids for o in engine.generate(PROMPTS, 20)] == refs
     # deterministic mode never skips drafting (the check is timed by the wall clock)
-    policy = make_policy("cast", cost_table=linear_table(), deterministic=True)
+    policy = make_policy("cast", cost_table=linear_table(), deterministic=True, plain_steps=True)
     policy.plain_check = _AlternatingCheck()
     engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
     out = engine.generate([PROMPTS[0]], 20, keep_steps=True)[0]

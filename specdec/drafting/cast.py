@@ -312,6 +312,10 @@ class StepOverheads:
         and its verification forward's time over `tree_nodes` positions."""
         self._expected = (draft_forward_ms, layers, expanded_nodes, verify_forward_ms, tree_nodes)
 
+    def skip(self) -> None:
+        """Learn nothing from the step just drafted (its times are not typical of a step)."""
+        self._expected = None
+
     def observe(self, draft_ms: float, verify_ms: float) -> None:
         """The step's measured draft and verification time (ms)."""
         if self._expected is None:
@@ -481,10 +485,14 @@ class PlainDecodingCheck:
     sure_lead: float = 1.3
     """plain steps ahead by more than this: drafting is probed 4x less often (a drafted step's
     speed is noisy, so a smaller lead keeps the frequent probes: a wrong early verdict must not stick)"""
-    margin: float = 0.03
-    """plain steps run only when faster by more than this share (in a tie drafting keeps learning)"""
-    decay: float = 0.98
-    """per timed step of a mode: its older steps' weight (about the last 50 count)"""
+    margin: float = 0.10
+    """plain steps run only when faster by more than this share: drafting has the benefit of the
+    doubt, since CAST learns (calibration, overheads) only while it drafts, its first steps are
+    its slowest, and a drafted step's speed is noisy (measured on the bundled pair: with 3% the
+    check went plain at batch 1 where always drafting was 1.08x AR)"""
+    decay: float = 0.95
+    """per timed step of a mode: its older steps' weight (about the last 20 count, so the slow
+    first drafted steps are soon forgotten)"""
     warm_up: int = 16
     _buckets: dict[int, _ModeTimes] = field(default_factory=dict, repr=False)
     _discard_next: bool = field(default=False, repr=False)
@@ -631,9 +639,11 @@ class CastPolicy:
     tree_sampling: str = "sampled"
     """when sampling: 'sampled' children drawn from the draft distribution, valued without looking
     at their own tokens (see `_add`), or 'topk' (`TREE_SAMPLING`)"""
-    plain_steps: bool = True
+    plain_steps: bool = False
     """draft nothing (no draft forward) while plain steps are measured faster than drafted ones
-    (`PlainDecodingCheck`), and at a row's last token; off with `deterministic` (wall clock)"""
+    (`PlainDecodingCheck`), and at a row's last token; a guard for drafts that rarely agree with
+    the target (off by default: on the bundled pair it cost 5-10% at batch 1, docs/cast.md);
+    ignored with `deterministic` (wall clock)"""
     name: str = "cast"
     uses_draft: bool = True
     last_widths: list[int] = field(default_factory=list, init=False, repr=False)
@@ -664,6 +674,10 @@ class CastPolicy:
     """drafted against plain steps, timed (`plain_steps`)"""
     _step_plain: bool | None = field(default=None, init=False, repr=False)
     """whether the step just drafted was plain (None: not timed, e.g. a row's last token)"""
+    _owed: bool = field(default=False, init=False, repr=False)
+    """the draft owes tokens of plain steps: the next drafted step forwards them (a catch-up
+    whose draft time is not an overhead of drafting, so `StepOverheads` does not learn from it)"""
+    _catching_up: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
@@ -772,8 +786,10 @@ class CastPolicy:
             plain = self.plain_check.plain_next(b)
             if (plain or depth == 0) and source.defer(roots):  # no draft forward at all
                 self._step_plain = plain if depth > 0 else None  # a last token is not a timing of plain steps
+                self._owed = True
                 return root_only_draft(roots)
             self._step_plain = False if depth > 0 else None
+        self._catching_up, self._owed = self._owed, False
         # capacity: the most nodes a step has needed so far, so the builder's buffers rarely grow mid-step
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=self._capacity)
         dev = roots.device
@@ -1114,6 +1130,9 @@ class CastPolicy:
                 tokens = sum(c for c, a in zip(record.committed, record.active, strict=True) if a) / active
                 self.plain_check.observe(len(record.active), self._step_plain, record.step_s * 1e3 + self._feedback_ms, tokens)
             self._step_plain = None
+        if self._catching_up:  # this step's draft forwarded the tokens owed by plain steps: not a drafting overhead
+            self.overheads.skip()
+            self._catching_up = False
         if self._learns_costs:
             self.overheads.observe(record.draft_s * 1e3, record.verify_s * 1e3)
             if record.step_s > 0:  # outside drafting and verification: commits, bookkeeping, the last feedback
