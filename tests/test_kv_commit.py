@@ -26,6 +26,17 @@ def fresh_keys(model, tokens: list[int]) -> list[torch.Tensor]:
     return committed_keys(runner)
 
 
+def assert_draft_cache_is_committed_minus_pending(source: ModelDraftSource, draft, committed: list[int]) -> None:
+    """The draft cache (row 0) equals a fresh prefill of the committed tokens but the ones it owes,
+    which are the committed tokens' tail."""
+    pending = source.pending[0]
+    draft_expected = committed[: len(committed) - len(pending)]
+    assert committed[len(draft_expected) :] == pending
+    for got, ref in zip(committed_keys(source.runner), fresh_keys(draft, draft_expected), strict=True):
+        assert got.shape == ref.shape
+        assert torch.allclose(got, ref, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("policy", [ChainPolicy(k=4), StaticTreePolicy(depth=3, branching=2, max_nodes=10), Eagle2Policy(depth=4, top_k=3, total_tokens=10)], ids=lambda p: p.name)
 @pytest.mark.parametrize("draft_seed", [0, 1], ids=["same-weights", "other-weights"])
@@ -41,12 +52,7 @@ def test_caches_equal_fresh_prefill(arch, policy, draft_seed):
         for got, ref in zip(committed_keys(engine.target), fresh_keys(target, committed), strict=True):
             assert got.shape == ref.shape
             assert torch.allclose(got, ref, atol=1e-5)
-        pending = engine.source.pending[0]
-        draft_expected = committed[: len(committed) - len(pending)]
-        assert committed[len(draft_expected) :] == pending
-        for got, ref in zip(committed_keys(engine.source.runner), fresh_keys(draft, draft_expected), strict=True):
-            assert got.shape == ref.shape
-            assert torch.allclose(got, ref, atol=1e-5)
+        assert_draft_cache_is_committed_minus_pending(engine.source, draft, committed)
 
 
 def test_rollback_drops_step_slots():
@@ -168,12 +174,7 @@ def test_deferred_steps_keep_caches_and_output(arch, pattern):
             engine = SpeculativeEngine(target, _Deferring(inner, pattern), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
             out = engine.generate([prompts[0]], max_new)[0]
             committed = prompts[0] + out.token_ids[:-1]
-            pending = engine.source.pending[0]
-            draft_expected = committed[: len(committed) - len(pending)]
-            assert committed[len(draft_expected) :] == pending
-            for got, ref in zip(committed_keys(engine.source.runner), fresh_keys(draft, draft_expected), strict=True):
-                assert got.shape == ref.shape
-                assert torch.allclose(got, ref, atol=1e-5)
+            assert_draft_cache_is_committed_minus_pending(engine.source, draft, committed)
 
 
 def test_defer_refused_past_max_pending():
