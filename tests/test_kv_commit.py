@@ -9,7 +9,9 @@ from conftest import sharpen, tiny_model
 from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy
 from specdec.engine import SpeculativeEngine
 from specdec.models.runner import ModelRunner, hole_filling_order
+from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
+from specdec.sources.base import AcceptedPaths, NodeBatch
 from specdec.verification import GreedyRule
 
 
@@ -190,3 +192,42 @@ def test_defer_refused_past_max_pending():
     assert out[0].token_ids == ar[0].token_ids
     assert policy.refused >= 2  # every third step had to draft
     assert len(source.pending[0]) <= 3
+
+
+def test_owed_tokens_forwarded_whatever_the_slots_held_before():
+    """The step after deferred steps lays its pending and root slots out afresh: slots that held
+    invalid tree nodes at an earlier step (here: every slot marked invisible) must not hide the
+    owed tokens or the root. The root's distribution equals a fresh forward of the whole sequence."""
+    draft = sharpen(tiny_model("llama", seed=1))
+    source = ModelDraftSource(draft)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    source.prefill(prompt, torch.ones_like(prompt))
+    params = SamplingParams()
+    source.begin_step(torch.tensor([9]), params)  # a step whose slots are then dropped
+    source.runner.rollback()
+    source._slot_ok.fill_(False)  # as if every slot had held an invalid node ...
+    source._slot_node.fill_(1)  # ... numbered like the node accepted below
+    for root in (9, 10):
+        assert source.defer(torch.tensor([root]))
+        source.end_step(None)  # a deferred step's verdict holds nothing
+    assert source.pending == [[9, 10]]
+    got = source.begin_step(torch.tensor([11]), params)  # [1, V]
+    with torch.no_grad():
+        ref = torch.log_softmax(draft(torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])).logits[0, -2:].float(), dim=-1)  # [2, V]
+    assert torch.allclose(got[0], ref[0], atol=1e-4)
+    # a child of the root sees the owed tokens and the root
+    child = NodeBatch(
+        nodes=torch.tensor([[1]]),
+        valid=torch.tensor([[True]]),
+        tokens=torch.tensor([[11, 12]]),
+        depths=torch.tensor([[0, 1]]),
+        ancestors=torch.tensor([[[True, False], [True, True]]]),
+        depth=1,
+    )
+    assert torch.allclose(source.expand(child, params)[0, 0], ref[1], atol=1e-4)
+    # accepting the child keeps the owed tokens, the root and the child's own slot, once each
+    source.end_step(AcceptedPaths(torch.tensor([[1]]), torch.tensor([1]), child.tokens, [[12]], [True], None))
+    assert source.pending == [[]]
+    for got_keys, ref_keys in zip(committed_keys(source.runner), fresh_keys(draft, [5, 6, 7, 8, 9, 10, 11, 12]), strict=True):
+        assert got_keys.shape == ref_keys.shape
+        assert torch.allclose(got_keys, ref_keys, atol=1e-5)

@@ -60,6 +60,7 @@ class ModelDraftSource:
         self._slot_ok = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [B, S_cap]
         self._root_pos = torch.zeros(0, dtype=torch.long, device=dev)  # [B] position id of the root
         self._causal2 = torch.tril(torch.ones(2, 2, dtype=torch.bool, device=dev))
+        self._slots_p = 1  # the P the pending and root slots were last laid out for (P = 1: never touched since allocation)
 
     @property
     def pending(self) -> list[list[int]]:
@@ -116,13 +117,21 @@ class ModelDraftSource:
             cap = -(-(p + 1) // _SLOT_BLOCK) * _SLOT_BLOCK
             self._slot_node = torch.zeros(b, cap, dtype=torch.long, device=self.runner.device)
             self._slot_ok = torch.ones(b, cap, dtype=torch.bool, device=self.runner.device)
-        self._slot_node[:, : p + 1] = 0  # the pending and root slots hold no builder node but the root
-        self._slot_ok[:, :p] = self.pending_valid  # slot p (the root) is always visible
-        self._slot_ok[:, p] = True
+            self._slots_p = 1
+        if p != self._slots_p:  # after plain steps: slots 0..p were node slots or pending ones of another layout
+            self._slot_node[:, : p + 1] = 0  # the pending and root slots hold no builder node but the root
+            self._slot_ok[:, p] = True  # the root is always visible
+            self._slots_p = p
+        self._slot_ok[:, :p] = self.pending_valid
         ids = fit_draft_inputs(torch.cat([self.pending_token, roots[:, None]], dim=1), self.vocab)  # [B, P + 1]: pending (maybe masked), root; target-emitted ids the draft has no row for -> 0
-        owed = self.pending_valid.long().cumsum(dim=1)  # [B, P] valid pending tokens up to each slot
-        positions = self.runner.committed_len()[:, None] + torch.nn.functional.pad(owed, (1, 0))  # [B, P + 1]: each slot after the valid ones before it
-        causal = self._causal2 if p == 1 else torch.tril(torch.ones(p + 1, p + 1, dtype=torch.bool, device=roots.device))
+        base = self.runner.committed_len()  # [B]
+        if p == 1:  # the usual step: at most an accepted leaf is owed
+            positions = torch.stack([base, base + self.pending_valid[:, 0]], dim=1)  # [B, 2]
+            causal = self._causal2
+        else:
+            owed = self.pending_valid.long().cumsum(dim=1)  # [B, P] valid pending tokens up to each slot
+            positions = base[:, None] + torch.nn.functional.pad(owed, (1, 0))  # [B, P + 1]: each slot after the valid ones before it
+            causal = torch.tril(torch.ones(p + 1, p + 1, dtype=torch.bool, device=roots.device))
         visibility = causal & self._slot_ok[:, None, : p + 1]  # [B, P + 1, P + 1]
         logits = self.runner.forward(ids, positions, visibility)[:, -1]  # [B, V]
         self._root_pos = positions[:, p]
