@@ -103,8 +103,10 @@ TREES = {
     "eagle2": ("eagle2", {"depth": 2, "top_k": 3, "total_tokens": 5}),
     # confidence branching up to 3 children, path-probability pruning and a 4-node budget cut
     "dynatree": ("dynatree", {"d0": 2, "d_max": 3, "b_mid": 2, "b_max": 3, "tau_high": 0.8, "tau_low": 0.5, "prune_tau": 0.05, "max_nodes": 4}),
-    # CAST's tree shape adapts to earlier verdicts (calibrated values, learned overheads)
-    "cast": ("cast", {"depth": 2, "top_k": 3, "total_tokens": 5, "cost_table": CAST_TABLE}),
+    # CAST's tree shape adapts to earlier verdicts (calibrated values); deterministic: no step times
+    # learned from the wall clock, so a seed gives the same draws on every run and the p-value is
+    # fixed (timed shapes made it a fresh draw per run: 1.7e-4 < P_PASS once in CI)
+    "cast": ("cast", {"depth": 2, "top_k": 3, "total_tokens": 5, "cost_table": CAST_TABLE, "deterministic": True}),
 }
 
 PARAMS = {
