@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import sharpen, tiny_model
 
-from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy
+from specdec.drafting import ARPolicy, ChainPolicy, Eagle2Policy, StaticTreePolicy
 from specdec.engine import SpeculativeEngine
 from specdec.models.runner import ModelRunner, hole_filling_order
 from specdec.sampling import SamplingParams
@@ -89,6 +89,45 @@ def test_compaction_keeps_positions_and_values():
     for r in range(2):
         for got, ref in zip(committed_keys(runner, r), before[r], strict=True):
             assert torch.allclose(got[:, : ref.shape[1]], ref)
+
+
+def test_commit_with_padding_columns_at_a_full_cache():
+    """A commit may keep more columns than the step forwarded, the extra ones padding (a chain's
+    path column for the leaf the draft never forwarded): when the step filled the cache to its
+    capacity, the commit grows it instead of failing, and the committed keys are the valid ones."""
+    model = tiny_model("llama", seed=0)
+    runner = ModelRunner(model)
+    tokens = [3 + i % 50 for i in range(6)]
+    runner.prefill(torch.tensor([tokens]), torch.ones(1, 6, dtype=torch.long))
+    capacity = runner.cache.capacity
+    fill = [7 + i % 40 for i in range(capacity - 6 - 6)]  # one step up to 6 slots short of the capacity, all kept
+    n = len(fill)
+    runner.forward(torch.tensor([fill]), (6 + torch.arange(n))[None], torch.ones(n, n, dtype=torch.bool).tril()[None])
+    runner.commit(torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
+    last = [11, 12, 13, 14, 15, 16]
+    base = runner.past_len
+    runner.forward(torch.tensor([last]), (base + torch.arange(6))[None], torch.ones(6, 6, dtype=torch.bool).tril()[None])
+    assert runner.past_len + runner.step_len == capacity
+    keep = torch.tensor([[0, 1, 2, 3, 4, 5, 0]])  # 7 columns after a 6-slot step: the last is padding
+    runner.commit(keep, torch.tensor([[True] * 6 + [False]]))
+    assert runner.cache.capacity > capacity
+    for got, ref in zip(committed_keys(runner), fresh_keys(model, tokens + fill + last), strict=True):
+        assert got.shape == ref.shape
+        assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_chain_decodes_past_the_draft_cache_capacity():
+    """Regression: a K = 5 chain whose draft step (pending token, root, 4 forwarded nodes) ends
+    exactly at the draft cache's capacity commits 7 columns: it failed with 'start + length
+    exceeds dimension size'. With the draft equal to the target every step commits 6 tokens, so
+    6 consecutive prompt lengths meet every alignment with the capacity; each decodes past it
+    and equals AR's output."""
+    model = sharpen(tiny_model("llama", seed=0))
+    for length in range(250, 256):  # caches of 512 slots (the prompt + 256, rounded up), filled after ~256 new tokens
+        prompt = [5 + i % 60 for i in range(length)]
+        want = SpeculativeEngine(model, ARPolicy(), GreedyRule(), None, eos_token_ids=[]).generate([prompt], 270)[0].token_ids
+        chain = SpeculativeEngine(model, ChainPolicy(k=5), GreedyRule(), ModelDraftSource(model), eos_token_ids=[])
+        assert chain.generate([prompt], 270)[0].token_ids == want
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

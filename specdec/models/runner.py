@@ -528,6 +528,8 @@ class ModelRunner:
         """
         cache = self._cache()
         s_past, k = self.past_len, keep.shape[1]
+        if k > self.step_len:  # padding columns past the step's slots (a chain keeps a path column for the leaf it never forwarded)
+            self.reserve(s_past + k)
         if k > 0:
             src = s_past + keep.clamp(0, max(self.step_len - 1, 0))  # [B, K]
             for t, batch_dim, slot_dim in cache.tensors():
