@@ -31,6 +31,7 @@ from specdec.engine import SpeculativeEngine
 from specdec.methods import make_policy
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources import ModelDraftSource
+from specdec.sources.lookup import LookupDraftSource
 from specdec.verification import MarsRule, SamplingRule, Verdict
 from specdec.verification.sampling import ChainTests, SiblingTests
 
@@ -138,6 +139,22 @@ def test_sampling_rule_is_lossless(case, pair, joints):
     accepted = sum(o.stats.accepted_tokens for o in stats)
     drafted = sum(o.stats.drafted_tokens for o in stats)
     assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("method", ["chain", *TREES])
+def test_lookup_drafts_are_lossless_when_sampling(method, pair, joints):
+    """n-gram lookup proposes a point mass where the context's tail repeats and nothing (a row of
+    -inf) where it does not: both happen on this 6-token vocabulary. Every policy drafts from it
+    at T = 1 without failing (a sampled chain drew from an empty row: 'invalid multinomial
+    distribution') and the output keeps the target's distribution."""
+    target, _ = pair
+    options = {"k": 3} if method == "chain" else TREES[method][1]
+    engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(), LookupDraftSource(V, max_ngram=2), eos_token_ids=[])
+    params = PARAMS["t1"]
+    pvalue = chi2_pvalue(sample_counts(engine, params), joints(params))
+    assert pvalue > P_PASS, f"lookup {method}: chi-square p = {pvalue:.2e}"
+    outs = engine.generate([PROMPT] * 200, TOKENS, params, seed=5)
+    assert sum(o.stats.accepted_tokens for o in outs) > 0  # matches were proposed and accepted
 
 
 @pytest.mark.parametrize("tree", list(TREES))

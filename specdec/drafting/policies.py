@@ -55,13 +55,17 @@ class ChainPolicy(_Stateless):
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         sampling = not ctx.params.greedy
+        may_be_empty = sampling and not getattr(source, "always_proposes", False)  # rows of all -inf: nothing to draft there
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + self.k)
         logprobs = builder.root_logprobs  # [B, V]
         parent = builder.root  # [B, 1]
         depth = min(self.k, ctx.max_depth)
         for level in range(1, depth + 1):
             if sampling:
-                tok = sample_from_probs(logprobs.exp(), ctx.generator)[:, None]  # [B, 1]
+                probs = logprobs.exp()  # [B, V]
+                if may_be_empty:  # an empty row draws token 0, whose logq -inf makes the node invalid
+                    probs[:, 0] += probs.sum(dim=1) == 0
+                tok = sample_from_probs(probs, ctx.generator)[:, None]  # [B, 1]
                 logq = logprobs.gather(1, tok)
             else:
                 logq, tok = logprobs.max(dim=-1, keepdim=True)  # [B, 1] each

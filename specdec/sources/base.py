@@ -113,6 +113,13 @@ class DraftSource(Protocol):
         """Shrink the batch to `rows` (finished rows retire)."""
         ...
 
+    always_proposes: bool
+    """every distribution `begin_step` and `expand` return has mass somewhere (a model's). A
+    source that may return a row of all -inf (nothing to propose there, as n-gram lookup
+    without a match) sets it False, and policies then treat that node's children as invalid
+    (a policy that samples checks for the empty rows only then; `getattr(source,
+    "always_proposes", False)` for sources that do not say)"""
+
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """roots: [B] int64, the last committed token of each row. Returns the draft
         log-distribution of the root's children: [B, V] float32 (after `params`)."""

@@ -184,6 +184,9 @@ def _repeat_rows(t: torch.Tensor, m: int) -> torch.Tensor:
 class EnsembleDraftSource:
     """m drafting views of one draft model, batched, mixed with test-time adaptive weights."""
 
+    always_proposes = True
+    """a mixture of a model's distributions always has mass (`DraftSource.always_proposes`)"""
+
     def __init__(
         self, model: PreTrainedModel, views: Sequence[PromptView], config: EnsembleConfig | None = None, prior: EnsemblePrior | None = None,
         vocab: VocabFit | None = None,

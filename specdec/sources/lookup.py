@@ -44,6 +44,8 @@ class LookupDraftSource:
     """longest n-gram matched"""
     min_ngram: int = 1
     """shortest n-gram matched"""
+    always_proposes = False
+    """a row without a match is all -inf (`DraftSource.always_proposes`)"""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:

@@ -38,6 +38,8 @@ class ModelDraftSource:
 
     max_pending = 128
     """the most tokens a row may owe the draft: `defer` refuses past it (the policy then drafts)"""
+    always_proposes = True
+    """a model's distributions (after the sampling params) always have mass (`DraftSource.always_proposes`)"""
 
     def __init__(
         self, model: PreTrainedModel, view: PromptView | None = None, vocab: VocabFit | None = None, static_shapes: bool = False, cuda_graphs: bool = False
