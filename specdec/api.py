@@ -114,6 +114,18 @@ def needs_draft_model(method: str, draft_source: str) -> bool:
     return method_uses_draft(method) and DRAFT_SOURCE_READS_MODEL[draft_source]
 
 
+def check_costs_available(method: str, draft_source: str, method_options: Mapping[str, Any]) -> None:
+    """A cost-aware method (cast) measures its draft model's forwards; with no draft model
+    (n-gram lookup) it needs its costs given (cost_table or cost_profile): say so up front,
+    not at the first decoding step."""
+    if method == "cast" and not DRAFT_SOURCE_READS_MODEL.get(draft_source, True) and method_options.get("cost_table") is None and method_options.get("cost_profile") is None:
+        raise SpecDecError(
+            f"--method cast shapes its trees from the measured forward costs of a draft model, and --draft-source {draft_source} has none; "
+            "use --draft-source model (with --draft), or a method that needs no cost tables (--method chain --k 10, or --method dynatree), "
+            "or give the costs yourself (--cost-profile PATH from `specdec profile`; cost_table=CostTable in Python)"
+        )
+
+
 def check_draft_source(draft_source: str, lookup_ngram: int) -> None:
     if draft_source not in DRAFT_SOURCES:
         raise SpecDecError(f"--draft-source {draft_source!r} is not known; choose one of {', '.join(DRAFT_SOURCES)}")
@@ -171,6 +183,7 @@ class SpeculativeDecoder:
         draft_source: "model" (the draft model) or "lookup" (n-gram prompt lookup, no draft
         model; `lookup_ngram` is the longest n-gram matched)."""
         check_draft_source(draft_source, lookup_ngram)
+        check_costs_available(method, draft_source, method_options)
         self.cuda_graphs = _resolve_graphs(cuda_graphs, target)
         self.static_shapes = static_shapes or self.cuda_graphs
         self.draft_source = draft_source
@@ -254,6 +267,7 @@ class SpeculativeDecoder:
         check_cuda_graphs(cuda_graphs, device)  # a bad mode, or 'on' with a CPU device: fail before loading
         options = rule_options(verify, verify_options, mars_theta)
         check_draft_source(draft_source, lookup_ngram)
+        check_costs_available(method, draft_source, method_options)
         make_ensemble_config(ensemble_options, len(parse_views(views)))
         target_load, draft_load = pair_load_options(
             device_map, quantization, draft_quantization, attn_implementation, revision, draft_revision, trust_remote_code

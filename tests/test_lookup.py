@@ -11,7 +11,9 @@ from conftest import EOS, sharpen, tiny_model
 
 from specdec.cli import main
 from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
 from specdec.methods import make_policy
+from specdec.sampling import SamplingParams
 from specdec.sources.lookup import LookupDraftSource, lookup_next
 from specdec.verification import GreedyRule
 
@@ -42,6 +44,26 @@ def test_cli_lookup_needs_no_draft(capsys, tiny_pair_dir):
     assert code == 0 and out["token_ids"]
     code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft-source", "ngram", "--prompt", "x"])
     assert code == 2 and "--draft-source 'ngram'" in capsys.readouterr().err
+
+
+def test_cast_with_lookup_needs_given_costs(capsys, tiny_pair_dir):
+    """CAST times a draft model's forwards; n-gram lookup has no draft model: a one-line error at
+    start-up naming the fix (it failed at the first step, telling users of SpeculativeDecoder to
+    use SpeculativeDecoder), and CAST runs with lookup when its costs are given."""
+    code = main(["generate", "--target", str(tiny_pair_dir / "target"), "--draft-source", "lookup", "--method", "cast", "--prompt", "x", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--draft-source lookup has none" in err and "--cost-profile" in err and "Traceback" not in err
+    from specdec.api import SpeculativeDecoder
+    from specdec.cost import CostTable
+
+    target, tokenizer = tiny_model("llama", seed=0), SimpleNamespace(pad_token_id=0, eos_token_id=EOS)
+    with pytest.raises(SpecDecError, match="has none"):
+        SpeculativeDecoder(target, tokenizer, None, method="cast", draft_source="lookup")
+    table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.1 * n, lambda b, c, n: 0.01)
+    decoder = SpeculativeDecoder(target, tokenizer, None, method="cast", draft_source="lookup", cost_table=table)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(prompt) :]
+    assert decoder.generate_ids([prompt], 12, SamplingParams())[0].token_ids == ref.tolist()
 
 
 def test_which_methods_and_sources_need_a_draft_model():
