@@ -423,9 +423,11 @@ class TreeBuilder:
         # the child's perturbed path log-prob and Z the largest G (the first draw); in the stable
         # form of Kool et al. (Appendix B): w = T - G + log(1 - exp(G - Z)), key = T - relu(w) - log1p(exp(-|w|))
         w = parent_key - parent_cum - perturbed + _log1mexp(perturbed - perturbed[..., :1])  # -inf for the first draw
-        key = parent_key - w.clamp(min=0) - torch.log1p(torch.exp(-w.abs()))
-        ok = valid[:, :, None] & torch.isfinite(logq) & torch.isfinite(key)
-        key = key.masked_fill(~ok, float("-inf")).cummin(dim=-1).values  # monotone in draw order despite rounding
+        key = parent_key - torch.nn.functional.softplus(w)  # T - log(1 + exp(w)), = T at the first draw
+        # a child outside the support (logq -inf: w = +inf) or of an invalid parent (T -inf) has a
+        # non-finite key: one test covers both
+        ok = valid[:, :, None] & torch.isfinite(key)
+        key = torch.where(ok, key, float("-inf")).cummin(dim=-1).values  # monotone in draw order despite rounding
         return parents, tokens.reshape(b, m * k), logq.reshape(b, m * k), child_valid, key.reshape(b, m * k)
 
     def _draw(
@@ -541,5 +543,7 @@ _VALID, _SAMPLED = 0, 1
 """rows of `TreeBuilder._flags`"""
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x <= 0, accurate at both ends (-inf at x = 0)."""
-    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """log(1 - exp(x)) for x <= 0 (-inf at x = 0, 0 at -inf). One branch, three ops: for x far below
+    0 it loses relative accuracy on a result that is itself tiny (absolute error ~1e-7 in float32),
+    which no key comparison can see."""
+    return torch.log(torch.expm1(x).neg_())

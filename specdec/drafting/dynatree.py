@@ -417,14 +417,16 @@ class DynaTreePolicy:
         log_tau: float,
         sampled: bool,
         depth: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        budget_binds: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One level the general way (drawn children, or a node budget that may bind): the
         children of each frontier node (B(u) of its k candidates), pruned by path probability,
-        cut to each row's remaining budget, compacted and added at `depth`. Returns their indices [B, w]
-        and which rows have budget left ([B] bool)."""
+        cut to each row's remaining budget (when `budget_binds`: the level's candidates may
+        reach it), compacted and added at `depth`. Returns their indices [B, w] and which rows
+        have budget left ([B] bool; None when the budget could not bind)."""
         dev = frontier.device
         b, m = frontier.shape
-        budget = self.max_nodes - (builder.valid.sum(dim=1) - 1)  # [B] draft tokens each row may still add
+        budget = self.max_nodes - (builder.valid.sum(dim=1) - 1) if budget_binds else None  # [B] draft tokens each row may still add
         cells = None
         if sampled:  # drawn children are pruned and cut by their Gumbel keys, never by their own logq
             parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
@@ -440,7 +442,8 @@ class DynaTreePolicy:
         allowed = (self._allowed_children(log_conf, k, dev) & frontier_valid[:, :, None]).reshape(b, m * k)
         valid = valid & allowed & (logq > float("-inf"))
         valid = valid & (cum >= log_tau)  # probability-threshold pruning
-        valid = keep_within_budget(cum, valid, budget)  # strict node budget
+        if budget is not None:
+            valid = keep_within_budget(cum, valid, budget)  # strict node budget
         # a static width, no read: path probabilities of a level sum to at most 1; Gumbel keys of
         # drawn children and calibrated rates have no such bound, so their level keeps every
         # candidate column (the builder has room for uncompacted levels; the level's read in
@@ -458,7 +461,7 @@ class DynaTreePolicy:
             score=cum.gather(1, order) if (sampled or cells is not None) else None,
             depth=depth,
         )  # [B, w]
-        return nodes, budget > builder.last_valid.sum(dim=1)
+        return nodes, None if budget is None else budget > builder.last_valid.sum(dim=1)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         limit = self.depth_limit(ctx)
@@ -485,8 +488,9 @@ class DynaTreePolicy:
             start = builder.num_nodes
             m = frontier.shape[1]
             room = None  # [B] bool: rows with budget left after this level (None: all, the budget cannot bind)
-            if sampled or tree_width - 1 + m * k >= self.max_nodes:  # drawn children, or the node budget may cut this level
-                nodes, room = self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, level_cap, log_tau, sampled, depth + 1)
+            budget_binds = tree_width - 1 + m * k >= self.max_nodes  # the node budget may cut this level
+            if sampled or budget_binds:  # drawn children, or the node budget may cut this level
+                nodes, room = self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, level_cap, log_tau, sampled, depth + 1, budget_binds)
             else:  # top-k children; the budget cannot bind: one topk, the branching mask and one add
                 top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
                 if calibrating:  # p(child) = p(u) x the child's calibrated local rate; c(u) = the best child's rate
