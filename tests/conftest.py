@@ -21,6 +21,15 @@ EOS = 2
 ARCHS = ("llama", "gpt_neox", "gpt2", "qwen2")
 
 
+@pytest.fixture(autouse=True)
+def measured_cost_cache(tmp_path_factory, monkeypatch):
+    """Each test keeps the cost profiles it measures in its own empty folder (never the user's
+    ~/.cache, and never one an earlier test filled)."""
+    folder = tmp_path_factory.mktemp("specdec-cache")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(folder))
+    return folder / "cost-profiles"
+
+
 def tiny_config(arch: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB, eos: int = EOS, max_pos: int = 256):
     """A tiny config of `arch` (random weights come from the seed set before from_config)."""
     common = {"vocab_size": vocab, "eos_token_id": eos, "bos_token_id": 1, "pad_token_id": 0}

@@ -20,12 +20,14 @@ count is used, with a warning naming both values.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -242,8 +244,47 @@ same models on the same device, dtype and thread count reuses them instead of me
 
 
 def forget_measured() -> None:
-    """Drop the quick tables measured in this process (the next resolver that needs one measures)."""
+    """Drop the quick tables measured in this process (the next resolver that needs one measures,
+    or loads it from the machine's cache, `measured_cache_dir`)."""
     _MEASURED.clear()
+
+
+def measured_cache_dir() -> Path:
+    """Where quick tables measured on this machine are kept for later processes:
+    $SPECDEC_CACHE_DIR/cost-profiles, else $XDG_CACHE_HOME/specdec/cost-profiles (~/.cache/...)."""
+    base = os.environ.get("SPECDEC_CACHE_DIR")
+    if base:
+        return Path(base).expanduser() / "cost-profiles"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec" / "cost-profiles"
+
+
+def _cache_file(key: str) -> Path:
+    """The cache file of a `_fingerprint` (models, device, dtype, threads, quick grid)."""
+    return measured_cache_dir() / f"quick-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _load_cached(key: str) -> CostTable | None:
+    """A quick table an earlier process measured for the same fingerprint, or None."""
+    path = _cache_file(key)
+    if not path.is_file():
+        return None
+    try:
+        table = CostTable.load(path)
+    except (SpecDecError, OSError, ValueError):
+        return None
+    return table if table.meta.get("fingerprint") == key else None
+
+
+def _store_cached(key: str, table: CostTable) -> Path | None:
+    """Keep a measured quick table for later processes; None when the cache cannot be written."""
+    path = _cache_file(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace(table, meta={**table.meta, "fingerprint": key}).save(path)
+    except OSError as err:
+        LOG.warning("CAST: could not keep the measured cost profile in %s (%s); set SPECDEC_CACHE_DIR to a writable folder", path.parent, err)
+        return None
+    return path
 
 
 def _fingerprint(target: torch.nn.Module, draft: torch.nn.Module) -> str:
@@ -283,6 +324,8 @@ class ProfileSource:
     batch_sizes: list[int] = field(default_factory=list)
     saved: bool = False
     """a measured table was written to `path`"""
+    cached: str | None = None
+    """this machine's cache file (`measured_cache_dir`) the measured table was loaded from or kept in"""
     notes: list[str] = field(default_factory=list)
     """warnings about the table (another CPU model or thread count, batch sizes extrapolated)"""
 
@@ -293,7 +336,12 @@ class ProfileSource:
             what = f"{'shipped profile' if self.kind == 'shipped' else 'profile'} {self.path}"
             text = f"{what} (created {self.created or '?'} on {self.device or '?'}; batch sizes {sizes})"
         elif self.kind in ("measured", "file+measured"):
-            took = "reused from an earlier measurement in this process" if self.reused and self.measured_s == 0 else f"{self.measured_s:.1f} s"
+            if self.measured_s == 0 and self.cached and not self.reused:
+                took = f"measured by an earlier run on this machine, kept in {self.cached}"
+            elif self.reused and self.measured_s == 0:
+                took = "reused from an earlier measurement in this process"
+            else:
+                took = f"{self.measured_s:.1f} s" + (f", kept in {self.cached}" if self.cached else "")
             start = f"quick profile {self.path}, extended before the run" if self.kind == "file+measured" else "measured before the run"
             text = f"{start} ({took}; {self.device}; batch sizes {sizes}"
             text += f"; saved to {self.path})" if self.saved and self.kind == "measured" else ")"
@@ -390,12 +438,7 @@ class CostTableResolver:
         if self._table is None:
             self._table = self._load()
             if self._table is None:
-                LOG.warning(
-                    "CAST: measuring a quick cost profile for %s before decoding (seconds to a few minutes); "
-                    "`specdec profile --out FILE` and --cost-profile FILE give a full one",
-                    _sizes_text(grid),
-                )
-                self._table = self._measure(grid, show)
+                self._table = self._measure(grid, show, announce=True)
                 self._extendable = True
                 self._source.kind = "measured"
                 self._source.path = self.path
@@ -465,6 +508,15 @@ class CostTableResolver:
             kind="file" if self.path is not None else "shipped", path=str(source), created=table.meta.get("created"),
             device=_device_text(table.meta), batch_sizes=list(table.batch_sizes),
         )
+        if diffs and self.path is None:  # the shipped profile, measured on another CPU: this machine's own, measured once and cached
+            LOG.warning(
+                "CAST: the shipped cost profile of the bundled pair was measured on another machine (%s); using this machine's own "
+                "quick profile instead (measured once before decoding, then kept in %s for later runs)",
+                "; ".join(map(str, diffs)),
+                measured_cache_dir(),
+            )
+            self._source = ProfileSource()
+            return None
         if diffs:
             note = (
                 f"timings measured on another machine ({'; '.join(map(str, diffs))}); used, since the models, device type and dtype "
@@ -477,11 +529,24 @@ class CostTableResolver:
                 LOG.warning("CAST: cost profile %s%s: %s", source, shipped, note)
         return table
 
-    def _measure(self, batch_sizes: Sequence[int], show: bool) -> CostTable:
-        """A quick table holding (at least) `batch_sizes`, reusing what this process measured."""
+    def _measure(self, batch_sizes: Sequence[int], show: bool, announce: bool = False) -> CostTable:
+        """A quick table holding (at least) `batch_sizes`, reusing what this process measured or
+        an earlier one kept in this machine's cache (`measured_cache_dir`). announce: log the
+        measurement (if one is needed) before taking it."""
         key = _fingerprint(self.target, self.draft)
         have = _MEASURED.get(key)
+        from_disk = have is None and (have := _load_cached(key)) is not None  # measured by an earlier process on this machine
+        if from_disk:
+            assert have is not None
+            _MEASURED[key] = have
+            self._source.cached = str(_cache_file(key))
         todo = [b for b in batch_sizes if have is None or b not in have.batch_sizes]
+        if todo and announce:
+            LOG.warning(
+                "CAST: measuring a quick cost profile for %s before decoding (seconds to a few minutes; kept for later runs); "
+                "`specdec profile --out FILE` and --cost-profile FILE give a full one",
+                _sizes_text(todo),
+            )
         if todo:
             t0 = time.perf_counter()
             new = measure_with_progress(
@@ -490,7 +555,10 @@ class CostTableResolver:
             self._source.measured_s += time.perf_counter() - t0
             have = new if have is None else have.merged(new)
             _MEASURED[key] = have
-        else:
+            stored = _store_cached(key, have)
+            if stored is not None:
+                self._source.cached = str(stored)
+        elif not from_disk:
             self._source.reused = True
         assert have is not None
         if self._source.created is None:
