@@ -107,7 +107,7 @@ def draft_once(method: str, params: SamplingParams, rows: int = 6, seed: int = 0
     prompt = torch.tensor([[1, 4, 2, 5, 3]] * rows)
     source.prefill(prompt, torch.ones_like(prompt))
     ctx = DraftContext(params=params, generator=torch.Generator().manual_seed(seed), max_depth=4, active=torch.ones(rows, dtype=torch.bool))
-    policy = make_policy(method, **POLICIES[method], **extra)
+    policy = make_policy(method, **{**POLICIES[method], **extra})
     return policy.draft(source, torch.full((rows,), 6, dtype=torch.long), ctx)
 
 
@@ -275,3 +275,15 @@ def test_step_result_carries_the_verified_tree_parents():
     result = StepResult.read(tree, verdict)
     assert result.tree_parents == [[-1, 0, 0, 1, 0], [-1, 0, 1, -1, -1]]
     assert result.accepted_nodes == [[1, 3], [1]] and result.drafted == [4, 2]
+
+
+@pytest.mark.parametrize("max_nodes", [3, 7])
+def test_dynatree_node_budget_binds_on_sampled_levels(max_nodes):
+    """Sampled levels keep every candidate column, so DynaTree's node budget must still cut them
+    when it can bind (it is skipped only where a level cannot reach it): no row drafts more than
+    `max_nodes` tokens, and the cut keeps a subtree of first draws (the trees are closed)."""
+    for seed in range(4):
+        d = draft_once("dynatree", SamplingParams(temperature=1.0), seed=seed, b_min=3, b_mid=3, b_max=3, prune_tau=0.0, rho_stop=0.0, max_nodes=max_nodes)
+        d.tree.check_closed()
+        drafted = (d.tree.valid & (d.tree.parents >= 0)).sum(dim=1)  # [B] draft tokens per row
+        assert int(drafted.max()) == max_nodes  # 3 children a node, 4 levels: the budget is what stops it
