@@ -114,13 +114,13 @@ def needs_draft_model(method: str, draft_source: str) -> bool:
     return method_uses_draft(method) and DRAFT_SOURCE_READS_MODEL[draft_source]
 
 
-def check_costs_available(method: str, draft_source: str, method_options: Mapping[str, Any]) -> None:
-    """A cost-aware method (cast) measures its draft model's forwards; with no draft model
-    (n-gram lookup) it needs its costs given (cost_table or cost_profile): say so up front,
-    not at the first decoding step."""
-    if method == "cast" and not DRAFT_SOURCE_READS_MODEL.get(draft_source, True) and method_options.get("cost_table") is None and method_options.get("cost_profile") is None:
+def check_costs_available(policy: TreePolicy, draft_source: str) -> None:
+    """A cost-aware policy (cast) measures its draft model's forwards; with a draft source that
+    has no model (n-gram lookup) it needs its costs given (cost_table or cost_profile): say so
+    up front, not at the first decoding step."""
+    if isinstance(policy, CostAwarePolicy) and not DRAFT_SOURCE_READS_MODEL[draft_source] and policy.cost_table is None and policy.cost_profile is None:
         raise SpecDecError(
-            f"--method cast shapes its trees from the measured forward costs of a draft model, and --draft-source {draft_source} has none; "
+            f"--method {policy.name} shapes its trees from the measured forward costs of a draft model, and --draft-source {draft_source} has none; "
             "use --draft-source model (with --draft), or a method that needs no cost tables (--method chain --k 10, or --method dynatree), "
             "or give the costs yourself (--cost-profile PATH from `specdec profile`; cost_table=CostTable in Python)"
         )
@@ -183,7 +183,6 @@ class SpeculativeDecoder:
         draft_source: "model" (the draft model) or "lookup" (n-gram prompt lookup, no draft
         model; `lookup_ngram` is the longest n-gram matched)."""
         check_draft_source(draft_source, lookup_ngram)
-        check_costs_available(method, draft_source, method_options)
         self.cuda_graphs = _resolve_graphs(cuda_graphs, target)
         self.static_shapes = static_shapes or self.cuda_graphs
         self.draft_source = draft_source
@@ -263,11 +262,11 @@ class SpeculativeDecoder:
         cuda_graphs: 'auto' (on for CUDA), 'on' (needs CUDA) or 'off'; static_shapes: see `__init__`.
         verify="mars" with mars_theta=0.9 (or verify_options={"theta": 0.9}) selects MARS.
         """
-        make_policy(method, **method_options)  # fail on bad options before loading anything
+        policy = make_policy(method, **method_options)  # fail on bad options before loading anything
         check_cuda_graphs(cuda_graphs, device)  # a bad mode, or 'on' with a CPU device: fail before loading
         options = rule_options(verify, verify_options, mars_theta)
         check_draft_source(draft_source, lookup_ngram)
-        check_costs_available(method, draft_source, method_options)
+        check_costs_available(policy, draft_source)
         make_ensemble_config(ensemble_options, len(parse_views(views)))
         target_load, draft_load = pair_load_options(
             device_map, quantization, draft_quantization, attn_implementation, revision, draft_revision, trust_remote_code
@@ -330,6 +329,7 @@ class SpeculativeDecoder:
         """A fresh tree policy for `method`: with this decoder's method options when it is the
         decoder's own method, with the method's defaults otherwise; bound to the models."""
         policy = make_policy(method, **(self.method_options if method == self.method else {}))
+        check_costs_available(policy, self.draft_source)
         if self.lacks_draft_for(method):
             raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH, use --draft-source lookup, or use --method ar")
         if isinstance(policy, CostAwarePolicy):  # finds or measures the pair's cost profile, once per profile path

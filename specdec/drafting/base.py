@@ -10,6 +10,7 @@ from specdec.drafting.builder import Draft, DraftContext
 
 if TYPE_CHECKING:
     from specdec.cost.profile import CostTableResolver
+    from specdec.cost.table import CostTable
     from specdec.sources.base import DraftSource
     from specdec.stats import StepRecord
 
@@ -37,6 +38,8 @@ class CostAwarePolicy(TreePolicy, Protocol):
 
     cost_profile: str | None
     """a JSON file from `specdec profile`, or None (measure or use an injected table)"""
+    cost_table: CostTable | None
+    """an injected table (used as is), or None"""
 
     def bind_models(self, target: torch.nn.Module, draft: torch.nn.Module | None, resolver: CostTableResolver | None = None) -> None:
         """Attach the target and draft models (and a shared resolver of their cost tables)."""
