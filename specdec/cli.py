@@ -530,7 +530,7 @@ def _add_bench(sub) -> None:
         "--agreements value, run the bench on each pair and compare: OUT/report.md, results.json, speedup_vs_agreement.png",
     )
     w.add_argument("--agreements", default=None, help="greedy agreements of the drafts, each in (0, 1] (default 0.5,0.7,0.8,0.9,0.95)")
-    w.add_argument("--synth-cache", default=None, help="folder of the built pairs, reused by later runs (default ~/.cache/specdec/synthetic)")
+    w.add_argument("--synth-cache", default=None, help="folder of the built pairs, reused by later runs (default ~/.cache/specdec/synthetic, or $SPECDEC_CACHE_DIR/synthetic)")
     w.add_argument("--draft-layers", default=None, help="layers of each draft, the target's first ones (default 1)")
     w.add_argument("--head-scale", default=None, help="factor on the target's head, or auto (default: auto, mean top-1 probability 0.75)")
     w.add_argument("--synth-seed", default=None, help="seed of the pair's weights, prompts and calibration (default 0)")

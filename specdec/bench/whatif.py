@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,15 +41,15 @@ from specdec.models.synthetic import (
     target_config,
 )
 from specdec.parsing import parse_float_list
+from specdec.paths import cache_root
 
 DEFAULT_AGREEMENTS = "0.5,0.7,0.8,0.9,0.95"
 """--agreements default"""
 
 
 def default_cache() -> Path:
-    """Where built pairs are kept by default: $XDG_CACHE_HOME/specdec/synthetic (~/.cache/...)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specdec" / "synthetic"
+    """Where built pairs are kept by default: `cache_root()`/synthetic (~/.cache/specdec/synthetic)."""
+    return cache_root() / "synthetic"
 
 
 def _check_agreement(value: float) -> float:

@@ -23,7 +23,6 @@ import datetime
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from specdec.cost.table import CostTable, FieldDiff, device_identity, model_iden
 from specdec.errors import SpecDecError
 from specdec.models.loading import BUNDLED_PAIR, context_length
 from specdec.models.runner import ModelRunner
+from specdec.paths import cache_root
 
 LOG = logging.getLogger("specdec.cost")
 
@@ -251,11 +251,8 @@ def forget_measured() -> None:
 
 def measured_cache_dir() -> Path:
     """Where quick tables measured on this machine are kept for later processes:
-    $SPECDEC_CACHE_DIR/cost-profiles, else $XDG_CACHE_HOME/specdec/cost-profiles (~/.cache/...)."""
-    base = os.environ.get("SPECDEC_CACHE_DIR")
-    if base:
-        return Path(base).expanduser() / "cost-profiles"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec" / "cost-profiles"
+    `cache_root()`/cost-profiles (~/.cache/specdec/cost-profiles)."""
+    return cache_root() / "cost-profiles"
 
 
 def _cache_file(key: str) -> Path:
