@@ -44,6 +44,37 @@ def tiny_config(arch: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB
     raise ValueError(arch)
 
 
+MORE_ARCHS = ("mistral", "gemma2", "gemma3_text", "phi3", "opt", "falcon", "gptj", "qwen3_moe", "gpt_oss", "olmo3", "cohere2", "starcoder2")
+"""more transformers architectures, built by `tiny_any_config`: sliding windows (every layer or mixed,
+a window of 8 so the prompts and generations cross it), soft-capped logits, mixture-of-experts
+layers, learned and partial rotary positions"""
+
+
+def tiny_any_config(model_type: str, layers: int = 2, hidden: int = 64, vocab: int = VOCAB, **overrides):
+    """A tiny config of any transformers causal LM type, from its defaults with small sizes."""
+    from transformers import AutoConfig
+
+    fields = {
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4, "max_position_embeddings": 256,
+        "eos_token_id": EOS, "bos_token_id": 1, "pad_token_id": 0,
+    }
+    if model_type == "falcon":
+        fields.pop("head_dim")  # a property of Falcon's config
+    if model_type in ("gptj", "codegen"):
+        fields["rotary_dim"] = hidden // 8
+    if model_type in ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral"):
+        fields.update(num_experts=4, num_local_experts=4, num_experts_per_tok=2)
+    fields.update(overrides)
+    config = AutoConfig.for_model(model_type, **fields)
+    for name, value in (("n_embd", hidden), ("n_layer", layers), ("n_head", 4), ("n_positions", 256)):
+        if hasattr(config, name) and name not in fields:
+            setattr(config, name, value)
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = 8
+    return config
+
+
 def tiny_model(arch: str, seed: int, **kwargs):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_config(arch, **kwargs)).eval()

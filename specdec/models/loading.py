@@ -2,7 +2,8 @@
 
 Every failure a user can cause is a `SpecDecError` naming the model and the fix: a path
 that is not a saved model, a folder without tokenizer files, an architecture that is not a
-causal LM (BERT, T5), a checkpoint whose weights do not cover the model (a Llama saved
+causal LM (BERT, T5) or whose draft trees cannot be verified (`specdec.models.support`:
+recurrent state, ALiBi from the cache index), a checkpoint whose weights do not cover the model (a Llama saved
 without its LM head would otherwise run with random weights), a corrupt weights file, a
 loading option that needs a package that is not installed.
 """
@@ -30,6 +31,8 @@ from transformers import (
 from specdec import extras
 from specdec.bundled import ASSETS, BUNDLED_LVLM, BUNDLED_PAIR, bundled_draft, bundled_lvlm_draft, bundled_lvlm_target, bundled_target  # noqa: F401 (re-exported)
 from specdec.errors import SpecDecError
+from specdec.models.support import FIX as UNSUPPORTED_FIX
+from specdec.models.support import tree_verification_problem
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -203,6 +206,7 @@ def check_causal_lm(config: PretrainedConfig, name: str, what: str = "target") -
     if getattr(config, "vision_config", None) is not None:
         if model_type not in _auto_class_names("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES") and "AutoModelForImageTextToText" not in auto_map:
             raise SpecDecError(f"{what} model {name!r} ({model_type}) is not an image-text-to-text model transformers knows; {fix}")
+        check_tree_verifiable(config, name, what)
         return AutoModelForImageTextToText
     if getattr(config, "is_encoder_decoder", False):
         raise SpecDecError(f"{what} model {name!r} is an encoder-decoder model ({model_type}), not a causal LM; {fix}")
@@ -210,7 +214,25 @@ def check_causal_lm(config: PretrainedConfig, name: str, what: str = "target") -
         raise SpecDecError(f"{what} model {name!r} is an encoder ({model_type}, a masked LM that reads both ways), not a causal LM; {fix}")
     if model_type not in _auto_class_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") and "AutoModelForCausalLM" not in auto_map:
         raise SpecDecError(f"{what} model {name!r} ({model_type}) is not a causal LM transformers knows; {fix}")
+    check_tree_verifiable(config, name, what, _causal_lm_class(config))
     return AutoModelForCausalLM
+
+
+def _causal_lm_class(config: PretrainedConfig) -> type | None:
+    """The class AutoModelForCausalLM builds for `config` (None for remote code or unknown types)."""
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:
+        return None
+
+
+def check_tree_verifiable(config: PretrainedConfig, name: str, what: str = "target", model_class: type | None = None) -> None:
+    """A SpecDecError, before any weights load, for an architecture whose draft trees specdec
+    cannot verify (recurrent state, ALiBi from the cache index, unbuilt mask types;
+    `specdec.models.support`)."""
+    problem = tree_verification_problem(config, model_class)
+    if problem is not None:
+        raise SpecDecError(f"{what} model {name!r} {problem}; {UNSUPPORTED_FIX}")
 
 
 def _check_packages(options: LoadOptions, prequantized: bool, what: str) -> None:

@@ -35,6 +35,8 @@ from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.graphs import CudaGraphRunner
 from specdec.models.static import BUCKETS, StaticInputs, StoragePool, node_bucket, shared_state
+from specdec.models.support import FIX as UNSUPPORTED_FIX
+from specdec.models.support import tree_verification_problem
 
 _LOG = logging.getLogger("specdec.runner")
 
@@ -204,6 +206,9 @@ class ModelRunner:
     """
 
     def __init__(self, model: PreTrainedModel, static_shapes: bool = False, cuda_graphs: bool = False) -> None:
+        problem = tree_verification_problem(model.config, type(model))
+        if problem is not None:
+            raise SpecDecError(f"{type(model).__name__} {problem}; {UNSUPPORTED_FIX}")
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

@@ -1,0 +1,71 @@
+"""Which architectures specdec can verify draft trees with, decided from the config (and the
+model class when known) before any weights load.
+
+Tree verification forwards many draft tokens at once with explicit position ids and a 4-D
+attention mask, then keeps the accepted tokens' key/value slots and drops the rest. That needs
+an attention-only key/value cache whose entries can be dropped one by one, and positions that
+come from the position ids. Three kinds of model break one of these, and would otherwise crash
+mid-generation or, worse, verify against wrong target logits:
+
+- **recurrent or convolutional state** (Mamba, RWKV, xLSTM, Jamba, Falcon-H1, Bamba, MiniMax's
+  lightning attention, Qwen3-Next, LFM2's conv layers, ...): every forwarded token updates a
+  state that a rejected token cannot be taken back out of;
+- **ALiBi biases built from the key's index in the cache or from a 2-D padding mask** (BLOOM,
+  MPT, Falcon with `alibi=True`): a tree node's bias would follow its slot, not its depth;
+- **attention types with other masks** (Llama 4's chunked attention): not built yet.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from transformers import DynamicCache, PretrainedConfig
+
+ATTENTION_CACHE_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
+"""transformers cache layers that hold plain per-token keys and values (full or sliding attention)"""
+MASKED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+"""per-layer attention types whose masks specdec builds (`ModelRunner._sliding_masks`)"""
+ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
+"""architectures whose ALiBi bias comes from the cache index or the 2-D mask, never from position ids"""
+
+FIX = (
+    "specdec supports transformers decoder-only models with an attention key/value cache "
+    "(Llama, Qwen, Mistral, Gemma, Phi, GPT-2, GPT-NeoX, OPT, Falcon without ALiBi, ...); "
+    "for this model use transformers' own generate()"
+)
+
+
+def tree_verification_problem(config: PretrainedConfig, model_class: type | None = None) -> str | None:
+    """Why draft trees cannot be verified with a model of this config (a phrase to follow the
+    model's name), or None when they can. model_class: the concrete model class when known
+    (models that take no `past_key_values` keep their own recurrent state)."""
+    text = config.get_text_config()
+    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None) or "unknown"
+    forward = getattr(model_class, "forward", None)
+    if forward is not None:
+        try:
+            takes_cache = "past_key_values" in inspect.signature(forward).parameters
+        except (TypeError, ValueError):
+            takes_cache = True  # no signature to read: let the cache layers decide
+        if not takes_cache:
+            return f"({model_type}) keeps a recurrent state instead of a key/value cache, and a rejected draft token cannot be taken back out of it"
+    try:
+        layers = DynamicCache(config=text).layers
+    except Exception:  # a config transformers cannot lay a cache out for: the runner reports it
+        layers = []
+    stateful = sorted({type(layer).__name__ for layer in layers} - ATTENTION_CACHE_LAYERS)
+    if stateful:
+        return (
+            f"({model_type}) has layers with a recurrent or convolutional state ({', '.join(stateful)}), "
+            "and a rejected draft token cannot be taken back out of it"
+        )
+    if model_type in ALIBI_MODEL_TYPES or getattr(text, "alibi", False) is True:
+        return (
+            f"({model_type}) adds ALiBi position biases computed from each key's index in the cache or from a 2-D padding mask, "
+            "not from position ids, so a draft tree's nodes would be biased by their slot instead of their depth"
+        )
+    types = getattr(text, "layer_types", None) or []
+    unknown = sorted(set(types) - MASKED_LAYER_TYPES)
+    if unknown:
+        return f"({model_type}) has attention layer types {unknown} whose masks specdec does not build yet (it builds {sorted(MASKED_LAYER_TYPES)})"
+    return None

@@ -1,0 +1,84 @@
+"""Which architectures specdec runs: greedy equivalence on more transformers architectures than
+`ARCHS`, and a clear error, before any weights load, for the ones whose draft trees it cannot
+verify (recurrent state, ALiBi from the cache index, unbuilt attention masks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EOS, MORE_ARCHS, tiny_any_config
+from transformers import AutoModelForCausalLM
+
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.models.loading import check_causal_lm
+from specdec.models.runner import ModelRunner
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
+METHODS = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "dynatree": {"max_nodes": 12}}
+
+
+def tiny(model_type: str, seed: int, noise: float = 0.0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_any_config(model_type, **overrides)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)  # peaked distributions: few near-ties
+        for p in model.parameters():
+            p.add_(noise * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("model_type", MORE_ARCHS)
+def test_greedy_matches_generate_on_more_architectures(model_type):
+    """A batch of three prompts of different lengths (left padding), 24 new tokens, a close draft."""
+    target, draft = tiny(model_type, seed=0), tiny(model_type, seed=0, noise=0.02)
+    with torch.no_grad():
+        refs = [target.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist() for p in PROMPTS]
+    accepted = 0
+    for method, options in METHODS.items():
+        engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+        outs = engine.generate(PROMPTS, 24)
+        for prompt, out, ref in zip(PROMPTS, outs, refs, strict=True):
+            assert out.token_ids == ref, f"{model_type}/{method}/{prompt}"
+            accepted += out.stats.accepted_tokens
+    assert accepted > 0, "the close draft should get some tokens accepted"
+
+
+UNSUPPORTED = {
+    "mamba": ({}, "recurrent state"),
+    "rwkv": ({}, "recurrent state"),
+    "falcon_h1": ({}, "recurrent or convolutional state"),
+    "minimax": ({}, "recurrent or convolutional state"),
+    "lfm2": ({"layer_types": ["conv", "full_attention"]}, "recurrent or convolutional state"),
+    "bloom": ({}, "ALiBi"),
+    "mpt": ({}, "ALiBi"),
+    "falcon": ({"alibi": True}, "ALiBi"),
+    "llama4_text": ({}, "chunked_attention"),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(UNSUPPORTED))
+def test_unsupported_architecture_is_named_before_loading(model_type):
+    overrides, reason = UNSUPPORTED[model_type]
+    config = tiny_any_config(model_type, **overrides)
+    with pytest.raises(SpecDecError, match=reason) as err:
+        check_causal_lm(config, "some/model", "target")
+    assert "'some/model'" in str(err.value) and "generate()" in str(err.value)
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "mamba", "lfm2"])
+def test_unsupported_loaded_model_is_refused_by_the_runner(model_type):
+    """A model object handed to the engine directly (no loading path) gets the same error."""
+    overrides, reason = UNSUPPORTED[model_type]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_any_config(model_type, **overrides)).eval()
+    with pytest.raises(SpecDecError, match=reason):
+        ModelRunner(model)
+
+
+def test_falcon_without_alibi_is_accepted():
+    """The ALiBi rule reads the config: Falcon's default rotary positions pass."""
+    assert check_causal_lm(tiny_any_config("falcon"), "falcon", "target") is AutoModelForCausalLM
