@@ -507,14 +507,17 @@ class ModelRunner:
         # one host read of the rows' lengths (batches only): prompts of very different lengths are
         # prefilled a group of similar lengths at a time, each padded to its own longest
         grouping = not (model_inputs or dense) and input_ids.shape[0] > 1
-        groups = prefill_groups(attention_mask.sum(dim=1).tolist(), self.device) if grouping else None
+        lengths = attention_mask.sum(dim=1).tolist() if grouping else []
+        groups = prefill_groups(lengths, self.device) if grouping else None
         if groups is not None:
-            return self._prefill_grouped(input_ids, attention_mask, groups)
+            return self._prefill_grouped(input_ids, attention_mask, groups, lengths)
         return self._prefill_padded(input_ids, attention_mask, model_inputs, dense)
 
-    def _prefill_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None, dense: bool) -> torch.Tensor:
-        """`prefill` as one forward over the left-padded batch."""
-        self.reset(input_ids.shape[0], capacity=input_ids.shape[1] + CAPACITY_STEP)
+    def _prefill_padded(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None, dense: bool, spare: int = CAPACITY_STEP
+    ) -> torch.Tensor:
+        """`prefill` as one forward over the left-padded batch (room for `spare` more slots per row)."""
+        self.reset(input_ids.shape[0], capacity=input_ids.shape[1] + spare)
         real = attention_mask.bool()
         positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
         causal = torch.tril(torch.ones(input_ids.shape[1], input_ids.shape[1], dtype=torch.bool, device=self.device))
@@ -524,28 +527,55 @@ class ModelRunner:
         self.dense = dense and not model_inputs
         return logits
 
-    def _prefill_grouped(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
-        """`prefill` one group of similar-length rows at a time (`prefill_groups`, longest first),
-        each padded only to its own longest prompt, spliced right-aligned into one batch cache.
-        Returns [B, V] float32 in row order. The rows' committed slots are the same as after a
-        padded prefill (left padding: invalid slots), so nothing after it can tell them apart."""
-        width = input_ids.shape[1]
-        first = groups[0]  # the longest prompts: they set the cache's width
-        index = torch.tensor(first, dtype=torch.long, device=input_ids.device)
-        ids, mask = input_ids[index], attention_mask[index]
-        longest = int(mask.sum(dim=1).max().item())
-        logits = self._prefill_padded(ids[:, width - longest :], mask[:, width - longest :], None, dense=False)  # [|g|, V]
-        out = logits.new_empty(input_ids.shape[0], logits.shape[-1])
-        out[index.to(out.device)] = logits
-        place = dict(zip(first, range(len(first)), strict=True))
-        self.keep_rows([place.get(row, 0) for row in range(input_ids.shape[0])])  # every row in place (the others hold a copy of the first, replaced next)
-        for group in groups[1:]:
+    def _prefill_grouped(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]], lengths: list[int]) -> torch.Tensor:
+        """`prefill` one group of similar-length rows at a time (`prefill_groups`), each padded only
+        to its own longest prompt, then copied right-aligned into one batch cache (one copy per
+        group, no full-cache passes). Returns [B, V] float32 in row order. The committed slots are
+        those of a padded prefill (left padding: invalid slots), so nothing after it can tell them apart.
+        lengths: each row's prompt length (already read by `prefill`)."""
+        b, width = input_ids.shape
+        parts: list[tuple[torch.Tensor, ModelRunner]] = []
+        out: torch.Tensor | None = None
+        for group in groups:
             index = torch.tensor(group, dtype=torch.long, device=input_ids.device)
-            ids, mask = input_ids[index], attention_mask[index]
-            longest = int(mask.sum(dim=1).max().item())
-            out[index.to(out.device)] = self.replace_rows(group, ids[:, width - longest :], mask[:, width - longest :])
-        self.reserve(self.past_len + CAPACITY_STEP)
+            longest = max(lengths[row] for row in group)
+            part = ModelRunner(self.model)
+            ids, mask = input_ids[index, width - longest :], attention_mask[index, width - longest :]
+            logits = part._prefill_padded(ids, mask, None, dense=False, spare=0)  # [|g|, V]; its cache is copied below, never grown
+            if out is None:
+                out = logits.new_empty(b, logits.shape[-1])
+            out.index_copy_(0, index.to(out.device), logits)
+            self._absorb_forward_stats(part)
+            parts.append((index.to(self.device), part))
+        assert out is not None
+        self.reset(b, capacity=width + CAPACITY_STEP)
+        cache = self._cache()
+        first = parts[0][1]._cache()
+
+        def batch_storage(t: torch.Tensor, batch_dim: int, slot_dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[batch_dim], shape[slot_dim] = b, cache.capacity
+            return cache._zeros(tuple(shape), t)
+
+        cache.storage = None if first.storage is None else batch_storage(first.storage, 2, 4)
+        cache.extra = {i: batch_storage(t, 1, 3) for i, t in first.extra.items()}
+        for layer in cache.layers:
+            layer.is_initialized = True
+        valid = torch.zeros(b, width, dtype=torch.bool, device=self.device)
+        for index, part in parts:
+            s_part = part.past_len
+            for (dst, batch_dim, slot_dim), (src, _, _) in zip(cache.tensors(), part._cache().tensors(), strict=True):
+                dst.narrow(slot_dim, width - s_part, s_part).index_copy_(batch_dim, index, src.narrow(slot_dim, 0, s_part))
+            valid[index, width - s_part :] = part.slot_valid
+        self.commit_prefix(valid)
         return out
+
+    def _absorb_forward_stats(self, other: ModelRunner) -> None:
+        """Count another runner's forwards (a prefill run on its own for this batch) as this one's."""
+        self.forward_calls += other.forward_calls
+        self.forward_tokens += other.forward_tokens
+        self._forward_s += other._forward_s
+        self._events.extend(other._events)
 
     # ----- commit / rollback -------------------------------------------------------
     def commit_prefix(self, keep_valid: torch.Tensor) -> None:
@@ -629,6 +659,7 @@ class ModelRunner:
             raise RuntimeError("replace_rows needs a committed cache (call it between steps)")
         fresh = ModelRunner(self.model)
         logits = fresh.prefill(input_ids, attention_mask, model_inputs)
+        self._absorb_forward_stats(fresh)
         fresh_cache = fresh._cache()
         s_new = fresh.past_len
         if s_new > self.past_len:
