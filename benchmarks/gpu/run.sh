@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One device-tool call per stage, each well inside the 10-minute limit of one command:
+#
+#   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included)
+#   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
+#   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, eagle2, dynatree, cast at B = 4 and 16
+#
+# Writes under $OUT (the device tool brings back at most 8 files, 2 folders deep): a log per stage
+# and the bench folders as one .tar.gz each. The GPU image has torch, transformers, rich, numpy,
+# scipy, matplotlib and pytest but not fastapi/pydantic, so the serving tests are left out there.
+# Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
+# the commands run; figures from it mean nothing.
+set -uo pipefail
+stage=${1:?usage: run.sh tests|b1|sweep}
+OUT=${OUT:?set OUT to the folder for results}
+SHAPE=${SHAPE:-llama-3.2-3b}
+DEVICE=${DEVICE:-cuda}
+AGREEMENT=${AGREEMENT:-0.8}
+PAIR=${PAIR:-/tmp/specdec-pair}
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 SPECDEC_CACHE_DIR=${SPECDEC_CACHE_DIR:-/tmp/specdec-cache}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+
+if ! command -v specdec >/dev/null 2>&1; then  # offline, no dependencies: the image has them
+  $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+fi
+{ nvidia-smi 2>/dev/null || true; $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'); print('transformers', transformers.__version__)"; } | tee "$OUT/machine.txt"
+
+pair() {  # the synthetic pair, built once per machine (a fresh machine starts bare)
+  [ -f "$PAIR/synth_pair.json" ] && return 0
+  local t0=$SECONDS
+  specdec synth-pair --shape "$SHAPE" --agreement "$AGREEMENT" --device "$DEVICE" --out "$PAIR" >"$OUT/pair.log" 2>&1 || { tail -20 "$OUT/pair.log"; exit 1; }
+  echo "synthetic $SHAPE pair built in $((SECONDS - t0)) s"; tail -3 "$OUT/pair.log"
+}
+
+case "$stage" in
+  tests)
+    $PY -m pytest -q -x -p no:cacheprovider tests --ignore=tests/test_serve.py --ignore=tests/test_light_imports.py -rs 2>&1 | tee "$OUT/tests.log"
+    ;;
+  b1)
+    pair
+    specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods ar,hf,hf-assisted,chain,static,eagle2,dynatree,cast --num-prompts 12 --max-new-tokens 64 --repeats 1 \
+      --no-progress --out "$OUT/b1" 2>&1 | tee "$OUT/b1.log"
+    tar -czf "$OUT/b1.tar.gz" -C "$OUT" b1 && rm -rf "$OUT/b1"
+    ;;
+  sweep)
+    pair
+    specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods ar,eagle2,dynatree,cast --batch-sizes 4,16 --num-prompts 32 --max-new-tokens 64 --repeats 1 \
+      --no-progress --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log"
+    tar -czf "$OUT/sweep.tar.gz" -C "$OUT" sweep && rm -rf "$OUT/sweep"
+    ;;
+  *) echo "unknown stage $stage (tests, b1, sweep)"; exit 2 ;;
+esac
