@@ -12,7 +12,8 @@ If capturing or the first replay raises (an architecture whose forward reads dev
 the host, or copies from host memory, cannot be captured), the runner logs one warning naming
 the model class and the reason and runs that model eagerly from then on (still in static shapes).
 
-Built and tested on CPU only (the CUDA tests skip there); not measured on a GPU.
+Built and tested on CPU only (the CUDA tests skip there; `tests/test_graph_replay_semantics.py`
+emulates capture and replay with make_fx traces); not run or measured on a GPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,134 @@
+"""CUDA-graph replay semantics, checked on the CPU.
+
+A CUDA graph records the kernels of one forward with every host value of that call baked in
+(a Python int that picks a slice, a tensor made from a list) and, on replay, re-reads only the
+memory it recorded. So a static-shape forward is safe to graph only if everything that changes
+between calls with the same graph key lives in the fixed buffers. The CUDA tests check replay on
+a GPU; here `make_fx` gives the same semantics on the CPU: the first forward of each key is
+traced (host values become constants, tensors are kept by reference) and later forwards replay
+the trace on the same buffers. Greedy output under emulated replay must equal `generate`'s for
+every method; a deliberately unsafe buffer (token ids in a new tensor each call) must fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import EOS, sharpen, tiny_model
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from specdec.cost import CostTable
+from specdec.engine import SpeculativeEngine
+from specdec.methods import make_policy
+from specdec.models import static
+from specdec.models.runner import ModelRunner
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47], [20, 21]]
+METHODS = {
+    "ar": {},
+    "chain": {"k": 4},
+    "static": {"depth": 3, "branching": 2, "max_nodes": 12},
+    "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10},
+    "dynatree": {"max_nodes": 12},
+    "cast": {"cost_table": CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)},
+}
+
+
+class ReplayEmulator:
+    """Stands in for `CudaGraphRunner` on the CPU: capture = a make_fx trace of the call, replay =
+    running the trace (host values as traced, buffers as they are now)."""
+
+    def __init__(self) -> None:
+        self.traces: dict[tuple[Any, ...], Any] = {}
+        self.captures = 0
+        self.replays = 0
+        self.failed: str | None = None
+
+    def run(self, key: tuple[Any, ...], call: Callable[[], torch.Tensor], keepalive: Any) -> torch.Tensor:
+        trace = self.traces.get(key)
+        if trace is None:
+            trace = self.traces[key] = (make_fx(call, tracing_mode="real")(), keepalive)
+            self.captures += 1
+        else:
+            self.replays += 1
+        return trace[0]()
+
+
+def reference(target, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def emulated_engine(target, draft, method: str) -> tuple[SpeculativeEngine, list[ReplayEmulator]]:
+    source = ModelDraftSource(draft, static_shapes=True)
+    engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), source, eos_token_ids=[EOS], static_shapes=True)
+    emulators = [ReplayEmulator(), ReplayEmulator()]
+    engine.target.graphs, source.runner.graphs = emulators
+    return engine, emulators
+
+
+def pair(arch: str):
+    target = sharpen(tiny_model(arch, seed=0))
+    draft = sharpen(tiny_model(arch, seed=0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return target, draft
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2", "qwen2"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_under_emulated_graph_replay_equals_generate(arch, method):
+    target, draft = pair(arch)
+    refs = [reference(target, p, 32) for p in PROMPTS]
+    engine, emulators = emulated_engine(target, draft, method)
+    outs = engine.generate(PROMPTS, 32, batch_size=3)
+    assert [o.token_ids for o in outs] == refs
+    assert emulators[0].captures > 0 and emulators[0].replays > 0, "the target's forwards must replay traces"
+    if method != "ar":
+        assert emulators[1].replays > 0, "the draft's forwards must replay traces"
+
+
+def decode_logits(runner: ModelRunner, steps: int = 6) -> torch.Tensor:
+    """Prefill two left-padded rows, then `steps` one-token steps (each committed): [2, steps, V]."""
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    runner.prefill(ids, (ids > 0).long().index_fill_(0, torch.tensor([1]), 1))
+    token, out = torch.tensor([[9], [10]]), []
+    for _ in range(steps):
+        logits = runner.forward(token, runner.committed_len()[:, None], torch.ones(2, 1, 0, dtype=torch.bool))
+        runner.commit(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool))
+        out.append(logits)
+        token = logits[:, -1].argmax(-1, keepdim=True)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("unsafe", [False, True], ids=["buffers", "positions-outside-the-buffers"])
+def test_replay_reads_every_input_from_the_buffers(unsafe, monkeypatch):
+    """Replayed one-token steps equal eager ones; and the check can fail: position ids copied into
+    a new tensor each call (outside the fixed buffers, and not in the graph key) are baked into the
+    first trace, so later replays run at stale positions."""
+    if unsafe:
+        fill = static.StaticInputs.fill
+
+        def unsafe_fill(self, input_ids, position_ids, *args):
+            fill(self, input_ids, position_ids, *args)
+            self.position_ids = self.position_ids.clone()
+
+        monkeypatch.setattr(static.StaticInputs, "fill", unsafe_fill)
+    model = sharpen(tiny_model("gpt2", seed=0))
+    eager = decode_logits(ModelRunner(model, static_shapes=True))
+    replayed_runner = ModelRunner(model, static_shapes=True)
+    emulator = replayed_runner.graphs = ReplayEmulator()
+    replayed = decode_logits(replayed_runner)
+    assert emulator.replays >= 4
+    worst = (replayed - eager).abs().max().item()
+    if unsafe:
+        assert worst > 1e-3
+    else:
+        assert worst < 1e-5
