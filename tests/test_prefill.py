@@ -81,8 +81,9 @@ def test_grouped_prefill_equals_one_padded_forward(arch):
     assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("static_shapes", [False, True], ids=["dynamic", "static-shapes"])
 @pytest.mark.parametrize("method", ["ar", "chain", "eagle2", "dynatree"])
-def test_greedy_output_after_a_grouped_prefill_equals_generate(method):
+def test_greedy_output_after_a_grouped_prefill_equals_generate(method, static_shapes):
     target = sharpen(tiny_model("llama", seed=0, vocab=128))
     draft = sharpen(tiny_model("llama", seed=0, vocab=128))
     with torch.no_grad():
@@ -90,6 +91,9 @@ def test_greedy_output_after_a_grouped_prefill_equals_generate(method):
             p.add_(0.02 * torch.randn_like(p))
         refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist() for p in PROMPTS]
     options = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "dynatree": {"max_nodes": 12}}.get(method, {})
-    engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+    source = ModelDraftSource(draft, static_shapes=static_shapes)
+    engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), source, eos_token_ids=[EOS], static_shapes=static_shapes)
     outs = engine.generate(PROMPTS, 16)
+    outs += engine.generate(PROMPTS[::-1], 16, batch_size=2)[::-1]  # rolling: later prompts prefilled into finished rows
+    refs += refs
     assert [o.token_ids for o in outs] == refs

@@ -527,6 +527,7 @@ class ModelRunner:
         self.dense = dense and not model_inputs
         return logits
 
+    @torch.inference_mode()
     def _prefill_grouped(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """`prefill` one group of similar-length rows at a time (`prefill_groups`), each padded only
         to its own longest prompt, then copied right-aligned into one batch cache (one copy per
