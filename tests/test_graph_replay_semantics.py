@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EOS, sharpen, tiny_model
+from conftest import EOS, sharpen, tiny_any_config, tiny_model
 from torch.fx.experimental.proxy_tensor import make_fx
+from transformers import AutoModelForCausalLM
 
 from specdec.cost import CostTable
 from specdec.engine import SpeculativeEngine
@@ -146,4 +147,23 @@ def test_sampled_output_under_emulated_replay_equals_eager(method):
     eager_source = ModelDraftSource(draft, static_shapes=True)
     eager = SpeculativeEngine(target, make_policy(method, **METHODS[method]), SamplingRule(), eager_source, eos_token_ids=[EOS], static_shapes=True)
     assert replayed == [o.token_ids for o in eager.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)]
+    assert emulators[0].replays > 0 and emulators[1].replays > 0
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("method", ["chain", "eagle2", "dynatree"])
+def test_sliding_window_models_replay_exactly(model_type, method):
+    """Sliding windows (8 slots; every layer, or mixed with full layers) in static shapes under
+    emulated replay: the window mask is a buffer too, so replays see each step's window."""
+    torch.manual_seed(0)
+    target = sharpen(AutoModelForCausalLM.from_config(tiny_any_config(model_type)).eval())
+    torch.manual_seed(0)
+    draft = sharpen(AutoModelForCausalLM.from_config(tiny_any_config(model_type)).eval())
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    refs = [reference(target, p, 32) for p in PROMPTS]
+    engine, emulators = emulated_engine(target, draft, method)
+    assert engine.target.static_shapes
+    assert [o.token_ids for o in engine.generate(PROMPTS, 32, batch_size=3)] == refs
     assert emulators[0].replays > 0 and emulators[1].replays > 0

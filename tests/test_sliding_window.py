@@ -2,7 +2,8 @@
 
 Each config has a window of 6 tokens and prompts longer than it, so every generated token
 attends to a truncated context; greedy output must equal the target's own `generate()`
-(transformers' sliding caches), for every method, batch size 1 and 2 (left padding), on an
+(transformers' sliding caches), for every method, batch size 1 and 2 (left padding), dynamic and static
+shapes, on an
 all-sliding architecture (Mistral) and on mixed full/sliding layers (Qwen2, Gemma-2).
 """
 
@@ -71,8 +72,15 @@ def test_the_window_changes_the_output():
     assert any(reference(target, p, 16) != reference(unwindowed, p, 16) for p in PROMPTS)
 
 
-def test_static_shapes_fall_back_to_eager_on_sliding_models(caplog):
-    with caplog.at_level("WARNING", logger="specdec.runner"):
-        runner = ModelRunner(model("mistral", seed=0), static_shapes=True)
-    assert not runner.static_shapes and runner.window == WINDOW
-    assert "sliding-window" in caplog.text and "MistralForCausalLM" in caplog.text
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2"])
+def test_static_shapes_keep_the_window(arch):
+    """Static-shape forwards (the CUDA-graph mode) on sliding models: greedy output equals
+    generate's for every method at batch size 2 (the window mask is a static buffer too)."""
+    target = sharpen(model(arch, seed=0))
+    draft = sharpen(model(arch, seed=1, layers=1))
+    assert ModelRunner(target, static_shapes=True).static_shapes
+    refs = [reference(target, p, 16) for p in PROMPTS]
+    for method, options in METHODS.items():
+        source = ModelDraftSource(draft, static_shapes=True)
+        engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), source, eos_token_ids=[EOS], static_shapes=True)
+        assert [o.token_ids for o in engine.generate(PROMPTS, 16, batch_size=2)] == refs, f"{arch}/{method}"

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ARCHS, EOS, sharpen, tiny_model
+from conftest import ARCHS, EOS, sharpen, tiny_any_config, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
 
 from specdec.api import SpeculativeDecoder
 from specdec.cli import main
@@ -21,6 +22,19 @@ from specdec.models.runner import ModelRunner
 from specdec.models.static import BUCKETS, node_bucket
 from specdec.sources import ModelDraftSource
 from specdec.verification import GreedyRule
+
+SLIDING_ARCHS = ("mistral", "gemma2", "gpt_oss")
+"""sliding windows of 2 slots (every layer, mixed with full layers, mixed with attention sinks): the scripted steps cross them"""
+
+
+def _model(arch: str):
+    if arch in ARCHS:
+        return tiny_model(arch, seed=0)
+    torch.manual_seed(0)
+    config = tiny_any_config(arch)
+    config.sliding_window = 2
+    return AutoModelForCausalLM.from_config(config).eval()
+
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -54,9 +68,9 @@ def scripted_steps(runner: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + SLIDING_ARCHS)
 def test_static_forwards_equal_dynamic(arch):
-    model = sharpen(tiny_model(arch, seed=0))
+    model = sharpen(_model(arch))
     dynamic, static = ModelRunner(model), ModelRunner(model, static_shapes=True)
     for got, ref in zip(scripted_steps(static), scripted_steps(dynamic), strict=True):
         assert got.shape == ref.shape

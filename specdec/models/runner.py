@@ -222,12 +222,6 @@ class ModelRunner:
                 self._shared.graphs = CudaGraphRunner(model, self.device)
             self.graphs = self._shared.graphs
         self.num_layers, self.window = _cache_layout(model)
-        if self.window is not None and self.static_shapes:  # one static mask buffer: no per-layer-type masks yet
-            _LOG.warning(
-                "%s has sliding-window attention layers; static shapes and CUDA graphs do not support them yet, so its forwards run eagerly",
-                type(model).__name__,
-            )
-            self.static_shapes, self._shared, self.graphs = False, None, None
         self.cache: SlotCache | None = None
         self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S_past]
         self.step_len = 0  # step slots appended since the last commit/rollback
@@ -419,14 +413,24 @@ class ModelRunner:
         position_ids: [B, n]. Also records the new slots' positions for later forwards of the step.
         """
         assert self.window is not None
-        committed_pos = self.slot_valid.long().cumsum(dim=1) - 1  # [B, S_past]
-        self._step_pos = torch.cat([self._step_pos[:, : self.step_len], position_ids], dim=1) if self.step_len else position_ids  # [B, s_step + n]
-        key_pos = torch.cat([committed_pos, self._step_pos], dim=1)  # [B, S]
-        in_window = key_pos[:, None, :] > position_ids[:, :, None] - self.window  # [B, n, S]
+        n = visible.shape[1]
+        key_pos = self._key_positions(position_ids, n)  # [B, S]
+        in_window = key_pos[:, None, :] > position_ids.expand(-1, n)[:, :, None] - self.window  # [B, n, S]
         sliding = torch.where(visible & in_window, *self._mask_values)[:, None]  # [B, 1, n, S]
         if self._layer_types is None:
             return sliding
         return {"full_attention": full, "sliding_attention": sliding}
+
+    def _key_positions(self, position_ids: torch.Tensor, n: int) -> torch.Tensor:
+        """The position of every used slot once this forward's n tokens are appended, [B, S_past +
+        step_len + n] (committed slots: the number of valid slots before them, holes included as -1
+        or a repeat, always masked; step slots: the ids they were forwarded with). Records the new
+        slots' positions for later forwards of the step. Sliding windows only (`_sliding_masks`).
+        position_ids: [B, n], or broadcastable to it ([B, 1]: every token at one position)."""
+        position_ids = position_ids.expand(-1, n)
+        committed_pos = self.slot_valid.long().cumsum(dim=1) - 1  # [B, S_past]
+        self._step_pos = torch.cat([self._step_pos[:, : self.step_len], position_ids], dim=1) if self.step_len else position_ids  # [B, s_step + n]
+        return torch.cat([committed_pos, self._step_pos], dim=1)
 
     def _forward_static(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, step_visibility: torch.Tensor, logits_to_keep: int, model_inputs: dict[str, Any] | None
@@ -450,17 +454,21 @@ class ModelRunner:
         self.reserve(s_past + s_step + m)
         capacity = cache.capacity
         with shared.lock:  # the buffers are the model's, shared by its runners: fill, run and read out in one go
+            sliding = self.window is not None
             if bucketed:
-                buf = shared.inputs(b, m, capacity, self.dtype, self.device)
+                buf = shared.inputs(b, m, capacity, self.dtype, self.device, sliding=sliding)
             else:
-                buf = StaticInputs.allocate(b, m, capacity, self.dtype, self.device)
+                buf = StaticInputs.allocate(b, m, capacity, self.dtype, self.device, sliding=sliding)
             buf.fill(input_ids, position_ids, s_past + s_step, self.slot_valid, step_visibility)
+            if sliding:
+                assert self.window is not None
+                buf.fill_window(self._key_positions(position_ids, n), position_ids.expand(-1, n), self.window)
             cache.length = s_past + s_step
             cache.static = buf
             try:
                 with uncounted(), _attention_backends(self.device):
                     if self.graphs is not None and bucketed and cache.tensors():  # (the first forward allocates the storage: eager)
-                        key = (b, m, capacity, *(t.data_ptr() for t, _, _ in cache.tensors()), buf.mask.data_ptr(), buf.input_ids.data_ptr())
+                        key = (b, m, capacity, *(t.data_ptr() for t, _, _ in cache.tensors()), *(t.data_ptr() for t in buf.masks()), buf.input_ids.data_ptr())
                         out = self.graphs.run(key, lambda: self._call_static(buf, 0, None), keepalive=buf)
                         return out[:, :n].to(torch.float32, copy=True)  # [B, n, V]; the graph's output is overwritten by its next replay
                     out = self._call_static(buf, logits_to_keep, model_inputs)
@@ -470,9 +478,12 @@ class ModelRunner:
 
     def _call_static(self, buf: StaticInputs, logits_to_keep: int, model_inputs: dict[str, Any] | None) -> torch.Tensor:
         """The model on the static buffers (cache.static is set): logits [B, m, V] in the model's dtype."""
+        mask: torch.Tensor | dict[str, torch.Tensor] = buf.mask
+        if buf.sliding is not None:  # every layer slides (one mask), or {layer type: mask}
+            mask = buf.sliding if self._layer_types is None else {"full_attention": buf.mask, "sliding_attention": buf.sliding}
         out = self.model(
             input_ids=buf.input_ids,
-            attention_mask=buf.mask,
+            attention_mask=mask,
             position_ids=buf.position_ids,
             past_key_values=self._cache(),
             use_cache=True,

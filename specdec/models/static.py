@@ -58,18 +58,26 @@ class StaticInputs:
     mask: torch.Tensor  # [B, 1, m, capacity] additive: 0 = visible, dtype min = hidden
     arange: torch.Tensor  # [m] int64: 0 .. m-1 (slots = arange + first slot, one op)
     min_value: float
+    sliding: torch.Tensor | None = None
+    """[B, 1, m, capacity] the sliding-window layers' mask (models with sliding windows only)"""
 
     @classmethod
-    def allocate(cls, b: int, m: int, capacity: int, dtype: torch.dtype, device: torch.device) -> StaticInputs:
+    def allocate(cls, b: int, m: int, capacity: int, dtype: torch.dtype, device: torch.device, sliding: bool = False) -> StaticInputs:
         min_value = torch.finfo(dtype).min if dtype.is_floating_point else torch.finfo(torch.float32).min
+        mask_dtype = dtype if dtype.is_floating_point else torch.float32
         return cls(
             input_ids=torch.zeros(b, m, dtype=torch.long, device=device),
             position_ids=torch.zeros(b, m, dtype=torch.long, device=device),
             slots=torch.arange(m, dtype=torch.long, device=device),
-            mask=torch.full((b, 1, m, capacity), min_value, dtype=dtype if dtype.is_floating_point else torch.float32, device=device),
+            mask=torch.full((b, 1, m, capacity), min_value, dtype=mask_dtype, device=device),
             arange=torch.arange(m, dtype=torch.long, device=device),
             min_value=min_value,
+            sliding=torch.full((b, 1, m, capacity), min_value, dtype=mask_dtype, device=device) if sliding else None,
         )
+
+    def masks(self) -> list[torch.Tensor]:
+        """Every mask buffer a forward reads (the full one, and the sliding one when there is one)."""
+        return [self.mask] if self.sliding is None else [self.mask, self.sliding]
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -106,6 +114,20 @@ class StaticInputs:
         mask[:, :n, :s_past].masked_fill_(slot_valid[:, None, :], 0.0)
         mask[:, :n, s_past : s_past + step_visibility.shape[2]].masked_fill_(step_visibility, 0.0)
         mask[:, :, first_slot : first_slot + m].diagonal(dim1=1, dim2=2).fill_(0.0)  # each token's own slot
+
+    def fill_window(self, key_pos: torch.Tensor, position_ids: torch.Tensor, window: int) -> None:
+        """The sliding layers' mask, after `fill`: the full mask with every key at position j
+        hidden from a query at position i when j <= i - window (as transformers' sliding layers).
+
+        key_pos: [B, S] the positions of the used slots (committed and this step's, this forward's
+        n included: S = first_slot + n); position_ids: [B, n] the n real tokens' positions.
+        Padding tokens keep the full mask's rows (only their own slot)."""
+        assert self.sliding is not None
+        n, used = position_ids.shape[1], key_pos.shape[1]
+        sliding = self.sliding[:, 0]  # [B, m, capacity]
+        sliding.copy_(self.mask[:, 0])
+        outside = key_pos[:, None, :] <= position_ids[:, :, None] - window  # [B, n, S]
+        sliding[:, :n, :used].masked_fill_(outside, self.min_value)
 
 
 @dataclass(eq=False)
@@ -146,11 +168,11 @@ class SharedState:
     """held from filling the buffers to reading the forward's output"""
     graphs: CudaGraphRunner | None = None
 
-    def inputs(self, b: int, m: int, capacity: int, dtype: torch.dtype, device: torch.device) -> StaticInputs:
+    def inputs(self, b: int, m: int, capacity: int, dtype: torch.dtype, device: torch.device, sliding: bool = False) -> StaticInputs:
         key = (b, m, capacity)
         buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[key] = StaticInputs.allocate(b, m, capacity, dtype, device)
+            buf = self.buffers[key] = StaticInputs.allocate(b, m, capacity, dtype, device, sliding=sliding)
             while len(self.buffers) > MAX_BUFFERS:
                 self.buffers.popitem(last=False)
         else:
