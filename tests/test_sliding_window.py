@@ -2,9 +2,9 @@
 
 Each config has a window of 6 tokens and prompts longer than it, so every generated token
 attends to a truncated context; greedy output must equal the target's own `generate()`
-(transformers' sliding caches), for every method, batch size 1 and 2 (left padding), dynamic and static
-shapes, on an
-all-sliding architecture (Mistral) and on mixed full/sliding layers (Qwen2, Gemma-2).
+(transformers' sliding caches), for every method, batch size 1 and 2 (left padding), in dynamic and
+static shapes, on an all-sliding architecture (Mistral) and on mixed full/sliding layers (Qwen2,
+Gemma-2).
 """
 
 from __future__ import annotations
