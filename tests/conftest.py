@@ -87,6 +87,16 @@ def sharpen(model, scale: float = 6.0):
     return model
 
 
+def close_pair(arch: str):
+    """A sharpened tiny target and a draft with the same weights plus noise: often agrees, sometimes not."""
+    target = sharpen(tiny_model(arch, seed=0))
+    draft = sharpen(tiny_model(arch, seed=0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return target, draft
+
+
 @pytest.fixture(scope="session")
 def tiny_pair_dir(tmp_path_factory) -> Path:
     """A saved GPT-NeoX target/draft pair with a small trained BPE tokenizer: dir/target, dir/draft."""

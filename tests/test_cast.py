@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from conftest import EOS, sharpen, tiny_model
+from conftest import EOS, close_pair, sharpen, tiny_model
 
 from specdec.cli import main
 from specdec.cost import CostTable, ProfileGrid, forget_measured, profile_models, select_context
@@ -45,15 +45,6 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
 def linear_table(t_fixed: float = 10.0, t_per_token: float = 0.05, d_fixed: float = 1.0, d_per_token: float = 0.01) -> CostTable:
     """f_T = t_fixed + t_per_token * B * n (ms), f_D likewise: overhead-dominated small forwards."""
     return CostTable.synthetic(lambda b, c, n: t_fixed + t_per_token * b * n + c / 1000, lambda b, c, n: d_fixed + d_per_token * b * n)
-
-
-def close_pair(arch: str):
-    target = sharpen(tiny_model(arch, seed=0))
-    draft = sharpen(tiny_model(arch, seed=0))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    return target, draft
 
 
 def reference(target, prompt: list[int], max_new: int) -> list[int]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EOS, sharpen, tiny_any_config, tiny_model
+from conftest import EOS, close_pair, sharpen, tiny_any_config, tiny_model
 from torch.fx.experimental.proxy_tensor import make_fx
 from transformers import AutoModelForCausalLM
 
@@ -76,19 +76,10 @@ def emulated_engine(target, draft, method: str, rule: Any = None) -> tuple[Specu
     return engine, emulators
 
 
-def pair(arch: str):
-    target = sharpen(tiny_model(arch, seed=0))
-    draft = sharpen(tiny_model(arch, seed=0))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    return target, draft
-
-
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2", "qwen2"])
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_greedy_under_emulated_graph_replay_equals_generate(arch, method):
-    target, draft = pair(arch)
+    target, draft = close_pair(arch)
     refs = [reference(target, p, 32) for p in PROMPTS]
     engine, emulators = emulated_engine(target, draft, method)
     outs = engine.generate(PROMPTS, 32, batch_size=3)
@@ -140,7 +131,7 @@ def test_replay_reads_every_input_from_the_buffers(unsafe, monkeypatch):
 @pytest.mark.parametrize("method", ["chain", "eagle2", "dynatree"])
 def test_sampled_output_under_emulated_replay_equals_eager(method):
     """Sampling (T = 0.8, top-p 0.9, one seed): replayed forwards give the same draws as eager ones."""
-    target, draft = pair("llama")
+    target, draft = close_pair("llama")
     params = SamplingParams(temperature=0.8, top_p=0.9)
     engine, emulators = emulated_engine(target, draft, method, rule=SamplingRule())
     replayed = [o.token_ids for o in engine.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)]
