@@ -158,3 +158,23 @@ def test_sliding_window_models_replay_exactly(model_type, method):
     assert engine.target.static_shapes
     assert [o.token_ids for o in engine.generate(PROMPTS, 32, batch_size=3)] == refs
     assert emulators[0].replays > 0 and emulators[1].replays > 0
+
+
+@pytest.mark.parametrize("method", ["chain", "eagle2"])
+def test_vision_language_pair_replays_exactly(lvlm, method):
+    """A LLaVA target and draft (images in the prompts, batched and rolling): prefills with images
+    run eagerly, every decoding forward replays; greedy output equals the target's generate."""
+    eos = lvlm["tok"].eos_token_id
+    refs = []
+    for prompt in lvlm["prompts"]:
+        ids = torch.tensor([list(prompt)])
+        extra = getattr(prompt, "model_inputs", None) or {}
+        with torch.no_grad():
+            out = lvlm["target"].generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=1)
+        refs.append(out[0, ids.shape[1] :].tolist())
+    source = ModelDraftSource(lvlm["draft"], static_shapes=True)
+    engine = SpeculativeEngine(lvlm["target"], make_policy(method, **METHODS[method]), GreedyRule(), source, eos_token_ids=[eos], pad_token_id=1, static_shapes=True)
+    engine.target.graphs, source.runner.graphs = emulators = [ReplayEmulator(), ReplayEmulator()]
+    for batch_size in (None, 2):
+        assert [o.token_ids for o in engine.generate(lvlm["prompts"], 16, batch_size=batch_size)] == refs, f"batch_size={batch_size}"
+    assert emulators[0].replays > 0 and emulators[1].replays > 0
