@@ -11,10 +11,14 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, LlavaForConditionalGeneration, Qwen2Config
 
+from specdec import extras
 from specdec.multimodal.inputs import encode_multimodal
 from specdec.training.lvlm import LvlmSize, lvlm_config, make_processor, train_lvlm_tokenizer
 
 torch.set_num_threads(1)
+
+needs_serve = pytest.mark.skipif(bool(extras.missing(*extras.EXTRAS["serve"])), reason="needs the serve extra (fastapi, uvicorn, pydantic)")
+"""for tests that start `specdec serve` (the GPU machine's image has no fastapi)"""
 
 VOCAB = 96
 EOS = 2

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import needs_serve
 
 from specdec import cli
 from specdec.cli import main
@@ -125,6 +126,7 @@ def test_profile_context_beyond_the_models(capsys, monkeypatch, tmp_path, tiny_p
 
 
 # ----- serve ------------------------------------------------------------------------------
+@needs_serve
 def test_serve_port_in_use_before_loading(capsys, tiny_pair_dir, no_loading):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.bind(("127.0.0.1", 0))

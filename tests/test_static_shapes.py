@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ARCHS, EOS, sharpen, tiny_any_config, tiny_model
+from conftest import ARCHS, EOS, needs_serve, sharpen, tiny_any_config, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
@@ -214,7 +214,7 @@ def test_api_cuda_graphs_on_cpu(tiny_pair_dir):
     assert engine.target.static_shapes and engine.source.runner.static_shapes
 
 
-@pytest.mark.parametrize("command", ["generate", "bench", "serve", "profile"])
+@pytest.mark.parametrize("command", ["generate", "bench", pytest.param("serve", marks=needs_serve), "profile"])
 def test_cli_cuda_graphs_on_without_cuda(capsys, command, tmp_path):
     extra = {"generate": ["--prompt", "x"], "bench": ["--out", str(tmp_path / "b")], "serve": ["--port", "0"], "profile": ["--out", str(tmp_path / "p.json")]}[command]
     try:
