@@ -546,41 +546,44 @@ class ModelRunner:
         those of a padded prefill (left padding: invalid slots), so nothing after it can tell them apart.
         lengths: each row's prompt length (already read by `prefill`)."""
         b, width = input_ids.shape
-        parts: list[tuple[torch.Tensor, ModelRunner]] = []
         out: torch.Tensor | None = None
+        valid = torch.zeros(b, width, dtype=torch.bool, device=self.device)
         for group in groups:
             index = torch.tensor(group, dtype=torch.long, device=input_ids.device)
             longest = max(lengths[row] for row in group)
             part = ModelRunner(self.model)
             ids, mask = input_ids[index, width - longest :], attention_mask[index, width - longest :]
             logits = part._prefill_padded(ids, mask, None, dense=False, spare=0)  # [|g|, V]; its cache is copied below, never grown
-            if out is None:
-                out = logits.new_empty(b, logits.shape[-1])
-            out.index_copy_(0, index.to(out.device), logits)
             self._absorb_forward_stats(part)
-            parts.append((index.to(self.device), part))
+            if out is None:  # the first (longest) group: the batch cache, shaped like its storage
+                out = logits.new_empty(b, logits.shape[-1])
+                self._allocate_like(part._cache(), b, width + CAPACITY_STEP)
+            out.index_copy_(0, index.to(out.device), logits)
+            index = index.to(self.device)
+            s_part = part.past_len
+            for (dst, batch_dim, slot_dim), (src, _, _) in zip(self._cache().tensors(), part._cache().tensors(), strict=True):
+                dst.narrow(slot_dim, width - s_part, s_part).index_copy_(batch_dim, index, src.narrow(slot_dim, 0, s_part))
+            valid[index, width - s_part :] = part.slot_valid
+            del part  # one group's cache alive at a time, besides the batch's
         assert out is not None
-        self.reset(b, capacity=width + CAPACITY_STEP)
+        self.commit_prefix(valid)
+        return out
+
+    def _allocate_like(self, like: SlotCache, batch_size: int, capacity: int) -> None:
+        """Reset to `batch_size` rows with storage allocated now (not at the first forward), each
+        storage tensor shaped like `like`'s but for these rows and this capacity."""
+        self.reset(batch_size, capacity=capacity)
         cache = self._cache()
-        first = parts[0][1]._cache()
 
         def batch_storage(t: torch.Tensor, batch_dim: int, slot_dim: int) -> torch.Tensor:
             shape = list(t.shape)
-            shape[batch_dim], shape[slot_dim] = b, cache.capacity
+            shape[batch_dim], shape[slot_dim] = batch_size, cache.capacity
             return cache._zeros(tuple(shape), t)
 
-        cache.storage = None if first.storage is None else batch_storage(first.storage, 2, 4)
-        cache.extra = {i: batch_storage(t, 1, 3) for i, t in first.extra.items()}
+        cache.storage = None if like.storage is None else batch_storage(like.storage, 2, 4)
+        cache.extra = {i: batch_storage(t, 1, 3) for i, t in like.extra.items()}
         for layer in cache.layers:
             layer.is_initialized = True
-        valid = torch.zeros(b, width, dtype=torch.bool, device=self.device)
-        for index, part in parts:
-            s_part = part.past_len
-            for (dst, batch_dim, slot_dim), (src, _, _) in zip(cache.tensors(), part._cache().tensors(), strict=True):
-                dst.narrow(slot_dim, width - s_part, s_part).index_copy_(batch_dim, index, src.narrow(slot_dim, 0, s_part))
-            valid[index, width - s_part :] = part.slot_valid
-        self.commit_prefix(valid)
-        return out
 
     def _absorb_forward_stats(self, other: ModelRunner) -> None:
         """Count another runner's forwards (a prefill run on its own for this batch) as this one's."""
