@@ -66,6 +66,9 @@ __all__ = [
 WARMUP_TOKENS = 16
 """new tokens of each method's unmeasured warm-up call"""
 
+FEW_CALLS = 5
+"""timed calls per method below which the report warns that its medians are unsteady"""
+
 TURN_SEPARATOR = "\n\n"
 """joins a multi-turn conversation's answer and next turn when the tokenizer has no chat template"""
 
@@ -528,6 +531,13 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         variants = [v for v in variants if not v.peer]
     if config.temperature > 0:
         notes.append(f"temperature {config.temperature} > 0: outputs are sampled, so the equality check against AR is not applicable.")
+    calls = config.repeats * -(-len(prompts) // config.batch_size)
+    if calls < FEW_CALLS:
+        notes.append(
+            f"only {calls} timed call(s) per method ({len(prompts)} prompt(s) in batches of {config.batch_size}, {config.repeats} repeat(s)): "
+            f"medians over so few calls move by several percent between runs on a noisy machine; "
+            f"more prompts (--num-prompts) or repeats (--repeats) steady them"
+        )
 
     models = _load_models(config, variants)
     if config.chat:
