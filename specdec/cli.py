@@ -490,7 +490,7 @@ def _add_bench(sub) -> None:
     add_graphs_arg(bench)
     add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS, extra_methods=PEERS)
     add_sampling_args(bench)
-    bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by the engine (peers only run at 1)")
+    bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by the engine (hf runs them as one batched generate(); hf-assisted and hf-lookup only at 1)")
     bench.add_argument("--batch-sizes", default=None, help="run the whole bench at each of these batch sizes (e.g. 1,2,4,8,16) and compare them")
     bench.add_argument("--repeats", type=int, default=3, help="measured rounds over every prompt (figures are medians)")
     bench.add_argument("--num-prompts", type=int, default=10, help="N prompts spread evenly over the set (0 = all)")

@@ -203,14 +203,14 @@ def test_bench_batch_sizes_sweep(tiny_pair_dir, tmp_path):
     assert "| chain |" in (out / "batch_sweep.md").read_text()
 
 
-def test_bench_batched_sampling_skips_peers(tiny_pair_dir, tmp_path):
+def test_bench_batched_sampling_skips_single_row_peers(tiny_pair_dir, tmp_path):
     prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:2])
     out = tmp_path / "out"
-    args = _bench_args(tiny_pair_dir, prompts, out, "--methods", "hf,chain", "--batch-size", "2", "--temperature", "0.8", "--seed", "3")
+    args = _bench_args(tiny_pair_dir, prompts, out, "--methods", "hf-assisted,chain", "--batch-size", "2", "--temperature", "0.8", "--seed", "3")
     assert main(args) == 0
     results = json.loads((out / "results.json").read_text())
     assert list(results["methods"]) == ["ar", "chain"]
-    assert any("batch size 1" in n for n in results["notes"])
+    assert any("hf-assisted" in n and "batch size 1" in n for n in results["notes"])
     assert results["methods"]["chain"]["verify"] == "sampling" and results["methods"]["chain"]["matches_ar"] is None
     assert "n/a" in (out / "report.md").read_text()
 
@@ -274,3 +274,15 @@ def test_host_work_count_skips_prompts_that_end_at_once():
     assert work["steps"] == 20.0 >= HOST_WORK_MIN_STEPS
     assert work["host_reads"] == 1.0  # the sum's .item(), once per step
     assert 5.0 <= work["ops"] <= 7.0  # 5 multiplies + the sum per step, set-up (3 x 3 adds) spread over 20 steps
+
+
+def test_bench_batched_hf_generate_equals_batched_ar(tiny_pair_dir, tmp_path):
+    """At --batch-size 2 `hf` runs as one left-padded generate() per group; greedy, its rows equal AR's."""
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "def add(a, b):\n"}, {"prompt": "for i in range(10):\n    print(i)\nclass A:\n"}, {"prompt": "x = 1\n"}])
+    out = tmp_path / "out"
+    assert main(_bench_args(tiny_pair_dir, prompts, out, "--methods", "hf,hf-lookup,chain", "--batch-size", "2", "--repeats", "1", "--num-prompts", "3")) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["methods"]) == ["ar", "hf", "chain"]
+    assert results["methods"]["hf"]["matches_ar"] is True and results["methods"]["hf"]["equality_compared"] == 3
+    assert {len(r["outputs"]) for r in results["records"] if r["label"] == "hf"} == {2, 1}  # a batch of 2, then the last prompt
+    assert any("hf-lookup" in n and "hf runs as one left-padded batched generate() call" in n for n in results["notes"])

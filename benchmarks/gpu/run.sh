@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included)
 #   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
-#   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, eagle2, dynatree, cast at B = 4 and 16
+#   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), eagle2, dynatree, cast at B = 4 and 16
 #
 # Writes under $OUT (the device tool brings back at most 8 files, 2 folders deep): a log per stage
 # and the bench folders as one .tar.gz each. The GPU image has torch, transformers, rich, numpy,
@@ -47,7 +47,7 @@ case "$stage" in
   sweep)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods ar,eagle2,dynatree,cast --batch-sizes 4,16 --num-prompts 32 --max-new-tokens 64 --repeats 1 \
+      --methods ar,hf,eagle2,dynatree,cast --batch-sizes 4,16 --num-prompts 32 --max-new-tokens 64 --repeats 1 \
       --no-progress --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log"
     tar -czf "$OUT/sweep.tar.gz" -C "$OUT" sweep && rm -rf "$OUT/sweep"
     ;;

@@ -3,8 +3,10 @@
 - `hf`: plain `target.generate()`;
 - `hf-assisted`: `target.generate(assistant_model=draft)` (HF's speculative decoding);
 - `hf-lookup`: `target.generate(prompt_lookup_num_tokens=10)` (prompt-lookup decoding).
-Peers run one prompt at a time (batch size 1); new tokens are the output length minus the
-prompt length. They report no TTFT, τ or acceptance.
+Peers run one prompt at a time (batch size 1), except `hf`, which also runs a batch of text
+prompts in one left-padded `generate()` call (`run_peer_batch`: HF's own batched decoding, to
+set our batched AR against); new tokens are the output length minus the prompt length, cut after
+the first EOS. They report no TTFT, τ or acceptance.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class PeerOutput:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+BATCHED_PEERS = ("hf",)
+"""peers that run at batch sizes above 1 (HF's assisted and prompt-lookup decoding take one row)"""
 
 
 def peer_needs_draft(name: str) -> bool:
@@ -116,10 +122,52 @@ def run_peer(
     sync_device(device)
     wall = time.perf_counter() - t0
     tokens = out[0, input_ids.shape[1] :].tolist()
+    return _cut_at_eos(tokens, eos_token_ids, wall)
+
+
+def _cut_at_eos(tokens: list[int], eos_token_ids: Sequence[int], wall: float) -> PeerOutput:
+    """A row's generated tokens up to and with its first EOS (HF pads finished rows after it)."""
     eos = set(eos_token_ids)
-    # HF pads nothing at batch size 1, but cut after the first EOS to match the engine's output exactly
     for i, tok in enumerate(tokens):
         if tok in eos:
-            tokens = tokens[: i + 1]
-            return PeerOutput(token_ids=tokens, finish_reason="eos", wall_s=wall)
+            return PeerOutput(token_ids=tokens[: i + 1], finish_reason="eos", wall_s=wall)
     return PeerOutput(token_ids=tokens, finish_reason="length", wall_s=wall)
+
+
+def run_peer_batch(
+    name: str,
+    target: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    seed: int | None = None,
+) -> tuple[list[PeerOutput], float]:
+    """One timed `target.generate()` call of peer `name` (in `BATCHED_PEERS`) on a batch of text
+    prompts, left-padded with `pad_token_id` and masked. Returns each row's output and the call's
+    wall time."""
+    if name not in BATCHED_PEERS:
+        raise ValueError(f"peer {name!r} runs only at batch size 1")
+    device = next(target.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)  # [B, L]
+    attention_mask = torch.zeros_like(input_ids)  # [B, L]
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+        attention_mask[row, width - len(prompt) :] = 1
+    sampling: dict[str, Any] = {"do_sample": False} if params.greedy else {
+        "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None,
+    }
+    if seed is not None:
+        torch.manual_seed(seed)
+    sync_device(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+            eos_token_id=list(eos_token_ids) or None, pad_token_id=pad_token_id, **sampling, **peer_kwargs(name, None),
+        )  # [B, L + new]
+    sync_device(device)
+    wall = time.perf_counter() - t0
+    return [_cut_at_eos(row[width:].tolist(), eos_token_ids, wall) for row in out], wall

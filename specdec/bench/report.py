@@ -616,7 +616,8 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         "- **labels**: `method[options]` for a `--methods` item with its own options, `/rule[options]` when the accept rule is shown; "
         "the options a variant ran with are in results.json (`methods.<label>.options`).",
         "- Hugging Face peers (hf, hf-assisted, hf-lookup) report no TTFT, τ or time split (n/a). They run with HF's defaults "
-        "(hf-lookup: prompt_lookup_num_tokens=10); hf-assisted's adaptive draft length restarts from its initial value on every call.",
+        "(hf-lookup: prompt_lookup_num_tokens=10); hf-assisted's adaptive draft length restarts from its initial value on every call. "
+        "At batch sizes above 1, hf decodes each group as one left-padded generate() call.",
         "",
     ]
     if quality:

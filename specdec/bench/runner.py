@@ -33,7 +33,7 @@ from specdec.bench.config import MeasuredRunConfig
 from specdec.bench.defaults import BENCH_METHODS
 from specdec.bench.divergence import classify
 from specdec.bench.pair import LoadedPair, load_pair, pair_paths
-from specdec.bench.peers import PeerOutput, peer_needs_draft, run_peer, sync_device
+from specdec.bench.peers import BATCHED_PEERS, PeerOutput, peer_needs_draft, run_peer, run_peer_batch, sync_device
 from specdec.bench.prompts import BenchPrompt, load_prompts, resolve_prompt_source
 from specdec.bench.quality import CODE_PROMPT_MODES, QualityScorer, is_code_prompt
 from specdec.bench.variants import BASELINE, Variant, make_variants, parse_method_specs
@@ -462,9 +462,15 @@ class _Runner:
     def _generate(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
         stats: GenerationStats | None = None
         steps: list[StepRecord] = []
-        if variant.peer:
-            if len(contexts) != 1:
+        if variant.peer and len(contexts) > 1:
+            if variant.method not in BATCHED_PEERS:
                 raise SpecDecError(f"peer {variant.label} runs only at batch size 1")
+            rows, wall_s = run_peer_batch(
+                variant.method, self.models.target, contexts, max_new, self.params, self.eos_token_ids, self.pad_token_id, seed
+            )
+            outputs, finish_reasons = [r.token_ids for r in rows], [r.finish_reason for r in rows]
+            new_tokens = sum(r.new_tokens for r in rows)
+        elif variant.peer:
             out: PeerOutput = run_peer(
                 variant.method,
                 self.models.target,
@@ -523,12 +529,15 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
     variants = list(variants)
     notes: list[str] = []
     if config.batch_size > 1:
-        skipped = [v.label for v in variants if v.peer]
+        images = any(p.images for p in prompts)
+        skipped = [v.label for v in variants if v.peer and (v.method not in BATCHED_PEERS or images)]
         if skipped:
+            why = "prompts with images" if images else f"HF's {', '.join(sorted({v.method for v in variants if v.label in skipped}))} take one row"
             notes.append(
-                f"Hugging Face peers ({', '.join(skipped)}) run only at batch size 1; skipped at --batch-size {config.batch_size}."
+                f"Hugging Face peers ({', '.join(skipped)}) run only at batch size 1 here ({why}); skipped at --batch-size {config.batch_size}."
+                + (" hf runs as one left-padded batched generate() call per group." if any(v.peer and v.label not in skipped for v in variants) else "")
             )
-        variants = [v for v in variants if not v.peer]
+        variants = [v for v in variants if v.label not in skipped]
     if config.temperature > 0:
         notes.append(f"temperature {config.temperature} > 0: outputs are sampled, so the equality check against AR is not applicable.")
     calls = config.repeats * -(-len(prompts) // config.batch_size)
