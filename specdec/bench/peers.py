@@ -93,36 +93,44 @@ def run_peer(
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, L]
     attention_mask = torch.ones_like(input_ids)  # [1, L]
     extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in getattr(prompt_ids, "model_inputs", {}).items()}  # pixel values
-    sampling: dict[str, Any]
-    if params.greedy:
-        sampling = {"do_sample": False}
-    else:
-        sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None}
     kwargs = peer_kwargs(name, draft)
     if draft is not None and name == "hf-assisted":
         # HF's "heuristic" schedule writes the adapted draft length back into the draft's
         # generation_config after each call; restore the starting value so calls are independent
         # (otherwise each call's figures would depend on the interleaved order of the ones before).
         draft.generation_config.num_assistant_tokens = assistant_start
+    out, wall = _timed_generate(target, input_ids, attention_mask, max_new_tokens, params, eos_token_ids, pad_token_id, seed, {**kwargs, **extra})  # [1, L + new]
+    return _cut_at_eos(out[0, input_ids.shape[1] :].tolist(), eos_token_ids, wall)
+
+
+def _timed_generate(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    seed: int | None,
+    extra: dict[str, Any],
+) -> tuple[torch.Tensor, float]:
+    """`target.generate()` on [B, L] inputs with the sampling params, timed from outside with the
+    device synchronised on both sides; returns the output ids [B, L + new] and the wall time."""
+    sampling: dict[str, Any] = {"do_sample": False} if params.greedy else {
+        "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None,
+    }
+    device = input_ids.device
     if seed is not None:
         torch.manual_seed(seed)
     sync_device(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = target.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=list(eos_token_ids) or None,
-            pad_token_id=pad_token_id,
-            **sampling,
-            **kwargs,
-            **extra,
-        )  # [1, L + new]
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+            eos_token_id=list(eos_token_ids) or None, pad_token_id=pad_token_id, **sampling, **extra,
+        )
     sync_device(device)
-    wall = time.perf_counter() - t0
-    tokens = out[0, input_ids.shape[1] :].tolist()
-    return _cut_at_eos(tokens, eos_token_ids, wall)
+    return out, time.perf_counter() - t0
 
 
 def _cut_at_eos(tokens: list[int], eos_token_ids: Sequence[int], wall: float) -> PeerOutput:
@@ -156,18 +164,5 @@ def run_peer_batch(
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long, device=device)
         attention_mask[row, width - len(prompt) :] = 1
-    sampling: dict[str, Any] = {"do_sample": False} if params.greedy else {
-        "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None,
-    }
-    if seed is not None:
-        torch.manual_seed(seed)
-    sync_device(device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = target.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-            eos_token_id=list(eos_token_ids) or None, pad_token_id=pad_token_id, **sampling, **peer_kwargs(name, None),
-        )  # [B, L + new]
-    sync_device(device)
-    wall = time.perf_counter() - t0
+    out, wall = _timed_generate(target, input_ids, attention_mask, max_new_tokens, params, eos_token_ids, pad_token_id, seed, peer_kwargs(name, None))  # [B, L + new]
     return [_cut_at_eos(row[width:].tolist(), eos_token_ids, wall) for row in out], wall
