@@ -540,7 +540,8 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         variants = [v for v in variants if v.label not in skipped]
     if config.temperature > 0:
         notes.append(f"temperature {config.temperature} > 0: outputs are sampled, so the equality check against AR is not applicable.")
-    calls = config.repeats * -(-len(prompts) // config.batch_size)
+    # one timed call per turn of each group of prompts, per repeat (`_Runner.run_group`)
+    calls = config.repeats * sum(max(len(p.turns) for p in prompts[i : i + config.batch_size]) for i in range(0, len(prompts), config.batch_size))
     if calls < FEW_CALLS:
         notes.append(
             f"only {calls} timed call(s) per method ({len(prompts)} prompt(s) in batches of {config.batch_size}, {config.repeats} repeat(s)): "
