@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from specdec.engine import SpeculativeEngine
 from specdec.methods import make_policy
 from specdec.models.runner import PREFILL_FORWARD_TOKENS, ModelRunner, prefill_groups
+from specdec.padding import pad_rows
 from specdec.sources import ModelDraftSource
 from specdec.verification import GreedyRule
 
@@ -44,16 +45,6 @@ def test_groups_cover_every_row_and_cost_no_more(seed):
     assert prefill_groups(lengths, torch.device("cuda")) is None or len(prefill_groups(lengths, torch.device("cuda"))) <= len(groups)
 
 
-def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
-    return ids, mask
-
-
 PROMPTS = [list(range(5, 85)), [10, 11, 12], list(range(3, 81)), [40, 41], list(range(20, 60))]
 
 
@@ -65,7 +56,7 @@ def test_grouped_prefill_equals_one_padded_forward(arch):
         model = AutoModelForCausalLM.from_config(tiny_any_config("mistral", vocab=128)).eval()
     else:
         model = tiny_model(arch, seed=0, vocab=128)
-    ids, mask = left_padded(PROMPTS)
+    ids, mask = pad_rows(PROMPTS, 0, side="left")
     assert prefill_groups(mask.sum(dim=1).tolist(), CPU) is not None, "the prompts must be grouped"
     grouped, padded = ModelRunner(model), ModelRunner(model)
     with torch.inference_mode():

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdec.padding import pad_rows
 from specdec.sampling import SamplingParams
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -158,11 +159,7 @@ def run_peer_batch(
     if name not in BATCHED_PEERS:
         raise ValueError(f"peer {name!r} runs only at batch size 1")
     device = next(target.parameters()).device
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)  # [B, L]
-    attention_mask = torch.zeros_like(input_ids)  # [B, L]
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long, device=device)
-        attention_mask[row, width - len(prompt) :] = 1
+    input_ids, attention_mask = (t.to(device) for t in pad_rows(prompts, pad_token_id, side="left"))  # [B, L] each
+    width = input_ids.shape[1]
     out, wall = _timed_generate(target, input_ids, attention_mask, max_new_tokens, params, eos_token_ids, pad_token_id, seed, peer_kwargs(name, None))  # [B, L + new]
     return [_cut_at_eos(row[width:].tolist(), eos_token_ids, wall) for row in out], wall
