@@ -270,3 +270,30 @@ def test_owed_tokens_forwarded_whatever_the_slots_held_before():
     for got_keys, ref_keys in zip(committed_keys(source.runner), fresh_keys(draft, [5, 6, 7, 8, 9, 10, 11, 12]), strict=True):
         assert got_keys.shape == ref_keys.shape
         assert torch.allclose(got_keys, ref_keys, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", [lambda s: s % 3 != 2, lambda s: s % 2 == 0], ids=["two-of-three", "alternate"])
+def test_deferred_steps_in_a_rolling_batch(pattern):
+    """Rows that owe pending tokens while other rows finish and new prompts take their places
+    (`replace_rows`, `prefill_rows` of the draft): greedy output is still the target's own."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=0))
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 4], [2, 9, 8, 7, 6, 5, 4], [3, 3], [7, 1, 2, 9]]
+    from specdec.drafting.policies import ARPolicy
+
+    ar = SpeculativeEngine(target, ARPolicy(), GreedyRule(), None, eos_token_ids=[]).generate(prompts, 12)
+    stop_at = [4, 12, 7, 12, 9]  # rows end at different steps, so new prompts join rows that owe tokens beside them
+    expected = [o.token_ids[: stop_at[i]] for i, o in enumerate(ar)]
+    for inner in (ChainPolicy(k=3), Eagle2Policy(depth=3, top_k=2, total_tokens=6)):
+        policy = _Deferring(inner, pattern)
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+        seen = [0] * len(prompts)
+
+        def stop(index: int, tokens: list[int], seen: list[int] = seen) -> bool:  # tokens: this step's new ones
+            seen[index] += len(tokens)
+            return seen[index] >= stop_at[index]
+
+        out = engine.generate(prompts, 12, batch_size=2, stop=stop)
+        assert [o.token_ids[: stop_at[i]] for i, o in enumerate(out)] == expected
+        assert [o.finish_reason for o in out] == ["stop", "length", "stop", "length", "stop"]
+        assert policy.step > 0
