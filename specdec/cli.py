@@ -342,9 +342,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(result.text if args.chat else prompt + result.text)
     else:
         print()
+    # without a verification step (a first token that ends the output) there is no tau or acceptance to show
+    per_step = f"tau {stats['tau']:.2f}, acceptance {stats['acceptance_rate']:.2f}" if stats["steps"] else "tau n/a, acceptance n/a"
     print(
-        f"[{args.method}] {stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}, "
-        f"acceptance {stats['acceptance_rate']:.2f}, {stats['steps']} steps, TTFT {stats['ttft_ms']:.0f} ms"
+        f"[{args.method}] {stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, {per_step}, "
+        f"{stats['steps']} steps, TTFT {stats['ttft_ms']:.0f} ms"
         + (f", {result.stats.relaxed_tokens} relaxed tokens, {result.stats.strict_fallbacks} strict fallbacks" if args.verify == "mars" else ""),
         file=sys.stderr,
     )

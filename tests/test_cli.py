@@ -125,6 +125,10 @@ def test_generate_stream_and_prompt_file(capsys, tiny_pair_dir, tmp_path):
     assert streamed == "def add(a, b):" + expected + "\n"  # prompt, streamed text, final newline
     code, _, err = run_cli(capsys, "generate", *pair, "--prompt-file", str(tmp_path / "missing.txt"))
     assert code == 2 and "does not exist" in err
+    # one new token: the prefill's, no verification step, so no tau or acceptance to report
+    code, _, err = run_cli(capsys, "generate", *pair[:4], "--max-new-tokens", "1", "--prompt-file", str(prompt_file))
+    assert code == 0 and "1 tokens" in err and "tau n/a, acceptance n/a, 0 steps" in err
+    assert "tau n/a" not in run_cli(capsys, "generate", *pair, "--prompt-file", str(prompt_file))[2]
 
 
 @pytest.mark.parametrize("method", ["chain", "dynatree"])
