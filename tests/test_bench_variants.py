@@ -109,6 +109,7 @@ def test_mars_thetas_expand_every_engine_method():
     [
         ("chain:k=0", "item 'chain:k=0': k=0 must be a positive integer"),
         ("chain:depth=3", "depth is not an option of chain; it takes k"),
+        ("cast:nonsense=1", "nonsense is not an option of cast; it takes breadth_pruning, buffer, c1, c2, c3, calibrate, cost_profile, depth,"),
         ("chain:k=x", "k='x' must be an integer"),
         ("chain:k=3,k=4", "option k is given twice"),
         ("chain:k", "'k' is not NAME=VALUE"),

@@ -33,6 +33,7 @@ from typing import Any
 from specdec.api import resolve_verify
 from specdec.bench.defaults import PEERS
 from specdec.errors import SpecDecError
+from specdec.method_flags import policy_fields as scalar_fields
 from specdec.methods import POLICY_CLASSES, make_policy, method_options
 from specdec.verification import RULE_OPTIONS, make_rule
 from specdec.verification.mars import DEFAULT_THETA
@@ -198,7 +199,8 @@ def parse_method_item(item: str) -> MethodSpec:
                 f"write {method}@{owners[0]}:{name}={value.strip()}"
             )
         else:
-            takes = ", ".join(sorted(policy_fields)) or "no options"
+            # the options a NAME=VALUE text can set (an in-memory cost table is Python-API only)
+            takes = ", ".join(sorted(f.name for f in scalar_fields().get(method, []))) or "no options"
             raise SpecDecError(f"--methods item {item!r}: {name} is not an option of {method}; it takes {takes}")
     if method in POLICY_CLASSES:
         try:
