@@ -297,3 +297,31 @@ def test_deferred_steps_in_a_rolling_batch(pattern):
         assert [o.token_ids[: stop_at[i]] for i, o in enumerate(out)] == expected
         assert [o.finish_reason for o in out] == ["stop", "length", "stop", "length", "stop"]
         assert policy.step > 0
+
+
+@pytest.mark.parametrize("source_kind", ["ensemble", "lookup"])
+def test_deferred_steps_with_other_draft_sources(source_kind):
+    """CAST's plain steps (on by default) defer through every draft source: the TABED ensemble
+    (its views' draft owes the roots) and n-gram lookup (the roots join its history). Greedy
+    output is the target's own at batch size 3 (the fourth prompt joins when a row frees), whatever
+    the pattern of deferred steps; lookup's history holds every committed token, deferred roots included."""
+    from specdec.multimodal.views import PassThroughView, TruncatedView
+    from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource
+    from specdec.sources.lookup import LookupDraftSource
+
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=0))
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [11, 3, 4], [2, 9, 8, 7, 6, 5, 4], [3, 3, 3]]
+    ar = SpeculativeEngine(target, ARPolicy(), GreedyRule(), None, eos_token_ids=[]).generate(prompts, 14)
+    for pattern in (lambda s: s % 3 != 2, lambda s: s % 2 == 0, lambda s: s < 5):
+        if source_kind == "ensemble":
+            source = EnsembleDraftSource(draft, [PassThroughView(), TruncatedView(3)], EnsembleConfig(policy="softmax"))
+        else:
+            source = LookupDraftSource(vocab_size=target.config.vocab_size)
+        policy = _Deferring(ChainPolicy(k=3), pattern)
+        out = SpeculativeEngine(target, policy, GreedyRule(), source, eos_token_ids=[]).generate(prompts, 14, batch_size=3)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+        assert sum(o.stats.accepted_tokens for o in out) > 0  # drafted steps after deferred ones still propose accepted tokens
+        if source_kind == "lookup":
+            one = SpeculativeEngine(target, _Deferring(ChainPolicy(k=3), pattern), GreedyRule(), source, eos_token_ids=[]).generate(prompts[:1], 14)[0]
+            assert source.history[0] == prompts[0] + one.token_ids[:-1]  # the last token is the next root, not history yet
