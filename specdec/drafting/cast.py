@@ -641,10 +641,10 @@ class CastPolicy:
     at their own tokens (see `_add`), or 'topk' (`TREE_SAMPLING`)"""
     plain_steps: bool = True
     """draft nothing (no draft forward) while plain steps are measured faster than drafted ones
-    (`PlainDecodingCheck`), and at a row's last token: a guard against drafts that rarely agree
-    with the target and batch sizes where drafting cannot pay (on by default: neutral on the
-    bundled pair at batch 1 in an interleaved A/B, 0.96x AR instead of 0.72x with a draft that
-    never agrees; docs/cast.md "Plain steps"); ignored with `deterministic` (wall clock)"""
+    (`PlainDecodingCheck`, timed by the wall clock, so `deterministic` ignores it), and at a row's
+    last token: a guard against drafts that rarely agree with the target and batch sizes where
+    drafting cannot pay (neutral on the bundled pair at batch 1 and 4 in an interleaved A/B;
+    0.96-0.98x AR instead of 0.74-0.76x with a draft that never agrees; docs/cast.md "Plain steps")"""
     name: str = "cast"
     uses_draft: bool = True
     last_widths: list[int] = field(default_factory=list, init=False, repr=False)
