@@ -178,3 +178,28 @@ def test_vision_language_pair_replays_exactly(lvlm, method):
     for batch_size in (None, 2):
         assert [o.token_ids for o in engine.generate(lvlm["prompts"], 16, batch_size=batch_size)] == refs, f"batch_size={batch_size}"
     assert emulators[0].replays > 0 and emulators[1].replays > 0
+
+
+def test_catch_up_after_plain_steps_runs_eagerly():
+    """After steps that drafted nothing (CAST's plain steps, on by default), the draft forwards the
+    tokens it owes in one forward of a one-off width: that forward runs eagerly, never capturing
+    a graph mid-decode, while the usual forwards still replay; greedy output is the target's own."""
+    from test_kv_commit import _Deferring
+
+    from specdec.drafting import ChainPolicy
+
+    target, draft = close_pair("llama")
+    refs = [reference(target, p, 24) for p in PROMPTS]
+    source = ModelDraftSource(draft, static_shapes=True)
+    policy = _Deferring(ChainPolicy(k=3), lambda s: s % 5 != 4)  # four plain steps, then one drafted (owing 4-5 tokens)
+    engine = SpeculativeEngine(target, policy, GreedyRule(), source, eos_token_ids=[EOS], static_shapes=True)
+    engine.target.graphs, source.runner.graphs = emulators = [ReplayEmulator(), ReplayEmulator()]
+    forwards = []
+    forward = source.runner.forward
+    source.runner.forward = lambda ids, *a, **k: forwards.append(ids.shape[1]) or forward(ids, *a, **k)
+    outs = engine.generate(PROMPTS, 24, batch_size=3)
+    assert [o.token_ids for o in outs] == refs
+    assert max(forwards) >= 4, "the pattern must leave the draft owing several tokens"
+    widths = sorted({key[1] for key in emulators[1].traces})  # the bucketed widths m that were captured
+    assert widths and max(widths) <= 2, f"a catch-up forward was captured: widths {widths}"
+    assert emulators[1].replays > 0

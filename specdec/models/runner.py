@@ -335,6 +335,7 @@ class ModelRunner:
         step_visibility: torch.Tensor,
         logits_to_keep: int = 0,
         model_inputs: dict[str, Any] | None = None,
+        capture: bool = True,
     ) -> torch.Tensor:
         """Append `n` step slots and return their logits.
 
@@ -347,6 +348,10 @@ class ModelRunner:
                          slots and to itself.
         model_inputs:    extra model inputs for this forward (prefill of a multimodal
                          prompt: pixel_values and the like).
+        capture:         with CUDA graphs, False runs this forward eagerly (static shapes, no
+                         graph captured or replayed): for one-off widths, such as a draft's
+                         catch-up after steps that drafted nothing, which a graph would be
+                         captured for mid-decode and rarely replayed.
         Returns logits [B, n, V] float32 (or [B, logits_to_keep, V]).
         """
         cache = self._cache()
@@ -356,7 +361,7 @@ class ModelRunner:
             raise ValueError(f"step_visibility shape {tuple(step_visibility.shape)} != {(b, n, s_step + n)} or {(b, n, s_step)}")
         if self.static_shapes:
             timer = self._start_timer()
-            logits = self._forward_static(input_ids, position_ids, step_visibility, logits_to_keep, model_inputs)
+            logits = self._forward_static(input_ids, position_ids, step_visibility, logits_to_keep, model_inputs, capture)
         else:
             timer = self._start_timer()
             logits = self._forward_dynamic(input_ids, position_ids, step_visibility, logits_to_keep, model_inputs)
@@ -433,7 +438,13 @@ class ModelRunner:
         return torch.cat([committed_pos, self._step_pos], dim=1)
 
     def _forward_static(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, step_visibility: torch.Tensor, logits_to_keep: int, model_inputs: dict[str, Any] | None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        step_visibility: torch.Tensor,
+        logits_to_keep: int,
+        model_inputs: dict[str, Any] | None,
+        capture: bool = True,
     ) -> torch.Tensor:
         """Attention over the full capacity, inputs in fixed buffers, n padded to a bucket m;
         replayed as a CUDA graph when graphs are on. Logits [B, n or logits_to_keep, V] float32.
@@ -467,7 +478,7 @@ class ModelRunner:
             cache.static = buf
             try:
                 with uncounted(), _attention_backends(self.device):
-                    if self.graphs is not None and bucketed and cache.tensors():  # (the first forward allocates the storage: eager)
+                    if self.graphs is not None and bucketed and capture and cache.tensors():  # (the first forward allocates the storage: eager)
                         key = (b, m, capacity, *(t.data_ptr() for t, _, _ in cache.tensors()), *(t.data_ptr() for t in buf.masks()), buf.input_ids.data_ptr())
                         out = self.graphs.run(key, lambda: self._call_static(buf, 0, None), keepalive=buf)
                         return out[:, :n].to(torch.float32, copy=True)  # [B, n, V]; the graph's output is overwritten by its next replay

@@ -135,7 +135,9 @@ class ModelDraftSource:
             positions = base[:, None] + torch.nn.functional.pad(owed, (1, 0))  # [B, P + 1]: each slot after the valid ones before it
             causal = torch.tril(torch.ones(p + 1, p + 1, dtype=torch.bool, device=roots.device))
         visibility = causal & self._slot_ok[:, None, : p + 1]  # [B, P + 1, P + 1]
-        logits = self.runner.forward(ids, positions, visibility)[:, -1]  # [B, V]
+        # a catch-up after plain steps (P > 1) has a one-off width: run eagerly rather than capture
+        # a CUDA graph for it mid-decode (the usual P = 1 forward is captured once and replayed)
+        logits = self.runner.forward(ids, positions, visibility, capture=p == 1)[:, -1]  # [B, V]
         self._root_pos = positions[:, p]
         return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
