@@ -449,18 +449,15 @@ class DynaTreePolicy:
         # candidate column (the builder has room for uncompacted levels; the level's read in
         # `draft` cuts the frontier and `finish` the tree to the counts that are real)
         width = min(valid.shape[1], level_cap) if not (sampled or cells is not None) else valid.shape[1]
-        order, kept = compact(valid, width)  # [B, w]
+        keyed = sampled or cells is not None  # nodes carry their own score (keys or calibrated rates)
+        if width < valid.shape[1]:  # top-k by path probability only: valid candidates first, cut to the static width
+            order, valid = compact(valid, width)  # [B, w]
+            parents, tokens, logq = parents.gather(1, order), tokens.gather(1, order), logq.gather(1, order)
+        # else every candidate column stays where it was proposed, invalid ones included: `finish`
+        # keeps only valid nodes, in builder order, so the tree is the one compaction would give
         if cells is not None:
-            self._cells.append(cells.view(b, m * k).gather(1, order))
-        nodes = builder.add(
-            parents.gather(1, order),
-            tokens.gather(1, order),
-            logq.gather(1, order),
-            kept,
-            sampled=sampled,
-            score=cum.gather(1, order) if (sampled or cells is not None) else None,
-            depth=depth,
-        )  # [B, w]
+            self._cells.append(cells.reshape(b, m * k))
+        nodes = builder.add(parents, tokens, logq, valid, sampled=sampled, score=cum if keyed else None, depth=depth)  # [B, w]
         return nodes, None if budget is None else budget > builder.last_valid.sum(dim=1)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
