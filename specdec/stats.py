@@ -112,6 +112,9 @@ class GenerationStats:
     forward_s: float = 0.0
     """time inside model forwards (target and draft)"""
     accepted_lens: list[int] = field(default_factory=list)
+    root_only_steps: int = 0
+    """verification steps in which the row's tree was its root alone, nothing drafted (CAST's plain
+    steps, a row's last token, a tree a policy cut to the root); tau counts each as one token"""
     drafted_by_depth: list[int] = field(default_factory=list)
     """drafted nodes per tree depth (index 0 = depth 1), summed over steps"""
     accepted_by_depth: list[int] = field(default_factory=list)
@@ -149,6 +152,7 @@ class GenerationStats:
         self.relaxed_tokens += record.relaxed[row]
         self.strict_fallbacks += record.strict_fallbacks[row]
         self.accepted_lens.append(record.accepted_len[row])
+        self.root_only_steps += record.drafted[row] == 0
         by_depth = record.drafted_by_depth[row]
         while len(self.drafted_by_depth) < len(by_depth):
             self.drafted_by_depth.append(0)
@@ -225,6 +229,7 @@ def batch_stats(rows: Sequence[GenerationStats], wall_s: float | None = None) ->
         verify_s=max(r.verify_s for r in rows),
         forward_s=rows[0].forward_s,
         accepted_lens=[a for r in rows for a in r.accepted_lens],
+        root_only_steps=sum(r.root_only_steps for r in rows),
     )
     depth = max(len(r.drafted_by_depth) for r in rows)
     out.drafted_by_depth = [sum(r.drafted_by_depth[d] for r in rows if d < len(r.drafted_by_depth)) for d in range(depth)]

@@ -112,7 +112,9 @@ def test_upper_bound_and_batch_stats():
     b = GenerationStats(
         new_tokens=6, wall_s=2.0, ttft_s=0.5, draft_s=0.3, verify_s=0.5, accepted_lens=[0], drafted_by_depth=[2], accepted_by_depth=[0]
     )
+    a.root_only_steps, b.root_only_steps = 1, 1
     merged = batch_stats([a, b])
+    assert merged.root_only_steps == 2  # per row-step, like accepted_lens
     assert merged.tokens_per_s == 8.0 and merged.draft_s == 0.4 and merged.verify_s == 0.6
     assert merged.accepted_lens == [1, 2, 0] and merged.drafted_by_depth == [4, 2] and merged.accepted_by_depth == [2, 1]
     timed = batch_stats([a, b], wall_s=4.0)
@@ -175,6 +177,15 @@ def test_bench_end_to_end_greedy(tiny_pair_dir, tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
     # 6 timed calls per method (3 prompt turns x 2 repeats): enough, no warning about unsteady medians
     assert not any("timed call(s) per method" in n for n in results["notes"])
+    # root-only steps: every AR step; a drafting method's share is noted when it is 5% or more
+    assert results["methods"]["ar"]["root_only_share"] == 1.0
+    for label in methods.split(",")[4:]:
+        share = results["methods"][label]["root_only_share"]
+        rows = [r["stats"] for r in results["records"] if r["label"] == label]
+        assert share == pytest.approx(sum(st["root_only_steps"] for st in rows) / sum(len(st["accepted_lens"]) for st in rows))
+        assert 0 <= share < 1, label
+        noted = any(n.startswith(f"{label}: ") and "verified the root alone" in n for n in results["notes"])
+        assert noted == (share >= 0.05), (label, share)
 
 
 @pytest.mark.parametrize(("lines", "repeats", "calls"), [(LINES[:1], 2, 2), (LINES[1:2], 2, 4), (LINES[:1] * 5, 1, 5)])
@@ -292,3 +303,20 @@ def test_bench_batched_hf_generate_equals_batched_ar(tiny_pair_dir, tmp_path):
     assert results["methods"]["hf"]["matches_ar"] is True and results["methods"]["hf"]["equality_compared"] == 3
     assert {len(r["outputs"]) for r in results["records"] if r["label"] == "hf"} == {2, 1}  # a batch of 2, then the last prompt
     assert any("hf-lookup" in n and "hf runs as one left-padded batched generate() call" in n for n in results["notes"])
+
+
+def test_root_only_notes_name_the_methods_that_often_draft_nothing():
+    """A drafting method whose row-steps verified the root alone 5% of the time or more gets a note
+    (its τ averages those one-token steps in); AR, peers and methods below the share get none."""
+    from types import SimpleNamespace
+
+    from specdec.bench.report import root_only_notes
+
+    summaries = [
+        SimpleNamespace(label="ar", method="ar", peer=False, root_only_share=1.0),
+        SimpleNamespace(label="hf", method="hf", peer=True, root_only_share=None),
+        SimpleNamespace(label="chain", method="chain", peer=False, root_only_share=0.02),
+        SimpleNamespace(label="cast", method="cast", peer=False, root_only_share=0.62),
+    ]
+    notes = root_only_notes(summaries)
+    assert len(notes) == 1 and notes[0].startswith("cast: 62% of its steps (per row) verified the root alone")

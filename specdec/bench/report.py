@@ -116,6 +116,8 @@ class MethodSummary:
     """the effective MARS theta (mars variants only)"""
     drafted_per_step: float | None = None
     """drafted tokens (tree nodes) per verification step, pooled"""
+    root_only_share: float | None = None
+    """share of row-steps whose tree was the root alone (`GenerationStats.root_only_steps`), pooled"""
     relaxed_share: float | None = None
     """`specdec.stats.relaxed_share`: relaxed / accepted draft tokens (mars; 0 for strict rules)"""
     ar_prefix_agreement: float | None = None
@@ -251,6 +253,7 @@ def summarize(result: BenchResult) -> list[MethodSummary]:
         if stats:
             lens = [a for st in stats for a in st.accepted_lens]
             s.tau = tau(lens)
+            s.root_only_share = sum(st.root_only_steps for st in stats) / len(lens) if lens else None
             s.relaxed_tokens = sum(st.relaxed_tokens for st in stats)
             drafted = sum(st.drafted_tokens for st in stats)
             s.acceptance_rate = acceptance_rate(sum(st.accepted_tokens for st in stats), drafted) if drafted else None
@@ -641,11 +644,30 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
     if result.cost_profiles:
         lines += ["## Cost profiles", "", "Where each cost-aware method's forward-cost table came from (ready before the warm-up and every timed call):", ""]
         lines += [f"- {label}: {source['text']}" for label, source in result.cost_profiles.items()] + [""]
-    if result.notes:
-        lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
+    notes = list(result.notes) + root_only_notes(summaries)
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+ROOT_ONLY_NOTE = 0.05
+"""a drafting method gets a note when at least this share of its row-steps verified the root alone"""
+
+
+def root_only_notes(summaries: Sequence[MethodSummary]) -> list[str]:
+    """One line per drafting method that often verified its root alone: its τ averages those
+    one-token steps in (CAST's plain steps are chosen because drafting was slower there)."""
+    out = []
+    for s in summaries:
+        if s.method == BASELINE or s.peer or s.root_only_share is None or s.root_only_share < ROOT_ONLY_NOTE:
+            continue
+        out.append(
+            f"{s.label}: {s.root_only_share:.0%} of its steps (per row) verified the root alone, nothing drafted "
+            "(a plain step, a row's last token, or a tree cut to the root); τ counts each as a one-token step"
+        )
+    return out
 
 
 def results_dict(result: BenchResult, summaries: Sequence[MethodSummary], argv: Sequence[str], plots: Sequence[str]) -> dict[str, Any]:
@@ -669,7 +691,7 @@ def results_dict(result: BenchResult, summaries: Sequence[MethodSummary], argv: 
         "methods": {s.label: s.to_dict() for s in summaries},
         "categories": _categories_dict(summarize_categories(result)),
         "verdict": verdict(summaries),
-        "notes": result.notes,
+        "notes": list(result.notes) + root_only_notes(summaries),
         "cost_profiles": result.cost_profiles,
         "plots": [Path(p).name for p in plots],
         "bench_wall_s": result.wall_s,
