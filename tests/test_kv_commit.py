@@ -304,7 +304,8 @@ def test_deferred_steps_with_other_draft_sources(source_kind):
     """CAST's plain steps (on by default) defer through every draft source: the TABED ensemble
     (its views' draft owes the roots) and n-gram lookup (the roots join its history). Greedy
     output is the target's own at batch size 3 (the fourth prompt joins when a row frees), whatever
-    the pattern of deferred steps; lookup's history holds every committed token, deferred roots included."""
+    the pattern of deferred steps; lookup's history, and the ensemble's pass-through draft cache with
+    the tokens it owes, hold every committed token, deferred roots included."""
     from specdec.multimodal.views import PassThroughView, TruncatedView
     from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource
     from specdec.sources.lookup import LookupDraftSource
@@ -322,6 +323,10 @@ def test_deferred_steps_with_other_draft_sources(source_kind):
         out = SpeculativeEngine(target, policy, GreedyRule(), source, eos_token_ids=[]).generate(prompts, 14, batch_size=3)
         assert [o.token_ids for o in out] == [o.token_ids for o in ar]
         assert sum(o.stats.accepted_tokens for o in out) > 0  # drafted steps after deferred ones still propose accepted tokens
+        # one prompt alone: what the source holds is every committed token, deferred roots included
+        one = SpeculativeEngine(target, _Deferring(ChainPolicy(k=3), pattern), GreedyRule(), source, eos_token_ids=[]).generate(prompts[:1], 14)[0]
+        committed = prompts[0] + one.token_ids[:-1]  # the last token is the next root, held by nobody yet
         if source_kind == "lookup":
-            one = SpeculativeEngine(target, _Deferring(ChainPolicy(k=3), pattern), GreedyRule(), source, eos_token_ids=[]).generate(prompts[:1], 14)[0]
-            assert source.history[0] == prompts[0] + one.token_ids[:-1]  # the last token is the next root, not history yet
+            assert source.history[0] == committed
+        else:  # the views' draft, row 0 = the pass-through view: its cache is the committed tokens minus the owed ones
+            assert_draft_cache_is_committed_minus_pending(source.inner, draft, committed)
