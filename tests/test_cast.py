@@ -53,8 +53,9 @@ def reference(target, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def draft_once(policy, draft_model, prompts=PROMPTS, roots=(3, 4, 5)):
-    """One drafting step of `policy` after prefilling `prompts` into a fresh draft source."""
+def draft_once(policy, draft_model, prompts=PROMPTS, roots=(3, 4, 5), params: SamplingParams | None = None):
+    """One drafting step of `policy` after prefilling `prompts` into a fresh draft source
+    (greedy, or `params` with a seeded generator)."""
     source = ModelDraftSource(draft_model)
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -63,7 +64,8 @@ def draft_once(policy, draft_model, prompts=PROMPTS, roots=(3, 4, 5)):
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
     source.prefill(ids, mask)
-    ctx = DraftContext(SamplingParams(), None, max_depth=30, active=torch.ones(len(prompts), dtype=torch.bool), context_len=mask.sum(dim=1))
+    generator = None if params is None else torch.Generator().manual_seed(0)
+    ctx = DraftContext(params or SamplingParams(), generator, max_depth=30, active=torch.ones(len(prompts), dtype=torch.bool), context_len=mask.sum(dim=1))
     tree = policy.draft(source, torch.tensor(roots[: len(prompts)]), ctx).tree
     return tree
 
@@ -552,6 +554,23 @@ def test_feedback_observes_children_of_reached_nodes():
     assert policy._calibrator.hits.sum() == pytest.approx(1.0)  # the one accepted node
     policy.feedback(record)  # a verdict pairs with its own tree only once
     assert policy.state()["calibration"]["observations"] == expected
+
+
+def test_drawn_and_top_k_children_feed_separate_calibration_tables():
+    """A sampled step's verdicts (drawn children, valued from the parent's collision mass) go to
+    the drawn children's table, a greedy step's to the top-k table: one policy serving greedy and
+    sampled requests does not mix what the two kinds of values mean."""
+    _, draft = close_pair("llama")
+    policy = CastPolicy(depth=3, top_k=3, total_tokens=12, dynamic_rerank=False, prune_rule="threshold", c1=0.0, c2=0.0, cost_table=linear_table())
+    tree = draft_once(policy, draft, params=SamplingParams(temperature=1.0))
+    policy.feedback(step_record([[tree.children(0, 0)[0]], [], []], active=[True] * 3))
+    drawn, top_k = policy._calibrators[True].observations, policy._calibrators[False].observations
+    assert drawn == len(tree.children(0, 0)) + len(tree.children(0, tree.children(0, 0)[0])) + len(tree.children(1, 0)) + len(tree.children(2, 0))
+    assert top_k == 0
+    tree = draft_once(policy, draft)
+    policy.feedback(step_record([[], [], []], active=[True] * 3))
+    assert policy._calibrators[True].observations == drawn
+    assert policy._calibrators[False].observations == sum(len(tree.children(r, 0)) for r in range(3))
 
 
 def test_break_even_pruning_refreshes_a_stale_depth_buffer():

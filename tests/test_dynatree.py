@@ -576,14 +576,69 @@ def test_sampling_verification_runs(models):
     assert [len(o.token_ids) for o in outs] == [12, 12]
 
 
-def test_a_step_with_drawn_children_leaves_no_calibration_tree():
-    """Greedy and sampled steps can alternate on one policy (a server's requests): a step whose
-    children are drawn does not calibrate, so feedback must not pair its record with the last
-    greedy tree (shapes and nodes would not match)."""
-    pol = DynaTreePolicy()
-    dist = confident_chain(0.6, side=0.35)
-    draft(pol, dist)
-    assert pol._last_tree is not None
-    ctx = DraftContext(params=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(0), max_depth=50, active=torch.tensor([True]))
-    pol.draft(TableSource(dist), torch.full((1,), 3, dtype=torch.long), ctx)
-    assert pol._last_tree is None
+def sampled_draft(policy: DynaTreePolicy, dist: DistFn, seed: int):
+    """One drafting step at temperature 1 (children drawn from the draft) on the fake source."""
+    ctx = DraftContext(params=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(seed), max_depth=50, active=torch.tensor([True]))
+    drafted = policy.draft(TableSource(dist), torch.full((1,), 3, dtype=torch.long), ctx)
+    return drafted.tree, drafted.builder.score.gather(1, drafted.builder_nodes)
+
+
+def sibling_rank(tree, node: int) -> int:
+    """1-based draw rank of a drawn node among its parent's kept children (they keep draw order)."""
+    siblings = [c for c in range(1, tree.num_nodes) if tree.valid[0, c] and int(tree.parents[0, c]) == int(tree.parents[0, node])]
+    return siblings.index(node) + 1
+
+
+def test_drawn_children_are_valued_by_draw_rank_not_by_their_token():
+    """Calibrated drawn children: p(u) = the parent's value x the calibrated rate of the draw rank
+    given the parent's collision mass, never the drawn token's own probability (that would bias
+    sampling). With the same distribution at every node, different seeds draw different tokens
+    but build the same tree shape with the same values, each the sum of the drawn table's
+    log-rates of the draw ranks along the path."""
+    probs = {1: 0.5, 2: 0.3, 3: 0.2}  # collision mass 0.38: bin 3
+    pol = DynaTreePolicy(phase=2, prune_tau=0.01, rho_stop=0.05)
+    shapes, tokens = set(), set()
+    for seed in range(6):
+        tree, score = sampled_draft(pol, lambda row, path: probs, seed)
+        valid = tree.valid[0]
+        shapes.add((tuple(tree.parents[0][valid].tolist()), tuple(round(float(v), 5) for v in score[0][valid])))
+        tokens.add(tuple(tree.tokens[0][valid].tolist()))
+        table = pol._calibrators[True]._log_rate  # [ranks, bins]: the drawn children's table
+        for i in range(1, tree.num_nodes):
+            if valid[i]:
+                expected = sum(float(table[min(sibling_rank(tree, j), 3) - 1, 3]) for j in tree.path_to(0, i)[1:])
+                assert float(score[0, i]) == pytest.approx(expected, abs=1e-5)
+    assert len(shapes) == 1  # the tree and its values do not depend on the tokens drawn ...
+    assert len(tokens) > 1  # ... which differ between seeds
+    assert pol._calibrators[False].observations == 0
+
+
+def test_drawn_and_top_k_children_keep_separate_calibration_tables():
+    """Greedy and sampled steps can alternate on one policy (a server's requests): each step's
+    verdicts go to its own kind's table. Verdicts that accept every first draw raise the drawn
+    table's rank-1 rate above its prior and the sampled trees grow deeper; the top-k table does
+    not move. A greedy step then feeds the top-k table only."""
+    probs = {1: 0.5, 2: 0.3, 3: 0.2}
+    pol = DynaTreePolicy(phase=2)
+    first, _ = sampled_draft(pol, lambda row, path: probs, 0)
+    greedy_rates = pol._calibrators[False].rates().copy()
+    prior = float(pol._calibrators[True].rates()[0, 3])
+    for step in range(40):  # the target accepts the chain of first draws whole
+        tree, _ = sampled_draft(pol, lambda row, path: probs, step)
+        path, node = [], 0
+        while children := [c for c in range(1, tree.num_nodes) if tree.valid[0, c] and int(tree.parents[0, c]) == node]:
+            node = children[0]  # the first draw
+            path.append(node)
+        rec = record([tree.drafted_per_row().item()], [len(path)], step=step)
+        rec.accepted_nodes = [path]
+        pol.feedback(rec)
+    assert pol._calibrators[True].rates()[0, 3] > max(0.9, prior + 0.3)  # rank 1 at collision mass 0.38: learned
+    assert (pol._calibrators[False].rates() == greedy_rates).all() and pol._calibrators[False].observations == 0
+    last, _ = sampled_draft(pol, lambda row, path: probs, 99)
+    assert last.max_depth() >= first.max_depth() + 2
+    tree, _ = draft(pol, confident_chain(0.6, side=0.35))  # greedy: top-k children
+    rec = record([tree.drafted_per_row().item()], [0])
+    rec.accepted_nodes = [[]]
+    drawn_seen = pol._calibrators[True].observations
+    pol.feedback(rec)
+    assert pol._calibrators[False].observations > 0 and pol._calibrators[True].observations == drawn_seen

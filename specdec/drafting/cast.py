@@ -659,7 +659,12 @@ class CastPolicy:
     """[B, 1]: each row's weight in the batch-averaged utilities (1 / active rows, or 0); None at B = 1"""
     _sampled: bool = field(default=False, init=False, repr=False)
     """this step's children are drawn (set by `draft`)"""
-    _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
+    _calibrators: dict[bool, AcceptanceCalibrator] = field(
+        default_factory=lambda: {False: AcceptanceCalibrator(), True: AcceptanceCalibrator()}, init=False, repr=False
+    )
+    """one calibration table per kind of children, top-k (False) and drawn (True): their values mean
+    different things (a top-k child's own draft probability, a drawn child's parent collision mass)
+    and are accepted by different rules, so a server alternating greedy and sampled requests keeps two"""
     overheads: StepOverheads = field(default_factory=lambda: StepOverheads(), init=False, repr=False)
     """the engine's measured time per draft forward and per verification beyond the tables"""
     _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
@@ -1102,6 +1107,11 @@ class CastPolicy:
             builder.add_children(nodes, None, top.indices, top.values, score=value, depth=depth)
         top_nodes = torch.sort(builder.score[:, start:], dim=1, descending=True, stable=True)  # [B, m*k] the new nodes, best first
         return top_nodes.indices.add_(start), top_nodes.values
+
+    @property
+    def _calibrator(self) -> AcceptanceCalibrator:
+        """The calibration table of this step's kind of children (top-k or drawn)."""
+        return self._calibrators[self._sampled]
 
     @property
     def _plain_steps_on(self) -> bool:

@@ -196,13 +196,14 @@ class DynaTreePolicy:
     (aggressive above 1.1x, conservative below 0.9x); 'drafted' is the paper's fraction of drafted
     tokens accepted, a sliding window against accept_low/accept_high"""
     tree_sampling: str = "sampled"
-    """when sampling: 'sampled' children drawn from the draft distribution, with their Gumbel keys
-    standing for p(u) in pruning, the budget cut and the depth gate, or 'topk' (`TREE_SAMPLING`)"""
+    """when sampling: 'sampled' children drawn from the draft distribution (valued without their own
+    token: calibrated per draw rank, or by their Gumbel keys with `calibrate` off), or 'topk' (`TREE_SAMPLING`)"""
     calibrate: bool = True
     """p(u) and c(u) are calibrated acceptance rates learned online from the verifier's verdicts
     (`AcceptanceCalibrator`, as CAST's): p(u) the product of its path's calibrated local rates, c(u)
-    the calibrated rate of u's best child; False: the paper's raw draft probabilities. Drawn
-    (sampled) children keep their Gumbel keys either way"""
+    the calibrated rate of u's best child, looked up from a top-k child's draft probability or, for
+    drawn children, from the draw rank and the parent's collision mass; False: the paper's raw draft
+    probabilities, and drawn children valued by their Gumbel keys"""
     name: str = "dynatree"
     uses_draft: bool = True
 
@@ -216,13 +217,18 @@ class DynaTreePolicy:
     """steps on which the history rule moved the parameters (up or down)"""
     history: deque[float] = field(init=False, repr=False, default_factory=deque)
     """the last `history_window` per-step acceptances a_r"""
-    _calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, init=False, repr=False)
+    _calibrators: dict[bool, AcceptanceCalibrator] = field(default_factory=dict, init=False, repr=False)
+    """one table per kind of children, top-k (False) and drawn (True): their values mean different
+    things (a top-k child's own draft probability, a drawn child's parent collision mass) and are
+    accepted by different rules, so a server alternating greedy and sampled requests keeps two"""
+    _drawing: bool = field(default=False, init=False, repr=False)
+    """whether the step being drafted (and so its feedback) has drawn children"""
     _cells: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
     """this step's calibration cells per node, [B, n] per add in creation order (calibrated steps only)"""
     _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     """the last calibrated step's (cells, parents, valid) in the verified tree's order, for feedback"""
     _calibrating: bool = field(default=False, init=False, repr=False)
-    """whether the step being drafted calibrates (`calibrate`, greedy or top-k children, phase >= 1)"""
+    """whether the step being drafted calibrates (`calibrate`, phase >= 1; top-k or drawn children, each kind with its own table)"""
     _rank_limits: dict[tuple[int, float, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     """`_allowed_children`'s per-rank thresholds on log c(u), [k] per (k, tau_h, device)"""
     _predicted_sum: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -280,9 +286,14 @@ class DynaTreePolicy:
             raise SpecDecError(f"dynatree calibrate={self.calibrate!r} must be true or false; fix --calibrate on|off")
 
     # ----- adaptive state ----------------------------------------------------------------
+    @property
+    def _calibrator(self) -> AcceptanceCalibrator:
+        """The calibration table of the kind of children being drafted (top-k or drawn)."""
+        return self._calibrators[self._drawing]
+
     def reset_history(self) -> None:
         """Forget the acceptance history (and the calibration) and restore the configured D_0, tau_h, rho_deep."""
-        self._calibrator = AcceptanceCalibrator()
+        self._calibrators = {False: AcceptanceCalibrator(), True: AcceptanceCalibrator()}
         self._last_tree = None
         self.cur_d0 = self.d0
         self.cur_tau_high = float(self.tau_high)
@@ -428,7 +439,17 @@ class DynaTreePolicy:
         b, m = frontier.shape
         budget = self.max_nodes - (builder.valid.sum(dim=1) - 1) if budget_binds else None  # [B] draft tokens each row may still add
         cells = None
-        if sampled:  # drawn children are pruned and cut by their Gumbel keys, never by their own logq
+        if sampled and self._calibrating:
+            # drawn children are valued without their own token: the parent's value times the calibrated
+            # rate of the draw rank given the parent's collision mass log sum_v q(v)^2 (the draft's expected
+            # probability of its own sample), made non-increasing in the rank so that pruning and the
+            # budget keep the first draws (as CAST's `_add`)
+            parents, tokens, logq, valid = builder.draw_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+            local = torch.logsumexp(2 * logprobs, dim=-1, keepdim=True).clamp_(max=0.0)  # [B, m, 1]
+            cells, gain = self._calibrator.child_rates(local, k)  # [B, m, k] each
+            gain = gain.cummin(dim=-1).values
+            cum = builder.score.gather(1, parents) + gain.view(b, m * k)
+        elif sampled:  # uncalibrated: drawn children are pruned and cut by their Gumbel keys, never by their own logq
             parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
         else:
             parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
@@ -463,8 +484,9 @@ class DynaTreePolicy:
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         limit = self.depth_limit(ctx)
         sampled = ctx.samples_children(self.tree_sampling)
-        self._calibrating = self.calibrate and not sampled and self.phase > 0  # phase 0 (fixed tree) has no p(u) or c(u) to calibrate
-        self._last_tree = None  # a step that does not calibrate (drawn children) leaves nothing for feedback to pair with its record
+        self._drawing = sampled
+        self._calibrating = self.calibrate and self.phase > 0  # phase 0 (fixed tree) has no p(u) or c(u) to calibrate
+        self._last_tree = None  # a step that does not calibrate leaves nothing for feedback to pair with its record
         level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
         frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
         proposed = self.b_mid if self.phase == 0 else self.b_max
@@ -501,7 +523,7 @@ class DynaTreePolicy:
                     allowed = frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # [B, m, k] rank < B(u)
                     nodes = builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau, depth=depth + 1)  # [B, m*k]
             tree_width += nodes.shape[1]  # an upper bound until the next read
-            # p(u): cum_logq, or for sampled nodes their Gumbel key (a sampled token's own draft probability says little about its acceptance)
+            # p(u): cum_logq, or the node's score: its calibrated value, or for uncalibrated drawn nodes their Gumbel key
             grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit)  # [B, w] or None (no deeper level)
             if grow is not None and room is not None:
                 grow = grow & room[:, None]
