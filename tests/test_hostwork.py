@@ -10,7 +10,7 @@ import torch
 from conftest import sharpen, tiny_model
 
 from specdec.bench.divergence import TIE_ULPS, classify, first_difference, ulp
-from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy
+from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy, calibration
 from specdec.engine import SpeculativeEngine
 from specdec.hostwork import HostWorkCounter, read_together, uncounted
 from specdec.methods import make_policy
@@ -201,11 +201,21 @@ def test_cuda_greedy_equals_generate_and_times_forwards(method):
     assert engine.target.forward_s > 0  # read from CUDA events
 
 
+def calibration_refits(updates: int) -> int:
+    """How many times an `AcceptanceCalibrator` refits its table (one read each) in `updates` updates."""
+    refitted = count = 0
+    for update in range(1, updates + 1):
+        if update <= calibration.EARLY_REFITS or update - refitted >= min(calibration.REFIT_EVERY, max(1, refitted // calibration.REFIT_GROWTH)):
+            refitted, count = update, count + 1
+    return count
+
+
 def test_sampled_dynatree_reads_once_per_level():
     """Drawn children: DynaTree's levels keep a static width (no read of their own); what it reads is
-    one count per drafted level, the walk's inputs and the verdict."""
+    one count per drafted level, the walk's inputs and the verdict, and the calibration table's
+    counts when it is refitted (after each of the first few steps, then further and further apart)."""
     policy = make_policy("dynatree")
     steps, reads, _ = _sampled_reads(policy)
     assert reads["__int__"] == 0, reads  # no width read per level
-    assert reads["cpu"] <= steps, reads  # the walk's inputs, once per step
+    assert steps < reads["cpu"] <= steps + calibration_refits(steps), reads  # the walk's inputs once per step, and the refits
     assert reads["tolist"] <= steps * (policy.d_max + 2), reads  # a count per level, the verdict, the history rule
