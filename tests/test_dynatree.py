@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Callable
 
 import pytest
@@ -14,7 +15,15 @@ from conftest import EOS, sharpen, tiny_model
 
 from specdec.cli import build_parser, collect_method_options, main
 from specdec.drafting.builder import DraftContext
-from specdec.drafting.dynatree import DynaTreePolicy, compact, confidence_branching, dynamic_depth_expandable, keep_within_budget
+from specdec.drafting.dynatree import (
+    DynaTreePolicy,
+    compact,
+    confidence_branching,
+    dynamic_depth_expandable,
+    keep_within_budget,
+    significant_difference,
+    t_critical,
+)
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import POLICY_CLASSES, make_policy, method_options
@@ -371,6 +380,36 @@ def test_predicted_history_decides_once_per_full_window():
     before = list(pol.history)
     pol.feedback(record([2], [2]))  # no tree drafted since: nothing to compare with
     assert list(pol.history) == before  # (history keeps the last history_window steps)
+
+
+def test_significant_difference_needs_more_than_noise():
+    steady = [(2.0 + 0.1 * (i % 2), 1.0) for i in range(10)]  # twice the prediction, little spread
+    assert significant_difference(steady)
+    assert significant_difference([(0.0, 1.0)] * 10)  # nothing accepted, no spread at all
+    noisy = [(a, 2.5) for a in (0, 5, 1, 4, 2, 3, 6, 0, 2, 3)]  # mean 2.6 against 2.5: inside the noise
+    assert not significant_difference(noisy)
+    assert significant_difference([(1.0, 0.0), (1.0, 0.0)])  # too short to tell: the ratio band decides
+    assert t_critical(9) == pytest.approx(2.262, abs=1e-3) and t_critical(29) == pytest.approx(2.045, abs=1e-3)
+
+
+def test_predicted_history_holds_still_on_noise_and_moves_on_a_real_bias():
+    """history_rule 'predicted' moves only on windows whose deviation is outside their own noise.
+    Accepted tokens that scatter around the prediction (0, 1 or 2 against 0.98 predicted, ratio
+    0.94 overall, single windows 0.6-1.4) leave D_0 near its start over 40 windows; the ±10% band
+    alone moved on most windows and walked D_0 to its floor. A draft the target accepts twice as
+    often as predicted still moves every window."""
+    dist = lambda row, path: {1: 0.88, 2: 0.1} if len(path) == 0 else {}  # noqa: E731
+    rng = random.Random(0)
+    pol = paper_policy(history_window=10)
+    for _ in range(400):
+        draft(pol, dist, max_depth=1)  # predicts 0.98 tokens
+        pol.feedback(record([2], [rng.choices([0, 1, 2], weights=[0.3, 0.48, 0.22])[0]]))
+    assert pol.cur_d0 >= pol.d0 - 1 and pol.adjustments <= 6, (pol.cur_d0, pol.adjustments)
+    pol = paper_policy(history_window=10)
+    for _ in range(40):
+        draft(pol, dist, max_depth=1)
+        pol.feedback(record([2], [2 if rng.random() < 0.97 else 1]))
+    assert pol.adjustments == 4 and pol.cur_d0 == pol.d0 + 3  # the fourth move is clamped at D_max
 
 
 def test_calibration_learns_from_verdicts_and_values_nodes_by_calibrated_rates():

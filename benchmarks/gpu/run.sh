@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included)
 #   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
 #   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), eagle2, dynatree, cast at B = 4 and 16
+#   bash benchmarks/gpu/run.sh sampling  # the same pair at T = 1, B = 1: the trees' sampled rules against the chain (#19)
 #
 # Writes under $OUT (the device tool brings back at most 8 files, 2 folders deep): a log per stage
 # and the bench folders as one .tar.gz each. The GPU image has torch, transformers, rich, numpy,
@@ -11,7 +12,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|b1|sweep}
+stage=${1:?usage: run.sh tests|b1|sweep|sampling}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -51,5 +52,12 @@ case "$stage" in
       --no-progress --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log"
     tar -czf "$OUT/sweep.tar.gz" -C "$OUT" sweep && rm -rf "$OUT/sweep"
     ;;
-  *) echo "unknown stage $stage (tests, b1, sweep)"; exit 2 ;;
+  sampling)
+    pair
+    specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods ar,hf,chain,eagle2,dynatree,dynatree:calibrate=off,cast --temperature 1 --seed 0 --num-prompts 12 \
+      --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/sampling" 2>&1 | tee "$OUT/sampling.log"
+    tar -czf "$OUT/sampling.tar.gz" -C "$OUT" sampling && rm -rf "$OUT/sampling"
+    ;;
+  *) echo "unknown stage $stage (tests, b1, sweep, sampling)"; exit 2 ;;
 esac
