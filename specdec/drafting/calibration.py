@@ -52,6 +52,12 @@ LOG_FLOOR = math.log(1e-6)
 """calibrated local log-rates are clamped to [LOG_FLOOR, log(1 - 1e-6)]"""
 
 
+def collision_log_mass(logprobs: torch.Tensor) -> torch.Tensor:
+    """log sum_v q(v)^2 of each distribution `logprobs` [..., V] -> [..., 1]: the draft's expected
+    probability of its own sample, a token-free stand-in for a drawn child's logq."""
+    return torch.logsumexp(2 * logprobs, dim=-1, keepdim=True).clamp_(max=0.0)
+
+
 class AcceptanceCalibrator:
     """Calibrated acceptance rate of a draft token from its local draft probability and
     sibling rank, learned online from verdicts (see the module docstring)."""
@@ -159,6 +165,17 @@ class AcceptanceCalibrator:
             offsets = self._offsets[key] = self.rank_offsets(torch.arange(1, k + 1, device=local.device))  # [k]
         cells = self.cells(local, offsets)
         return cells, self.log_rate(cells)
+
+    def drawn_child_rates(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table cells and calibrated log acceptance rates of k children drawn (without
+        replacement, in draw order) from each of the distributions `logprobs` [..., V].
+
+        A drawn child's value may not depend on its own token (exactness of sampling
+        verification), so it is looked up from what precedes its draw: its draw rank and the
+        parent's collision mass (`collision_log_mass`), and made non-increasing in the rank so
+        that any cut by value keeps the first draws. Returns (cells, log rates), each [..., k]."""
+        cells, rates = self.child_rates(collision_log_mass(logprobs), k)
+        return cells, rates.cummin(dim=-1).values
 
     def rank_offsets(self, ranks: torch.Tensor) -> torch.Tensor:
         """(min(rank, ranks) - 1) * bins for 1-based sibling ranks (cache it: it depends on the shape only)."""

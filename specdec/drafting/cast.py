@@ -52,7 +52,7 @@ import torch
 from specdec import constants
 from specdec.cost.table import CostTable
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling, root_only_draft
-from specdec.drafting.calibration import AcceptanceCalibrator
+from specdec.drafting.calibration import AcceptanceCalibrator, collision_log_mass
 from specdec.errors import SpecDecError
 
 if TYPE_CHECKING:
@@ -1083,22 +1083,20 @@ class CastPolicy:
         """
         start = builder.num_nodes  # the new nodes are columns start..start + m*k - 1
         b, m, _ = logprobs.shape
+        cells = gain = None  # [B, m, k] each; gain None: the value is cum_logq (log v(u))
         if self._sampled:
             parents, tokens, logq, child_valid = builder.draw_children(nodes, logprobs, k, valid)  # valued below, not by Gumbel keys
-            local = torch.logsumexp(2 * logprobs, dim=-1).clamp(max=0.0)[:, :, None]  # [B, m, 1]: the same for each parent's k draws
+            if self.calibrate:
+                cells, gain = self._calibrator.drawn_child_rates(logprobs, k)
+            else:  # the collision mass itself, the same for each parent's k draws
+                gain = collision_log_mass(logprobs).expand(b, m, k)
         else:
             top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
-            local = top.values
-        value = None  # [B, m, k]; None: cum_logq (log v(u))
-        if self.calibrate or self._sampled:
             if self.calibrate:
-                cells, gain = self._calibrator.child_rates(local, k)  # [B, m, k] each
-                self._cells.append(cells.reshape(b, m * k))
-            else:
-                gain = local.expand(b, m, k)
-            if self._sampled:
-                gain = gain.cummin(dim=-1).values  # non-increasing in the draw rank
-            value = parent_value[:, :, None] + gain  # add_children sets it -inf at invalid nodes
+                cells, gain = self._calibrator.child_rates(top.values, k)
+        if cells is not None:
+            self._cells.append(cells.reshape(b, m * k))
+        value = None if gain is None else parent_value[:, :, None] + gain  # add_children sets it -inf at invalid nodes
         if self._sampled:
             assert value is not None
             builder.add(parents, tokens, logq, child_valid, sampled=True, score=value.reshape(b, m * k), depth=depth)

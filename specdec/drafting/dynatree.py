@@ -473,13 +473,10 @@ class DynaTreePolicy:
         cells = None
         if sampled and self._calibrating:
             # drawn children are valued without their own token: the parent's value times the calibrated
-            # rate of the draw rank given the parent's collision mass log sum_v q(v)^2 (the draft's expected
-            # probability of its own sample), made non-increasing in the rank so that pruning and the
-            # budget keep the first draws (as CAST's `_add`)
+            # rate of the draw rank given the parent's collision mass, non-increasing in the rank so that
+            # pruning and the budget keep the first draws (as CAST's)
             parents, tokens, logq, valid = builder.draw_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
-            local = torch.logsumexp(2 * logprobs, dim=-1, keepdim=True).clamp_(max=0.0)  # [B, m, 1]
-            cells, gain = self._calibrator.child_rates(local, k)  # [B, m, k] each
-            gain = gain.cummin(dim=-1).values
+            cells, gain = self._calibrator.drawn_child_rates(logprobs, k)  # [B, m, k] each
             cum = builder.score.gather(1, parents) + gain.view(b, m * k)
         elif sampled:  # uncalibrated: drawn children are pruned and cut by their Gumbel keys, never by their own logq
             parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
