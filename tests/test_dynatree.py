@@ -382,6 +382,25 @@ def test_predicted_history_decides_once_per_full_window():
     assert list(pol.history) == before  # (history keeps the last history_window steps)
 
 
+def test_predicted_history_reads_its_window_once():
+    """The tree's predictions stay on the device until the window is full: feedback reads them
+    all at once (one host read per window, not one per step), and the decision is the one the
+    per-step values give (rows that drafted nothing or are inactive do not count)."""
+    from specdec.hostwork import HostWorkCounter
+
+    dist = lambda row, path: {1: 0.88, 2: 0.1} if len(path) == 0 else {}  # noqa: E731
+    pol = paper_policy(history_window=4)
+    reads = []
+    for step in range(4):
+        draft(pol, dist, rows=3, max_depth=1)
+        with HostWorkCounter() as counter:
+            pol.feedback(record([2, 2, 0], [2, 2, 2], active=[True, True, True], step=step))  # row 2 drafted nothing
+        reads.append(counter.host_reads)
+    assert reads == [0, 0, 0, 1]
+    assert pol.adjustments == 1 and pol.cur_d0 == 6  # 4 accepted against 2 x 0.98 predicted per step: aggressive
+    assert list(pol.history) == pytest.approx([4 / 1.96] * 4, abs=1e-4)
+
+
 def test_significant_difference_needs_more_than_noise():
     steady = [(2.0 + 0.1 * (i % 2), 1.0) for i in range(10)]  # twice the prediction, little spread
     assert significant_difference(steady)

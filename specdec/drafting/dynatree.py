@@ -244,8 +244,8 @@ class DynaTreePolicy:
     """adapted rho_deep"""
     adjustments: int = field(init=False, default=0)
     """steps on which the history rule moved the parameters (up or down)"""
-    history: deque[float] = field(init=False, repr=False, default_factory=deque)
-    """the last `history_window` per-step acceptances a_r"""
+    _ratios: deque[float] = field(init=False, repr=False, default_factory=deque)
+    """the last `history_window` per-step acceptances a_r (read through `history`)"""
     _calibrators: dict[bool, AcceptanceCalibrator] = field(default_factory=dict, init=False, repr=False)
     """one table per kind of children, top-k (False) and drawn (True): their values mean different
     things (a top-k child's own draft probability, a drawn child's parent collision mass) and are
@@ -261,7 +261,11 @@ class DynaTreePolicy:
     _rank_limits: dict[tuple[int, float, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     """`_allowed_children`'s per-rank thresholds on log c(u), [k] per (k, tau_h, device)"""
     _predicted_sum: torch.Tensor | None = field(default=None, init=False, repr=False)
-    """[B] the last tree's predicted accepted tokens per row (sum of p(u)), read in `feedback`"""
+    """[B] the last tree's predicted accepted tokens per row (sum of p(u)), kept by `feedback`"""
+    _unread: list[tuple[float, torch.Tensor, list[bool]]] = field(default_factory=list, init=False, repr=False)
+    """history rule 'predicted': the window's steps whose predictions are still on the device, each
+    (accepted tokens of its counted rows, [B] predicted tokens per row, which rows count), read
+    together once the window is full (one host read per window, not one per step)"""
 
     def __post_init__(self) -> None:
         self._validate()
@@ -328,7 +332,8 @@ class DynaTreePolicy:
         self.cur_tau_high = float(self.tau_high)
         self.cur_rho_deep = float(self.rho_deep)
         self.adjustments = 0
-        self.history = deque(maxlen=self.history_window)
+        self._ratios = deque(maxlen=self.history_window)
+        self._unread = []
         self._pairs: deque[tuple[float, float]] = deque(maxlen=self.history_window)  # (accepted, predicted) per step
         self._predicted_sum = None
         self._last_ratio: float | None = None  # the last full window's accepted / predicted
@@ -341,13 +346,34 @@ class DynaTreePolicy:
             "rho_deep": (self.rho_stop, max(RHO_DEEP_CEIL, self.rho_deep)),
         }
 
+    @property
+    def history(self) -> deque[float]:
+        """The last `history_window` per-step acceptances a_r ('predicted': accepted over predicted
+        tokens; reading it mid-window reads the window's predictions so far: a host read)."""
+        self._read_predictions()
+        return self._ratios
+
+    def _read_predictions(self) -> None:
+        """Move the window's unread steps into `_pairs` and the history: one read for all of them."""
+        if not self._unread:
+            return
+        predicted = torch.cat([p for _, p, _ in self._unread]).tolist()
+        start = 0
+        for accepted, sums, counted in self._unread:
+            expected = float(sum(p for p, c in zip(predicted[start : start + sums.numel()], counted, strict=False) if c))
+            start += sums.numel()
+            self._pairs.append((accepted, expected))
+            self._ratios.append(accepted / expected if expected > 0 else 0.0)
+        self._unread = []
+
     def windowed_acceptance(self) -> float | None:
         """a_bar: with history_rule 'drafted' the mean of the recorded per-step acceptances; with
         'predicted' the window's accepted tokens over its predicted ones (None before the first)."""
         if self.history_rule == "predicted":
+            self._read_predictions()
             predicted = sum(p for _, p in self._pairs)
             return sum(a for a, _ in self._pairs) / predicted if predicted > 0 else self._last_ratio
-        return sum(self.history) / len(self.history) if self.history else None
+        return sum(self._ratios) / len(self._ratios) if self._ratios else None
 
     def feedback(self, record: StepRecord) -> None:
         """Calibration: the verdicts on the last tree (every phase that calibrates); phase 3: record
@@ -358,18 +384,16 @@ class DynaTreePolicy:
             self._calibrator.observe_tree(cells, parents, valid, record)
         if self.phase < 3:
             return
-        predicted = self._predicted_sum.tolist() if self._predicted_sum is not None else None
-        self._predicted_sum = None
+        predicted, self._predicted_sum = self._predicted_sum, None
         if self.history_rule == "predicted":
             if predicted is None:
                 return
-            rows = [(acc, p) for act, dr, acc, p in zip(record.active, record.drafted, record.accepted_len, predicted, strict=False) if act and dr > 0]
-            if not rows:
+            counted = [bool(act and dr > 0) for act, dr in zip(record.active, record.drafted, strict=True)][: predicted.shape[0]]
+            if not any(counted):
                 return
-            accepted, expected = float(sum(a for a, _ in rows)), float(sum(p for _, p in rows))
-            self._pairs.append((accepted, expected))
-            self.history.append(accepted / expected if expected > 0 else 0.0)
-            if len(self._pairs) < self.history_window:
+            accepted = float(sum(a for a, c in zip(record.accepted_len, counted, strict=True) if c))
+            self._unread.append((accepted, predicted, counted))  # read with the rest of the window, not now
+            if len(self._pairs) + len(self._unread) < self.history_window:
                 return  # one decision per full window of fresh evidence: a sliding window would move
             a_bar = self._last_ratio = self.windowed_acceptance()  # every step on the same noisy evidence, a random walk to the bounds
             significant = significant_difference(list(self._pairs))
@@ -381,8 +405,8 @@ class DynaTreePolicy:
             rates = [acc / dr for act, dr, acc in zip(record.active, record.drafted, record.accepted_len, strict=True) if act and dr > 0]
             if not rates:
                 return
-            self.history.append(sum(rates) / len(rates))
-            a_bar = sum(self.history) / len(self.history)
+            self._ratios.append(sum(rates) / len(rates))
+            a_bar = sum(self._ratios) / len(self._ratios)
             high, low = self.accept_high, self.accept_low
         if a_bar is None:
             return
