@@ -67,6 +67,9 @@ class TokenTree:
     depth_bound: int | None = None
     """an upper bound on the depth of any valid node known without reading the device (the
     levels the builder drafted); None = read it from `depths`"""
+    max_children: int | None = None
+    """an upper bound on any node's valid children known without reading the device (the most
+    children the builder proposed per parent); None = read it when needed (`children_bound`)"""
     chain: bool = False
     """known on the host: node i > 0 of every row is the only child of node i - 1 (a chain;
     rows may end early with invalid nodes). Lets rules take tensor-only fast paths."""
@@ -102,7 +105,7 @@ class TokenTree:
             "sampled": constants.full((b, 1), False, torch.bool, dev),
             "ancestors": constants.full((b, 1, 1), True, torch.bool, dev),
         }
-        return cls(tokens=roots[:, None], depth_bound=0, **fields)
+        return cls(tokens=roots[:, None], depth_bound=0, max_children=0, **fields)
 
     def max_depth(self) -> int:
         """Depth of the deepest valid node (a host read)."""
@@ -111,6 +114,25 @@ class TokenTree:
     def depth_limit(self) -> int:
         """`depth_bound` when known (no device read), else `max_depth()`."""
         return self.depth_bound if self.depth_bound is not None else self.max_depth()
+
+    def sibling_ranks(self) -> torch.Tensor:
+        """[B, N] int64: each valid non-root node's position among its parent's valid children in
+        tree order (0 for the first child), -1 at the root and padding. No host read.
+        Example: parents [-1, 0, 0, 1, 0] -> ranks [-1, 0, 1, 0, 2]."""
+        n = self.parents.shape[1]
+        cols = constants.arange(n, self.parents.device)
+        is_child = self.valid & (self.parents >= 0)  # [B, N]
+        earlier = cols[None, :, None] > cols[None, None, :]  # [1, N, N]: column j comes before row i
+        siblings = (self.parents[:, :, None] == self.parents[:, None, :]) & is_child[:, None, :] & earlier  # [B, N, N]
+        return siblings.sum(dim=2).masked_fill_(~is_child, -1)
+
+    def children_bound(self, ranks: torch.Tensor | None = None) -> int:
+        """`max_children` when known (no device read), else the most valid children of any node
+        (a host read of `sibling_ranks`, or of `ranks` when given)."""
+        if self.max_children is not None:
+            return self.max_children
+        ranks = self.sibling_ranks() if ranks is None else ranks
+        return int(ranks.max().item()) + 1
 
     def ancestor_mask(self) -> torch.Tensor:
         """[B, N, N] bool: [b, i, j] is True when node j is node i itself or one of its ancestors.
@@ -212,6 +234,7 @@ class TokenTree:
             draft_logprobs=draft_logprobs,
             ancestors=ancestors,
             depth_bound=self.depth_bound,
+            max_children=self.max_children,
         )
         return tree, order
 

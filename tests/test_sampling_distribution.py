@@ -33,7 +33,7 @@ from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources import ModelDraftSource
 from specdec.sources.lookup import LookupDraftSource
 from specdec.verification import MarsRule, SamplingRule, Verdict
-from specdec.verification.sampling import ChainTests, SiblingTests
+from specdec.verification.sampling import ChainTests, SiblingTests, TreeTests
 
 V = 6
 PROMPT = [1, 4, 2, 5]
@@ -127,14 +127,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sampling_rule_is_lossless(case, pair, joints):
+WALKED = [(case, walk) for case in CASES for walk in (("host", "device") if CASES[case][0] != "chain" else ("host",))]
+"""every case with each place trees are tested (`SamplingRule.walk`; chains are tested on the device either way)"""
+
+
+@pytest.mark.parametrize(("case", "walk"), WALKED, ids=[f"{c}-{w}" for c, w in WALKED])
+def test_sampling_rule_is_lossless(case, walk, pair, joints):
     method, options, params = CASES[case]
-    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(), params)
-    assert pvalue > P_PASS, f"{case}: chi-square p = {pvalue:.2e}"
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(walk=walk), params)
+    assert pvalue > P_PASS, f"{case} ({walk} walk): chi-square p = {pvalue:.2e}"
     # the draft really disagrees sometimes, so the test exercises rejections
     target, draft = pair
-    engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
+    engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(walk=walk), ModelDraftSource(draft), eos_token_ids=[])
     stats = engine.generate([PROMPT] * 200, TOKENS, params, seed=5)
     accepted = sum(o.stats.accepted_tokens for o in stats)
     drafted = sum(o.stats.drafted_tokens for o in stats)
@@ -157,12 +161,13 @@ def test_lookup_drafts_are_lossless_when_sampling(method, pair, joints):
     assert sum(o.stats.accepted_tokens for o in outs) > 0  # matches were proposed and accepted
 
 
+@pytest.mark.parametrize("walk", ["host", "device"])
 @pytest.mark.parametrize("tree", list(TREES))
-def test_sampled_trees_are_lossless_with_an_overconfident_draft(tree, peaked_pair, joints):
+def test_sampled_trees_are_lossless_with_an_overconfident_draft(tree, walk, peaked_pair, joints):
     """The set-up where the broken variants below fail."""
     method, options = TREES[tree]
-    pvalue = pvalue_of(peaked_pair, joints, make_policy(method, **options), SamplingRule(), PARAMS["t0.7"])
-    assert pvalue > P_PASS, f"{tree}: chi-square p = {pvalue:.2e}"
+    pvalue = pvalue_of(peaked_pair, joints, make_policy(method, **options), SamplingRule(walk=walk), PARAMS["t0.7"])
+    assert pvalue > P_PASS, f"{tree} ({walk} walk): chi-square p = {pvalue:.2e}"
 
 
 @pytest.mark.parametrize("tree", ["eagle2", "dynatree"])
@@ -217,6 +222,21 @@ class ChainNoResidual(ChainTests):
         return target_probs
 
 
+class TreeNoResidual(TreeTests):
+    """Broken device tests: after a rejection the next sibling (and the bonus) are tested against
+    the unchanged target distribution."""
+
+    def residual(self, target, proposal):
+        return target.clone()
+
+
+class TreeKeepsEarlierSiblings(TreeTests):
+    """Broken device tests: a rejected drawn sibling stays in the next one's proposal (as if drawn with replacement)."""
+
+    def remove_drawn(self, draft_left, x, drawn):
+        return None
+
+
 class RankedByOwnLogq:
     """Broken drafting: draws 3 root children without replacement, keeps the one the draft
     likes best (highest logq), verified as if it were the first draw. The exact version keeps
@@ -248,6 +268,18 @@ BROKEN = {
     "no-residual-update": (lambda: make_policy("static", **TREES["static"][1]), lambda: SamplingRule(tests=NoResidual()), "peaked", "t0.7"),
     "ranked-by-own-logq": (lambda: RankedByOwnLogq("logq"), SamplingRule, "mild", "t1"),
     "chain-no-residual": (lambda: make_policy("chain", k=3), lambda: SamplingRule(chain_tests=ChainNoResidual()), "peaked", "t0.7"),
+    "device-keeps-earlier-siblings": (
+        lambda: make_policy("static", **TREES["static"][1]),
+        lambda: SamplingRule(tree_tests=TreeKeepsEarlierSiblings(), walk="device"),
+        "peaked",
+        "t0.7",
+    ),
+    "device-no-residual-update": (
+        lambda: make_policy("static", **TREES["static"][1]),
+        lambda: SamplingRule(tree_tests=TreeNoResidual(), walk="device"),
+        "peaked",
+        "t0.7",
+    ),
 }
 
 
@@ -278,7 +310,7 @@ ONE_NODE_DRAFT = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05, 0.0])
 ONE_NODE_TARGET = torch.tensor([0.1, 0.3, 0.05, 0.25, 0.2, 0.1])
 
 
-def one_node_counts(tests: SiblingTests, children: int, rows: int = 20000, seed: int = 0) -> np.ndarray:
+def one_node_counts(tests: SiblingTests, children: int, rows: int = 20000, seed: int = 0, rule: SamplingRule | None = None) -> np.ndarray:
     """First committed token of `rows` one-level trees: `children` root children drawn without
     replacement from ONE_NODE_DRAFT, verified against ONE_NODE_TARGET."""
     params = SamplingParams(temperature=1.0)
@@ -290,7 +322,7 @@ def one_node_counts(tests: SiblingTests, children: int, rows: int = 20000, seed:
     builder.add(parents, tokens, logq, valid, sampled=True, score=keys)
     tree = builder.finish().tree
     logits = ONE_NODE_TARGET.log().expand(rows, tree.num_nodes, V)  # temperature 1: the target distribution is ONE_NODE_TARGET
-    verdict = SamplingRule(tests=tests).verify(tree, logits, params, generator)
+    verdict = (rule or SamplingRule(tests=tests)).verify(tree, logits, params, generator)
     first = torch.where(verdict.accepted_len > 0, tree.tokens.gather(1, verdict.path[:, :1]).squeeze(1), verdict.bonus_tokens)
     return np.bincount(first.numpy(), minlength=V)
 
@@ -302,9 +334,23 @@ def test_one_node_sampled_siblings_commit_the_target_distribution(children):
     assert pvalue > P_PASS, f"{children} children: chi-square p = {pvalue:.2e}"
 
 
+@pytest.mark.parametrize("children", [1, 2, 3, 5])
+def test_one_node_sampled_siblings_on_the_device(children):
+    counts = one_node_counts(SiblingTests(), children, rule=SamplingRule(walk="device"))
+    pvalue = chi2_pvalue(counts, ONE_NODE_TARGET.double().numpy())
+    assert pvalue > P_PASS, f"{children} children: chi-square p = {pvalue:.2e}"
+
+
 @pytest.mark.parametrize("tests", [KeepsEarlierSiblings(), NoResidual()], ids=["keeps-earlier-siblings", "no-residual-update"])
 def test_one_node_broken_tests_fail(tests):
     pvalue = chi2_pvalue(one_node_counts(tests, 3), ONE_NODE_TARGET.double().numpy())
+    assert pvalue < P_FAIL, f"{type(tests).__name__} passed: p = {pvalue:.2e}"
+
+
+@pytest.mark.parametrize("tests", [TreeKeepsEarlierSiblings(), TreeNoResidual()], ids=["keeps-earlier-siblings", "no-residual-update"])
+def test_one_node_broken_device_tests_fail(tests):
+    counts = one_node_counts(SiblingTests(), 3, rule=SamplingRule(tree_tests=tests, walk="device"))
+    pvalue = chi2_pvalue(counts, ONE_NODE_TARGET.double().numpy())
     assert pvalue < P_FAIL, f"{type(tests).__name__} passed: p = {pvalue:.2e}"
 
 

@@ -19,7 +19,7 @@ from specdec.methods import make_policy
 from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
 from specdec.sources.base import TargetPath
-from specdec.verification import GreedyRule, SamplingRule
+from specdec.verification import GreedyRule, SamplingRule, make_rule
 
 V = 8
 
@@ -137,6 +137,26 @@ def test_sampled_trees_carry_their_proposals(method):
             assert cols == all_kids[: len(cols)], "a kept sampled child skipped an earlier-drawn sibling"
 
 
+@pytest.mark.parametrize("mode", ["sampled", "topk", "greedy"])
+@pytest.mark.parametrize("method", [*POLICIES, "chain"])
+def test_trees_bound_their_children_without_a_read(method, mode):
+    """`TokenTree.max_children` (what the device tests loop over) is at least every node's
+    count of valid children, and `sibling_ranks` agrees with the host's 1-based ranks."""
+    params = SamplingParams() if mode == "greedy" else SamplingParams(temperature=1.0)
+    extra = {"k": 3} if method == "chain" else {**POLICIES[method], "tree_sampling": "topk" if mode == "topk" else "sampled"}
+    _, draft = pair()
+    source = ModelDraftSource(draft)
+    prompt = torch.tensor([[1, 4, 2, 5, 3]] * 6)
+    source.prefill(prompt, torch.ones_like(prompt))
+    ctx = DraftContext(params=params, generator=torch.Generator().manual_seed(0), max_depth=4, active=torch.ones(6, dtype=torch.bool))
+    tree = make_policy(method, **extra).draft(source, torch.full((6,), 6, dtype=torch.long), ctx).tree
+    ranks = tree.sibling_ranks()
+    assert tree.max_children is not None and tree.max_children >= int(ranks.max()) + 1 >= 1
+    host = sibling_ranks(tree.parents.masked_fill(~tree.valid, -1).tolist())
+    assert (ranks + 1).tolist() == host
+    assert tree.select(tree.valid).max_children == tree.max_children  # a subtree keeps the bound
+
+
 @pytest.mark.parametrize("method", list(POLICIES))
 def test_topk_rule_and_greedy_draft_deterministic_children(method):
     d = draft_once(method, SamplingParams(temperature=1.0), tree_sampling="topk")
@@ -194,6 +214,15 @@ def test_option_wiring():
     specs = parse_method_specs("eagle2,eagle2:tree_sampling=topk,cast:tree-sampling=topk")
     assert [dict(s.options) for s in specs[1:]] == [{}, {"tree_sampling": "topk"}, {"tree_sampling": "topk"}]
     assert specs[2].base_label == "eagle2[tree_sampling=topk]"
+    # where trees are tested: an option of the sampling rule
+    spec = parse_method_specs("eagle2@sampling:walk=host")[-1]
+    assert spec.rule == "sampling" and dict(spec.rule_options) == {"walk": "host"}
+    assert make_rule("sampling", walk="device").walks_on_device(torch.device("cpu"))
+    assert not make_rule("sampling").walks_on_device(torch.device("cpu")) and make_rule("sampling").walks_on_device(torch.device("meta"))
+    with pytest.raises(SpecDecError, match="walk='gpu' must be one of auto, device, host"):
+        make_rule("sampling", walk="gpu")
+    with pytest.raises(SpecDecError, match="walk='gpu'"):
+        parse_method_specs("eagle2@sampling:walk=gpu")
 
 
 def test_sibling_ranks_and_positional_rates():

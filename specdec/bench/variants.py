@@ -35,7 +35,7 @@ from specdec.bench.defaults import PEERS
 from specdec.errors import SpecDecError
 from specdec.method_flags import policy_fields as scalar_fields
 from specdec.methods import POLICY_CLASSES, make_policy, method_options
-from specdec.verification import RULE_OPTIONS, make_rule
+from specdec.verification import RULE_OPTION_DEFAULTS, RULE_OPTIONS, make_rule
 from specdec.verification.mars import DEFAULT_THETA
 
 BASELINE = "ar"
@@ -185,7 +185,7 @@ def parse_method_item(item: str) -> MethodSpec:
         name = OPTION_ALIASES.get(name, name)
         if not eq or not name or not value.strip():
             raise SpecDecError(f"--methods item {item!r}: {pair!r} is not NAME=VALUE")
-        number = _value(item, name, value.strip(), _field_default(method, name) if name in policy_fields else 0.0)
+        number = _value(item, name, value.strip(), _field_default(method, name) if name in policy_fields else RULE_OPTION_DEFAULTS.get(name, 0.0))
         if name in options or name in rule_options:
             raise SpecDecError(f"--methods item {item!r}: option {name} is given twice")
         if name in policy_fields:

@@ -144,6 +144,8 @@ class TreeBuilder:
         self._anc = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)
         torch.diagonal(self._anc, dim1=1, dim2=2).fill_(True)  # every node is its own ancestor
         self.levels = 0
+        self.max_children = 0
+        """the most children any `add` may have given one parent (`TokenTree.max_children`)"""
         """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
         self._any_sampled = False
         """a node drawn from its parent's draft distribution was added (else the sampled flags are all False)"""
@@ -264,6 +266,7 @@ class TreeBuilder:
         sampled: bool | torch.Tensor = False,
         score: torch.Tensor | None = None,
         depth: int | None = None,
+        children_per_parent: int | None = None,
     ) -> torch.Tensor:
         """Append k candidate nodes per row; returns their indices [B, k] (`last_valid` is their validity).
 
@@ -273,9 +276,12 @@ class TreeBuilder:
         valid only if its parent is, its row is active and its logq is finite.
         sampled: the nodes were drawn from their parent's draft distribution (bool or [B, k]).
         score: [B, k] their ranking score (`score`; the Gumbel keys of `sample_children`);
-        None = their cum_logq. depth: as in `add_children`.
+        None = their cum_logq. depth: as in `add_children`. children_per_parent: the most entries
+        that share one parent (the k of `draw_children`), known to the caller; None: any number,
+        up to k (`TokenTree.max_children` bounds what a device-side verifier loops over).
         `add_children` with one child per entry: 9 to 12 tensor ops whatever k, no host reads.
         """
+        self.max_children = max(self.max_children, tokens.shape[1] if children_per_parent is None else children_per_parent)
         # each node is the one child (k = 1) of its own parent entry: [B, k] -> [B, k, 1] views
         return self.add_children(
             parents,
@@ -315,6 +321,7 @@ class TreeBuilder:
         """
         b, m, k = tokens.shape
         start, end = self._n, self._n + m * k
+        self.max_children = max(self.max_children, k)
         self._reserve(end)
         cum = self._floats[:, _CUM].gather(1, nodes)[:, :, None] + logq  # [B, m, k]
         child_valid = (cum >= min_cum_logq) if min_cum_logq > float("-inf") else (cum > float("-inf"))  # [B, m, k]
@@ -471,6 +478,7 @@ class TreeBuilder:
                 sampled=self._flags[:, _SAMPLED, :n],
                 ancestors=ancestors,
                 depth_bound=self.levels,
+                max_children=self.max_children,
             )
         else:
             tree, builder_nodes = self._select(keep & self.valid, width)
@@ -511,6 +519,7 @@ class TreeBuilder:
             sampled=self._flags[:, _SAMPLED, :n].gather(1, order) & new_valid if self._any_sampled else constants.full((b, m), False, torch.bool, self.device),
             ancestors=anc,
             depth_bound=self.levels,
+            max_children=self.max_children,
         )
         return tree, order
 

@@ -1099,7 +1099,7 @@ class CastPolicy:
         value = None if gain is None else parent_value[:, :, None] + gain  # add_children sets it -inf at invalid nodes
         if self._sampled:
             assert value is not None
-            builder.add(parents, tokens, logq, child_valid, sampled=True, score=value.reshape(b, m * k), depth=depth)
+            builder.add(parents, tokens, logq, child_valid, sampled=True, score=value.reshape(b, m * k), depth=depth, children_per_parent=k)
         else:
             # invalid parents have cum_logq -inf: their children are invalid without a validity mask
             builder.add_children(nodes, None, top.indices, top.values, score=value, depth=depth)

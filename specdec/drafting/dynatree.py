@@ -531,7 +531,7 @@ class DynaTreePolicy:
         # keeps only valid nodes, in builder order, so the tree is the one compaction would give
         if cells is not None:
             self._cells.append(cells.reshape(b, m * k))
-        nodes = builder.add(parents, tokens, logq, valid, sampled=sampled, score=cum if keyed else None, depth=depth)  # [B, w]
+        nodes = builder.add(parents, tokens, logq, valid, sampled=sampled, score=cum if keyed else None, depth=depth, children_per_parent=k)  # [B, w]
         return nodes, None if budget is None else budget > builder.last_valid.sum(dim=1)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:

@@ -123,6 +123,7 @@ class StaticTreePolicy(_Stateless):
                     sampled=sampled,
                     score=None if keys is None else keys[:, :take],
                     depth=level,
+                    children_per_parent=k,
                 )
             else:
                 nodes = builder.add_top_children(frontier, logprobs, k, None, depth=level)  # [B, m*k]; invalid frontier nodes have cum_logq -inf
@@ -212,4 +213,4 @@ class Eagle2Policy:
             return builder.add_top_children(nodes, logprobs, k, None, depth=depth)  # invalid nodes have cum_logq -inf
         parents, tokens, logq, child_valid = builder.draw_children(nodes, logprobs, k, valid)  # valued by rank, not by Gumbel keys
         score = builder.score.gather(1, parents) + log_rates.repeat(nodes.shape[1])  # [B, m*k]: token-free, non-increasing in the rank
-        return builder.add(parents, tokens, logq, child_valid, sampled=True, score=score, depth=depth)
+        return builder.add(parents, tokens, logq, child_valid, sampled=True, score=score, depth=depth, children_per_parent=k)

@@ -7,14 +7,18 @@ from specdec.verification.greedy import GreedyRule
 from specdec.verification.mars import MarsRule
 from specdec.verification.sampling import SamplingRule
 
-__all__ = ["RULE_OPTIONS", "AcceptRule", "GreedyRule", "MarsRule", "SamplingRule", "Verdict", "make_rule"]
+__all__ = ["RULE_OPTIONS", "RULE_OPTION_DEFAULTS", "AcceptRule", "GreedyRule", "MarsRule", "SamplingRule", "Verdict", "make_rule"]
 
-RULE_OPTIONS: dict[str, tuple[str, ...]] = {"greedy": (), "sampling": (), "mars": ("theta",)}
+RULE_OPTIONS: dict[str, tuple[str, ...]] = {"greedy": (), "sampling": ("walk",), "mars": ("theta",)}
 """every `--verify` name and the options its rule takes"""
+
+RULE_OPTION_DEFAULTS: dict[str, Any] = {"walk": "auto", "theta": 0.9}
+"""each rule option's default (its type types the option's text in `--methods` items)"""
 
 
 def make_rule(name: str, **options: Any) -> AcceptRule:
-    """Accept rule by name: 'greedy', 'sampling' or 'mars' (option: theta, default 0.9).
+    """Accept rule by name: 'greedy', 'sampling' (option: walk, where trees are tested: 'auto',
+    'device' or 'host') or 'mars' (option: theta, default 0.9).
 
     An option the rule does not take is an error, e.g. make_rule("greedy", theta=0.9).
     """
@@ -29,5 +33,5 @@ def make_rule(name: str, **options: Any) -> AcceptRule:
     if name == "greedy":
         return GreedyRule()
     if name == "sampling":
-        return SamplingRule()
+        return SamplingRule(**options)
     return MarsRule(**options)

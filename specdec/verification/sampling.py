@@ -27,11 +27,24 @@ tree's shape. It needs each tested child to follow its proposal *given that it w
 a policy may prune sampled children by their position, their Gumbel keys or anything drawn
 before them, never by their own tokens (docs/ARCHITECTURE.md).
 
-The walk runs per row on the host: each row's tree fields, target and draft distributions and
-pre-drawn uniforms (one per test and one for the bonus, `[B, N]` in one draw) are read once.
-A chain (`TokenTree.chain`: one child per node) needs no walk: `ChainTests` runs the same
-tests for every position and row at once on the device (Leviathan et al.'s rule), with no
-host read.
+Where the tests run (`SamplingRule(walk=...)`):
+
+- **on the device** (`TreeTests`; the default on accelerators): every node's tests are
+  prepared for all nodes and rows at once, one sibling rank at a time (a child's test only
+  depends on its earlier siblings having been rejected, never on the outcome elsewhere), and
+  the accepted path is the deepest one of first accepted children: tensor ops only, no host
+  read, nothing copied to the host;
+- **on the host** (`rejection_walk`; the default on the CPU, where the walk only touches the
+  nodes it visits while the device version works on every node): each row's tree fields, target
+  and draft distributions and pre-drawn uniforms (one per test and one for the bonus, `[B, N]`
+  in one draw) are read once. On an accelerator that read is the whole `[B, N, V]` target and
+  draft distributions, 2 x 4 x B x N x V bytes a step (34 MB at B = 1 for a 33-node tree and a
+  128k vocabulary).
+
+Both run the same tests with different uniforms, so a seed gives different (equally
+distributed) outputs on the two. A chain (`TokenTree.chain`: one child per node) needs no walk:
+`ChainTests` runs the same tests for every position and row at once on the device (Leviathan et
+al.'s rule), with no host read.
 """
 
 from __future__ import annotations
@@ -43,10 +56,11 @@ import numpy as np
 import torch
 
 from specdec import constants
+from specdec.errors import SpecDecError
 from specdec.hostwork import read_together
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.tree import TokenTree
-from specdec.verification.base import Verdict
+from specdec.verification.base import Verdict, deepest_path
 
 _EPS = 1e-12
 
@@ -298,6 +312,129 @@ EXACT_CHAIN = ChainTests()
 """the lossless chain tests"""
 
 
+class TreeTests:
+    """The exact tests of whole trees, every node and row at once, on the device (no host read).
+
+    The same maths as `SiblingTests`, arranged for tensors: a node's children are tested in tree
+    order, and child i is only tested if children 0..i-1 were rejected, so the state it is tested
+    against (the node's target residual after those rejections, the draft distribution without
+    the earlier sampled siblings) does not depend on any random outcome. Loop over sibling ranks
+    i = 0..K-1 (K = `TokenTree.children_bound`), for every node at once: test its i-th child
+    (uniform: one per child node), then update the node's residual as if that child was
+    rejected. A child is *chosen* when it passes and no earlier sibling did; the accepted path is
+    the deepest node whose every ancestor was chosen (`deepest_path`), and the bonus token is
+    drawn from that node's residual after all its children (all rejected, or none: a leaf).
+
+    Cost: per rank about a dozen ops over [B, N, V] (one sibling rank of a 3-children-per-node
+    tree: 3 rounds); `residual` and `remove_drawn` are where the maths lives (the distribution
+    tests replace them with wrong versions).
+    """
+
+    def proposal_mass(self, draft_left: torch.Tensor) -> torch.Tensor:
+        """[B, N] the mass left in each node's draft distribution `draft_left` [B, N, V] after its
+        earlier sampled children were removed: what a sampled child's proposal is normalised by."""
+        return draft_left.sum(dim=2).clamp_(min=_EPS)
+
+    def residual(self, target: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
+        """[B, N, V] max(0, target - proposal), unnormalised (`advance` normalises it and keeps
+        `target` where nothing is left)."""
+        return (target - proposal).clamp_(min=0.0)
+
+    def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
+        b, n = tree.tokens.shape
+        dev = target_logits.device
+        target = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]: each node's target, then its residual
+        draft_left = None if tree.draft_logprobs is None else tree.draft_logprobs.exp()  # [B, N, V] q, earlier sampled children removed
+        ranks = tree.sibling_ranks()  # [B, N]
+        k = tree.children_bound(ranks)
+        # each node's children by rank, [B, N, K]: node index (n where there is none), token, drawn or not, uniform
+        slot = torch.where(ranks >= 0, tree.parents.clamp(min=0) * k + ranks.clamp(max=max(k - 1, 0)), n * k)  # [B, N]
+        kids = torch.full((b, n * k + 1), n, dtype=torch.long, device=dev).scatter_(1, slot, constants.arange(n, dev).expand(b, n))[:, : n * k]
+        fields = torch.stack([tree.tokens, tree.sampled & tree.valid], dim=1)  # [B, 2, N] int64
+        fields = torch.nn.functional.pad(fields, (0, 1)).gather(2, kids[:, None, :].expand(b, 2, n * k)).view(b, 2, n, k)
+        tokens, drawn = fields[:, 0], fields[:, 1].bool()  # [B, N, K] each
+        kid_nodes = kids.view(b, n, k)
+        has = kid_nodes < n  # [B, N, K]
+        point = ~drawn  # [B, N, K]: a point-mass proposal (a deterministic child)
+        one, zero = constants.full((), 1.0, target.dtype, dev), constants.full((), 0.0, target.dtype, dev)
+        uniform = torch.rand(b, n * k, generator=generator, device=dev).view(b, n, k)  # one per test
+        chosen = torch.zeros(b, n + 1, dtype=torch.bool, device=dev)  # [B, N + 1] by node (column n: none): its parent's first accepted child
+        undecided = torch.ones(b, n, dtype=torch.bool, device=dev)  # [B, N]: no child of this node accepted yet
+        for i in range(k):
+            x, s, u = tokens[:, :, i], drawn[:, :, i], uniform[:, :, i]  # [B, N] each
+            p_x = target.gather(2, x[:, :, None]).squeeze(2)  # [B, N]
+            mass = None
+            if draft_left is not None:
+                mass = self.proposal_mass(draft_left)  # [B, N]
+                q_x = torch.where(s, draft_left.gather(2, x[:, :, None]).squeeze(2).div_(mass), one)  # [B, N]: 1 for a point mass
+                passes = u * q_x < p_x  # u < p / q without dividing by a tiny q
+            else:
+                passes = u < p_x  # point masses only
+            tested = has[:, :, i] & undecided  # [B, N]: the i-th child exists and no earlier sibling was accepted
+            ok = passes.logical_and_(tested)
+            chosen.scatter_(1, kid_nodes[:, :, i], ok)  # each child appears once; nodes without an i-th child write column n
+            undecided.logical_xor_(ok)  # (ok implies undecided)
+            if i < k - 1:  # (the residuals after the last children are only needed at the path's end, below)
+                self._advance(target, draft_left, mass, x, s, point[:, :, i], tested.logical_xor_(ok), zero)  # rejected: tested, not ok
+        ok_nodes = chosen[:, :n]
+        ok_nodes[:, 0] = True
+        deepest, _, path, accepted_len = deepest_path(tree, ok_nodes)
+        # the bonus: drawn from the deepest node's residual after all its children (all rejected)
+        at = deepest[:, None]  # [B, 1]
+        probs = target.gather(1, at[:, :, None].expand(b, 1, target.shape[2]))  # [B, 1, V]
+        if k > 0:
+            last = k - 1
+            left = None if draft_left is None else draft_left.gather(1, at[:, :, None].expand_as(probs))
+            mass = None if left is None else self.proposal_mass(left)
+            x, s, pt = tokens[:, :, last].gather(1, at), drawn[:, :, last].gather(1, at), point[:, :, last].gather(1, at)
+            self._advance(probs, left, mass, x, s, pt, has[:, :, last].gather(1, at), zero)
+        bonus = (probs[:, 0] / torch.empty_like(probs[:, 0]).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs
+        zeros = constants.full((b,), 0, torch.long, dev)
+        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
+
+    def _advance(
+        self,
+        target: torch.Tensor,
+        draft_left: torch.Tensor | None,
+        mass: torch.Tensor | None,
+        x: torch.Tensor,
+        drawn: torch.Tensor,
+        point: torch.Tensor,
+        rejected: torch.Tensor,
+        zero: torch.Tensor,
+    ) -> None:
+        """In place, where `rejected` [B, M]: the node's child with token x [B, M] (drawn from the
+        draft where `drawn` [B, M], a point mass where `point`, its negation) was rejected: target [B, M, V] becomes the
+        residual (normalised; unchanged where nothing is left) and a drawn token leaves draft_left
+        [B, M, V] (whose `proposal_mass` is mass [B, M]). zero: a 0-d tensor of target's dtype."""
+        x3 = x[:, :, None]
+        if draft_left is not None and mass is not None:
+            proposal = torch.where(point[:, :, None], zero, draft_left / mass[:, :, None])  # [B, M, V]; a point mass: below
+            res = self.residual(target, proposal)
+        else:
+            res = target.clone()
+        # a point-mass proposal: its token removed (the residual is the target without it)
+        res.scatter_(2, x3, res.gather(2, x3).masked_fill_(point[:, :, None], 0.0))
+        total = res.sum(dim=2, keepdim=True)  # [B, M, 1]
+        update = (total > _EPS).logical_and_(rejected[:, :, None])
+        torch.where(update, res.div_(total.clamp_(min=_EPS)), target, out=target)
+        if draft_left is not None:
+            self.remove_drawn(draft_left, x, rejected & drawn)
+
+    def remove_drawn(self, draft_left: torch.Tensor, x: torch.Tensor, drawn: torch.Tensor) -> None:
+        """In place: the rejected drawn token x [B, M] leaves its node's draft distribution
+        draft_left [B, M, V] where `drawn` [B, M] (siblings are drawn without replacement)."""
+        draft_left.scatter_(2, x[:, :, None], draft_left.gather(2, x[:, :, None]).masked_fill_(drawn[:, :, None], 0.0))
+
+
+EXACT_TREE = TreeTests()
+"""the lossless tree tests on the device"""
+
+WALKS = ("auto", "device", "host")
+"""where `SamplingRule` tests trees: 'device' (`TreeTests`), 'host' (`rejection_walk`), 'auto' the
+device on accelerators and the host on the CPU"""
+
+
 class SamplingRule:
     """Lossless speculative sampling (see the module docstring).
 
@@ -307,9 +444,19 @@ class SamplingRule:
 
     name = "sampling"
 
-    def __init__(self, tests: SiblingTests = EXACT, chain_tests: ChainTests = EXACT_CHAIN) -> None:
+    def __init__(self, tests: SiblingTests = EXACT, chain_tests: ChainTests = EXACT_CHAIN, tree_tests: TreeTests = EXACT_TREE, walk: str = "auto") -> None:
+        if walk not in WALKS:
+            raise SpecDecError(f"sampling walk={walk!r} must be one of {', '.join(WALKS)} (where trees are tested: 'auto' the device on accelerators, the host on the CPU)")
         self.tests = tests
         self.chain_tests = chain_tests
+        self.tree_tests = tree_tests
+        self.walk = walk
+
+    def walks_on_device(self, device: torch.device) -> bool:
+        """Whether trees on `device` are tested there (`TreeTests`) rather than walked on the host."""
+        if type(self.tests) is not SiblingTests:  # deliberately wrong host tests keep the host walk
+            return False
+        return self.walk == "device" or (self.walk == "auto" and device.type != "cpu")
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
         if params.greedy:
@@ -318,5 +465,7 @@ class SamplingRule:
             return GreedyRule().verify(tree, target_logits, params, generator)
         if tree.chain and tree.num_nodes > 1 and type(self.tests) is SiblingTests:  # (a deliberately wrong walk keeps the walk)
             return self.chain_tests.verify(tree, target_logits, params, generator)
+        if self.walks_on_device(target_logits.device):
+            return self.tree_tests.verify(tree, target_logits, params, generator)
         host = HostBatch.read(tree, target_logits, params, generator)
         return verdict_of([host.walk(row, tests=self.tests) for row in range(tree.batch_size)], target_logits.device)
