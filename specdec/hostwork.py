@@ -13,6 +13,9 @@ so they are counted here, on any device:
   `__int__`, `__float__`, `__index__`, `cpu`), and ops whose output shape depends
   on tensor values (`nonzero`, boolean-mask indexing, `masked_select`, `unique`): on a GPU
   each waits for the device as a read does. Outside model forwards.
+- **host bytes**: what those calls copy (the tensor's bytes; the size-dependent ops count
+  nothing): a read of a few counts is cheap, one of `[B, N, V]` distributions is a transfer
+  over the bus every step.
 
 `ModelRunner` wraps every model call in `uncounted()`, so work inside the model is not
 counted; the engine wraps admission (prefill and the first token) in it too, so the counts
@@ -86,6 +89,8 @@ class _ReadMode(TorchFunctionMode):
         counter = self.counter
         if not counter._inside and getattr(func, "__name__", "") in _HOST_READS:
             counter.host_reads += 1
+            if args and isinstance(args[0], torch.Tensor):
+                counter.host_bytes += args[0].numel() * args[0].element_size()
             if counter.keep_names:
                 counter.read_names[func.__name__] += 1
         return func(*args, **(kwargs or {}))
@@ -130,6 +135,8 @@ class HostWorkCounter:
         """every aten op outside model forwards, views included"""
         self.host_reads = 0
         """device-to-host value reads outside model forwards"""
+        self.host_bytes = 0
+        """bytes those reads copied (value reads only)"""
         self.keep_names = keep_names
         self.op_names: Counter[str] = Counter()
         self.read_names: Counter[str] = Counter()

@@ -290,6 +290,7 @@ def test_host_work_count_skips_prompts_that_end_at_once():
     assert calls == [0, 10, 10]  # stops once 20 >= 16 steps were seen; group 3 never runs
     assert work["steps"] == 20.0 >= HOST_WORK_MIN_STEPS
     assert work["host_reads"] == 1.0  # the sum's .item(), once per step
+    assert work["host_bytes"] == 4.0  # a float32 scalar
     assert 5.0 <= work["ops"] <= 7.0  # 5 multiplies + the sum per step, set-up (3 x 3 adds) spread over 20 steps
 
 

@@ -33,6 +33,7 @@ def test_counter_counts_ops_and_reads_outside_uncounted_regions():
     assert counter.ops_all == 5  # plus the view and the scalar read's own aten op
     assert counter.host_reads == 2
     assert counter.read_names == {"__float__": 1, "tolist": 1}
+    assert counter.host_bytes == 4 + 6 * 4  # a float32 scalar, then six floats
 
 
 def test_counter_is_inactive_outside_its_block():
@@ -219,3 +220,20 @@ def test_sampled_dynatree_reads_once_per_level():
     assert reads["__int__"] == 0, reads  # no width read per level
     assert steps < reads["cpu"] <= steps + calibration_refits(steps), reads  # the walk's inputs once per step, and the refits
     assert reads["tolist"] <= steps * (policy.d_max + 2), reads  # a count per level, the verdict, the history rule
+
+
+def test_sampled_trees_tested_on_the_device_copy_nothing_large():
+    """At T > 0 the host walk copies every node's target and draft distribution each step
+    (2 x 4 x N x V bytes a row); the device tests copy only the verdict."""
+    target = tiny_model("llama", seed=0)
+    draft = tiny_model("llama", seed=1, layers=1)
+    vocab = target.config.vocab_size
+    per_step = {}
+    for walk in ("host", "device"):
+        policy = Eagle2Policy(depth=3, top_k=3, total_tokens=8)
+        engine = SpeculativeEngine(target, policy, SamplingRule(walk=walk), ModelDraftSource(draft), eos_token_ids=[])
+        with HostWorkCounter() as counter:
+            out = engine.generate([[5, 6, 7, 8], [9, 10, 11]], 12, SamplingParams(temperature=1.0), seed=0)
+        per_step[walk] = counter.host_bytes / max(o.stats.steps for o in out)
+    assert per_step["host"] >= 2 * 4 * 2 * vocab  # at least a root and one child's distributions, target and draft, per row
+    assert per_step["device"] < 4 * vocab  # the verdict's indices: less than one distribution

@@ -103,6 +103,8 @@ class MethodSummary:
     """the same, views included"""
     host_reads_per_step: float | None = None
     """device-to-host value reads per decoding step outside model forwards"""
+    host_kb_per_step: float | None = None
+    """what those reads copied per decoding step, in KB (1000 bytes)"""
     tau_histogram: dict[int, int] = field(default_factory=dict)
     """accepted_len + 1 -> steps"""
     drafted_by_depth: list[int] = field(default_factory=list)
@@ -249,6 +251,7 @@ def summarize(result: BenchResult) -> list[MethodSummary]:
         work = result.host_work.get(v.label)
         if work is not None:
             s.ops_per_step, s.ops_all_per_step, s.host_reads_per_step = work["ops"], work["ops_all"], work["host_reads"]
+            s.host_kb_per_step = work["host_bytes"] / 1000 if "host_bytes" in work else None  # (results.json of older runs lack it)
         stats = [r.stats for r in records if r.stats is not None]
         if stats:
             lens = [a for st in stats for a in st.accepted_lens]
@@ -580,13 +583,13 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         )
     lines += ["", "## Where the time goes", ""]
     lines.append(
-        "| method | prefill | draft | verify | overhead | engine efficiency | draft ms/step | verify ms/step | τ max | ops/step | host reads/step | RSS MB | GPU peak MB |"
+        "| method | prefill | draft | verify | overhead | engine efficiency | draft ms/step | verify ms/step | τ max | ops/step | host reads/step | host KB/step | RSS MB | GPU peak MB |"
     )
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in summaries:
         lines.append(
             f"| {s.label} | {_pct(s.prefill_share)} | {_pct(s.draft_share)} | {_pct(s.verify_share)} | {_pct(s.overhead_share)} | "
-            f"{_pct(s.engine_efficiency)} | {_fmt(s.draft_ms_per_step, '.2f')} | {_fmt(s.verify_ms_per_step, '.2f')} | {_fmt(s.tau_max)} | {_fmt(s.ops_per_step, '.0f')} | {_fmt(s.host_reads_per_step, '.1f')} | {s.rss_mb:.0f} | {_fmt(s.gpu_peak_mb, '.0f')} |"
+            f"{_pct(s.engine_efficiency)} | {_fmt(s.draft_ms_per_step, '.2f')} | {_fmt(s.verify_ms_per_step, '.2f')} | {_fmt(s.tau_max)} | {_fmt(s.ops_per_step, '.0f')} | {_fmt(s.host_reads_per_step, '.1f')} | {_fmt(s.host_kb_per_step, '.1f')} | {s.rss_mb:.0f} | {_fmt(s.gpu_peak_mb, '.0f')} |"
         )
     per_category = summarize_categories(result)
     if per_category:
@@ -607,8 +610,9 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         "It leaves out prefill and bookkeeping, so a measured speedup can exceed it when AR's own overhead is large.",
         "- **τ**: tokens committed per verification step; **acceptance**: accepted / drafted tokens (every tree node counts).",
         "- **prefill/draft/verify/overhead**: share of wall time; **engine efficiency**: share of wall time inside model forwards.",
-        "- **ops/step, host reads/step**: per decoding step, outside model forwards: torch ops that do work (views excluded; each is a "
-        "kernel launch on a GPU) and device-to-host value reads (`.item()`, `.tolist()`, `bool(t)`, ...; each a full sync on a GPU), "
+        "- **ops/step, host reads/step, host KB/step**: per decoding step, outside model forwards: torch ops that do work (views excluded; each is a "
+        "kernel launch on a GPU), device-to-host value reads (`.item()`, `.tolist()`, `bool(t)`, ...; each a full sync on a GPU) "
+        "and the bytes they copy (over the bus on a GPU), "
         "counted on extra untimed calls on the first prompt groups, until 16 steps are seen (`specdec.hostwork`).",
         "- **= AR**: greedy outputs equal AR's token for token; where one differs, its first divergence is classified "
         "(`specdec.bench.divergence`): a *numerical tie* when AR's and the method's tokens have logits within a few units in the "

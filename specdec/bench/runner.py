@@ -429,11 +429,11 @@ class _Runner:
         return fit_context(ids, self.max_context, max_new)
 
     def count_host_work(self, variant: Variant, groups: Sequence[Sequence[BenchPrompt]], min_steps: int = HOST_WORK_MIN_STEPS) -> dict[str, float]:
-        """Ops and host reads per decoding step outside model forwards (`specdec.hostwork`) on the
+        """Ops, host reads and the bytes they copy per decoding step outside model forwards (`specdec.hostwork`) on the
         first turns of the prompt groups, in untimed calls (the counting itself is slow): group
         after group until `min_steps` decoding steps were counted (a prompt the model ends at
         once, with EOS as its first token, has no step to count), or the groups run out."""
-        ops = ops_all = reads = steps = 0
+        ops = ops_all = reads = read_bytes = steps = 0
         for prompts in groups:
             contexts = [self.context(p, 0, None, [], self.config.max_new_tokens)[0] for p in prompts]
             with HostWorkCounter() as counter:
@@ -441,11 +441,12 @@ class _Runner:
                     contexts, self.config.max_new_tokens, self.params, verify=variant.verify, seed=self.seed(0, 0, 0)
                 )
             ops, ops_all, reads = ops + counter.ops, ops_all + counter.ops_all, reads + counter.host_reads
+            read_bytes += counter.host_bytes
             steps += max(o.stats.steps for o in outs)  # the rows of a group share their steps
             if steps >= min_steps:
                 break
         per = max(1, steps)
-        return {"ops": ops / per, "ops_all": ops_all / per, "host_reads": reads / per, "steps": float(steps)}
+        return {"ops": ops / per, "ops_all": ops_all / per, "host_reads": reads / per, "host_bytes": read_bytes / per, "steps": float(steps)}
 
     def _call(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
         """One timed generation; the process RSS (and on CUDA the peak GPU memory) is read right after."""
