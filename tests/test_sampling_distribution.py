@@ -370,3 +370,37 @@ def test_same_seed_same_output_and_seeds_differ(pair):
         c = [o.token_ids for o in engine.generate([PROMPT] * 8, 12, params, seed=43)]
         assert a == b
         assert a != c
+
+
+@pytest.mark.parametrize("walk", ["host", "device"])
+def test_mixed_drawn_and_point_mass_siblings(walk):
+    """One node with a drawn child, a point-mass child and a second drawn child (the rule must
+    switch proposals per sibling), over two levels: the drawn child itself has a point-mass child.
+    The first committed token follows the target distribution with either walk."""
+    from specdec.tree import TokenTree
+
+    rows, params = 20000, SamplingParams(temperature=1.0)
+    generator = torch.Generator().manual_seed(7)
+    q = ONE_NODE_DRAFT
+    draws = torch.multinomial(q.expand(rows, V), 2, replacement=False, generator=generator)  # [rows, 2] without replacement
+    # nodes: 0 root; 1 drawn; 2 point mass on token 3; 3 drawn (the second draw); 4 point mass on token 0 under node 1
+    tokens = torch.stack([torch.zeros(rows, dtype=torch.long), draws[:, 0], torch.full((rows,), 3), draws[:, 1], torch.zeros(rows, dtype=torch.long)], dim=1)
+    parents = torch.tensor([-1, 0, 0, 0, 1]).expand(rows, 5)
+    depths = torch.tensor([0, 1, 1, 1, 2]).expand(rows, 5)
+    sampled = torch.tensor([False, True, False, True, False]).expand(rows, 5)
+    zeros = torch.zeros(rows, 5)
+    tree = TokenTree(
+        tokens=tokens, parents=parents, depths=depths, logq=zeros, cum_logq=zeros, valid=torch.ones(rows, 5, dtype=torch.bool),
+        sampled=sampled, draft_logprobs=q.log().expand(rows, 5, V).clone(),
+    )
+    logits = ONE_NODE_TARGET.log().expand(rows, 5, V)
+    verdict = SamplingRule(walk=walk).verify(tree, logits, params, generator)
+    first = torch.where(verdict.accepted_len > 0, tree.tokens.gather(1, verdict.path[:, :1]).squeeze(1), verdict.bonus_tokens)
+    pvalue = chi2_pvalue(np.bincount(first.numpy(), minlength=V), ONE_NODE_TARGET.double().numpy())
+    assert pvalue > P_PASS, f"{walk} walk: chi-square p = {pvalue:.2e}"
+    assert 0 < int((verdict.accepted_len == 2).sum()) < rows  # the second level is reached, sometimes
+    # after node 1 (the target's distribution there is the same): the second token, node 4's or the bonus
+    via_node1 = (verdict.accepted_len > 0) & (verdict.path[:, 0] == 1)
+    second = torch.where(verdict.accepted_len == 2, tree.tokens[:, 4], verdict.bonus_tokens)[via_node1]
+    pvalue = chi2_pvalue(np.bincount(second.numpy(), minlength=V), ONE_NODE_TARGET.double().numpy())
+    assert pvalue > P_PASS, f"{walk} walk, second token: chi-square p = {pvalue:.2e}"
