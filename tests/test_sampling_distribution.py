@@ -310,21 +310,26 @@ ONE_NODE_DRAFT = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05, 0.0])
 ONE_NODE_TARGET = torch.tensor([0.1, 0.3, 0.05, 0.25, 0.2, 0.1])
 
 
-def one_node_counts(tests: SiblingTests, children: int, rows: int = 20000, seed: int = 0, rule: SamplingRule | None = None) -> np.ndarray:
+def one_node_counts(
+    tests: SiblingTests, children: int, rows: int = 20000, seed: int = 0, rule: SamplingRule | None = None, device: str = "cpu"
+) -> np.ndarray:
     """First committed token of `rows` one-level trees: `children` root children drawn without
-    replacement from ONE_NODE_DRAFT, verified against ONE_NODE_TARGET."""
+    replacement from ONE_NODE_DRAFT, verified against ONE_NODE_TARGET (tensors on `device`)."""
     params = SamplingParams(temperature=1.0)
-    generator = torch.Generator().manual_seed(seed)
-    ctx = DraftContext(params=params, generator=generator, max_depth=1, active=torch.ones(rows, dtype=torch.bool))
-    builder = TreeBuilder(FixedDraft(ONE_NODE_DRAFT), torch.zeros(rows, dtype=torch.long), ctx, keep_draft_probs=True)
-    root = torch.zeros(rows, 1, dtype=torch.long)
-    parents, tokens, logq, valid, keys = builder.sample_children(root, builder.root_logprobs[:, None, :], children, torch.ones(rows, 1, dtype=torch.bool))
+    dev = torch.device(device)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    ctx = DraftContext(params=params, generator=generator, max_depth=1, active=torch.ones(rows, dtype=torch.bool, device=dev))
+    builder = TreeBuilder(FixedDraft(ONE_NODE_DRAFT.to(dev)), torch.zeros(rows, dtype=torch.long, device=dev), ctx, keep_draft_probs=True)
+    root = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+    parents, tokens, logq, valid, keys = builder.sample_children(
+        root, builder.root_logprobs[:, None, :], children, torch.ones(rows, 1, dtype=torch.bool, device=dev)
+    )
     builder.add(parents, tokens, logq, valid, sampled=True, score=keys)
     tree = builder.finish().tree
-    logits = ONE_NODE_TARGET.log().expand(rows, tree.num_nodes, V)  # temperature 1: the target distribution is ONE_NODE_TARGET
+    logits = ONE_NODE_TARGET.to(dev).log().expand(rows, tree.num_nodes, V)  # temperature 1: the target distribution is ONE_NODE_TARGET
     verdict = (rule or SamplingRule(tests=tests)).verify(tree, logits, params, generator)
     first = torch.where(verdict.accepted_len > 0, tree.tokens.gather(1, verdict.path[:, :1]).squeeze(1), verdict.bonus_tokens)
-    return np.bincount(first.numpy(), minlength=V)
+    return np.bincount(first.cpu().numpy(), minlength=V)
 
 
 @pytest.mark.parametrize("children", [1, 2, 3, 5])
@@ -339,6 +344,16 @@ def test_one_node_sampled_siblings_on_the_device(children):
     counts = one_node_counts(SiblingTests(), children, rule=SamplingRule(walk="device"))
     pvalue = chi2_pvalue(counts, ONE_NODE_TARGET.double().numpy())
     assert pvalue > P_PASS, f"{children} children: chi-square p = {pvalue:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("children", [1, 3])
+def test_one_node_sampled_siblings_on_cuda(children):
+    """On a GPU the default rule (walk 'auto') tests trees there, exactly."""
+    assert SamplingRule().walks_on_device(torch.device("cuda"))
+    counts = one_node_counts(SiblingTests(), children, device="cuda")
+    pvalue = chi2_pvalue(counts, ONE_NODE_TARGET.double().numpy())
+    assert pvalue > P_PASS, f"{children} children on cuda: chi-square p = {pvalue:.2e}"
 
 
 @pytest.mark.parametrize("tests", [KeepsEarlierSiblings(), NoResidual()], ids=["keeps-earlier-siblings", "no-residual-update"])
