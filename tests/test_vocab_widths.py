@@ -143,8 +143,11 @@ N_SAMPLES = 3000
 
 
 @pytest.mark.parametrize("draft_width", [8, 5])
-@pytest.mark.parametrize("method,options", [("chain", {"k": 3}), ("static", {"depth": 2, "branching": 2, "max_nodes": 6})])
-def test_sampling_is_lossless_with_unequal_widths(draft_width, method, options):
+@pytest.mark.parametrize(
+    "method,options,walk",
+    [("chain", {"k": 3}, "auto"), ("static", {"depth": 2, "branching": 2, "max_nodes": 6}, "host"), ("static", {"depth": 2, "branching": 2, "max_nodes": 6}, "device")],
+)
+def test_sampling_is_lossless_with_unequal_widths(draft_width, method, options, walk):
     """Chi-square p > 1e-3 against the enumerated target joint (fixed seeds: deterministic)."""
     target = tiny_model("llama", seed=3, vocab=V, eos=V - 1)
     draft = tiny_model("llama", seed=11, vocab=draft_width, layers=1, eos=2)
@@ -154,13 +157,13 @@ def test_sampling_is_lossless_with_unequal_widths(draft_width, method, options):
     boost_extra_rows(draft, V, scale=3.0)
     fit = VocabFit.for_pair(target, draft, V)
     params = SamplingParams(temperature=1.0)
-    engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(), ModelDraftSource(draft, vocab=fit), eos_token_ids=[])
+    engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(walk=walk), ModelDraftSource(draft, vocab=fit), eos_token_ids=[])
     counts = np.zeros((V,) * TOKENS)
     for i in range(N_SAMPLES // 500):
         for out in engine.generate([PROMPT] * 500, TOKENS, params, seed=2000 + i):
             counts[tuple(out.token_ids)] += 1
     pvalue = chi2_pvalue(counts, exact_joint(target, PROMPT, V, TOKENS, params))
-    assert pvalue > 1e-3, f"draft width {draft_width}, {method}: chi-square p = {pvalue:.2e}"
+    assert pvalue > 1e-3, f"draft width {draft_width}, {method} ({walk} walk): chi-square p = {pvalue:.2e}"
     outs = engine.generate([PROMPT] * 200, TOKENS, params, seed=5)
     accepted, drafted = sum(o.stats.accepted_tokens for o in outs), sum(o.stats.drafted_tokens for o in outs)
     assert 0 < accepted < drafted  # rejections happen, so the residual path is exercised
