@@ -325,9 +325,9 @@ class TreeTests:
     the deepest node whose every ancestor was chosen (`deepest_path`), and the bonus token is
     drawn from that node's residual after all its children (all rejected, or none: a leaf).
 
-    Cost: per rank about a dozen ops over [B, N, V] (one sibling rank of a 3-children-per-node
-    tree: 3 rounds); `residual` and `remove_drawn` are where the maths lives (the distribution
-    tests replace them with wrong versions).
+    Cost: K rounds (EAGLE-2's default top-k of 8: 8; DynaTree's b_max of 3: 3) of about 30 ops,
+    seven of them over [B, N, V]. `residual` and `remove_drawn` are where the maths lives (the
+    distribution tests replace them with wrong versions).
     """
 
     def proposal_mass(self, draft_left: torch.Tensor) -> torch.Tensor:
@@ -336,7 +336,7 @@ class TreeTests:
         return draft_left.sum(dim=2).clamp_(min=_EPS)
 
     def residual(self, target: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
-        """[B, N, V] max(0, target - proposal), unnormalised (`advance` normalises it and keeps
+        """[B, N, V] max(0, target - proposal), unnormalised (`_advance` normalises it and keeps
         `target` where nothing is left)."""
         return (target - proposal).clamp_(min=0.0)
 
@@ -404,9 +404,10 @@ class TreeTests:
         zero: torch.Tensor,
     ) -> None:
         """In place, where `rejected` [B, M]: the node's child with token x [B, M] (drawn from the
-        draft where `drawn` [B, M], a point mass where `point`, its negation) was rejected: target [B, M, V] becomes the
-        residual (normalised; unchanged where nothing is left) and a drawn token leaves draft_left
-        [B, M, V] (whose `proposal_mass` is mass [B, M]). zero: a 0-d tensor of target's dtype."""
+        draft where `drawn` [B, M], a point mass where `point`, its negation) was rejected: target
+        [B, M, V] becomes the residual (normalised; unchanged where nothing is left) and a drawn
+        token leaves draft_left [B, M, V] (whose `proposal_mass` is mass [B, M]). zero: a 0-d
+        tensor of target's dtype."""
         x3 = x[:, :, None]
         if draft_left is not None and mass is not None:
             proposal = torch.where(point[:, :, None], zero, draft_left / mass[:, :, None])  # [B, M, V]; a point mass: below
