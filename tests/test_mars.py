@@ -35,7 +35,7 @@ from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
 from specdec.tree import TokenTree
 from specdec.verification import MarsRule, SamplingRule, make_rule
-from specdec.verification.mars import margins
+from specdec.verification.mars import _relax_hook, margins, outright_children
 
 V = 6
 GREEDY = SamplingParams()
@@ -130,18 +130,19 @@ def test_margins_are_computed_from_raw_logits():
 # ---------------------------------------------------------------- trees and counters
 
 
-def test_sibling_preference_v1_then_v2():
+@pytest.mark.parametrize("walk", ["host", "device"])
+def test_sibling_preference_v1_then_v2(walk):
     # root has children [v2, v1] in tree order; v2's subtree is deeper, yet v1 is taken
     tree = make_tree([[5, 1, 0, 2, 3]], [[-1, 0, 0, 1, 3]])
     z = logits_rows([10.0, 9.5], [0.0, 0.0, 5.0], LEAF, [0.0, 0.0, 0.0, 5.0], LEAF)
     for params in (GREEDY, SamplingParams(temperature=0.7, top_k=1)):
-        verdict = MarsRule(0.9).verify(tree, z, params, torch.Generator().manual_seed(0))
+        verdict = MarsRule(0.9, walk=walk).verify(tree, z, params, torch.Generator().manual_seed(0))
         assert verdict.accepted_nodes == [[2]]
         assert verdict.relaxed == [0]
     # without a v1 child, the relaxed v2 is preferred over an earlier third token
     tree = make_tree([[5, 4, 1]], [[-1, 0, 0]])
     for params in (GREEDY, SamplingParams(temperature=0.7, top_k=1)):
-        verdict = MarsRule(0.9).verify(tree, logits_rows([10.0, 9.5, 0.0, 0.0, 9.4], LEAF, LEAF), params, torch.Generator().manual_seed(0))
+        verdict = MarsRule(0.9, walk=walk).verify(tree, logits_rows([10.0, 9.5, 0.0, 0.0, 9.4], LEAF, LEAF), params, torch.Generator().manual_seed(0))
         assert verdict.accepted_nodes == [[2]]
         assert verdict.relaxed == [1]
 
@@ -203,17 +204,18 @@ def test_temperature_and_masks_do_not_change_the_decision(params):
             assert verdict.bonus_tokens.tolist() == [0]  # the residual is the point mass on v1
 
 
-def test_sampling_relaxed_counter_is_the_strict_counterfactual():
+@pytest.mark.parametrize("walk", ["host", "device"])
+def test_sampling_relaxed_counter_is_the_strict_counterfactual(walk):
     params = SamplingParams(temperature=1.0, top_k=1)  # the strict rule accepts v1 surely, v2 never
     z = logits_rows([10.0, 9.5], LEAF)
-    assert MarsRule(0.9).verify(chain(1), z, params, torch.Generator().manual_seed(0)).relaxed == [1]
-    assert MarsRule(0.9).verify(chain(0), z, params, torch.Generator().manual_seed(0)).relaxed == [0]
+    assert MarsRule(0.9, walk=walk).verify(chain(1), z, params, torch.Generator().manual_seed(0)).relaxed == [1]
+    assert MarsRule(0.9, walk=walk).verify(chain(0), z, params, torch.Generator().manual_seed(0)).relaxed == [0]
     # a low-margin node with neither v1 nor v2 drafted: exact test (token 2 is masked: rejected), bonus v1
-    verdict = MarsRule(0.9).verify(chain(2), logits_rows([10.0, 9.5, 9.4], LEAF), params, torch.Generator().manual_seed(0))
+    verdict = MarsRule(0.9, walk=walk).verify(chain(2), logits_rows([10.0, 9.5, 9.4], LEAF), params, torch.Generator().manual_seed(0))
     assert (verdict.accepted_nodes, verdict.relaxed, verdict.bonus_tokens.tolist()) == ([[]], [0], [0])
 
 
-def _one_node_samples(theta: float, n: int, seed: int) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+def _one_node_samples(theta: float, n: int, seed: int, walk: str = "host") -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
     """n rows: root with one child drawn from q; returns (counts of the first committed token,
     mean relaxed count, p, q)."""
     z = torch.tensor([3.0, 2.85, 2.0, 1.5, 1.0, 0.5])  # r = 0.95
@@ -223,7 +225,7 @@ def _one_node_samples(theta: float, n: int, seed: int) -> tuple[np.ndarray, floa
     draft_probs = torch.stack([q, torch.full((V,), 1 / V)])[None].expand(n, 2, V).clone()
     tree = make_tree([[5, int(k)] for k in kids], [[-1, 0]] * n, sampled=True, draft_probs=draft_probs)
     logits = torch.stack([z, torch.zeros(V)])[None].expand(n, 2, V).clone()
-    verdict = MarsRule(theta).verify(tree, logits, SAMPLE, gen)
+    verdict = MarsRule(theta, walk=walk).verify(tree, logits, SAMPLE, gen)
     first = [int(kids[i]) if path else int(verdict.bonus_tokens[i]) for i, path in enumerate(verdict.accepted_nodes)]
     p_np, q_np = torch.softmax(z.double(), -1).numpy(), q.double().numpy()
     return np.bincount(first, minlength=V), float(np.mean(verdict.relaxed)), p_np / p_np.sum(), q_np / q_np.sum()
@@ -241,8 +243,9 @@ def _predicted_mars(p: np.ndarray, q: np.ndarray, top2: tuple[int, int]) -> np.n
     return out + (q * (1 - a))[tail].sum() * residual / residual.sum()
 
 
-def test_relaxed_sampling_gives_the_documented_distribution():
-    counts, relaxed, p, q = _one_node_samples(0.9, 8000, seed=1)
+@pytest.mark.parametrize("walk", ["host", "device"])
+def test_relaxed_sampling_gives_the_documented_distribution(walk):
+    counts, relaxed, p, q = _one_node_samples(0.9, 8000, seed=1, walk=walk)
     predicted = _predicted_mars(p, q, (0, 1))
     assert abs(predicted.sum() - 1) < 1e-9
     assert chisquare(counts, predicted * counts.sum()).pvalue > 1e-3
@@ -254,7 +257,7 @@ def test_relaxed_sampling_gives_the_documented_distribution():
     expected_relaxed = q[0] * (1 - min(1, p[0] / q[0])) + q[1] * (1 - min(1, p[1] / q[1]))
     assert abs(relaxed - expected_relaxed) < 4 * math.sqrt(expected_relaxed / 8000)
     # theta >= 1: the exact rule, the target's distribution
-    counts, relaxed, p, _ = _one_node_samples(1.0, 8000, seed=2)
+    counts, relaxed, p, _ = _one_node_samples(1.0, 8000, seed=2, walk=walk)
     assert chisquare(counts, p * counts.sum()).pvalue > 1e-3
     assert relaxed == 0
 
@@ -369,11 +372,12 @@ def test_theta_at_least_one_sampling_is_lossless(case):
     assert a == b
 
 
-def test_relaxed_sampling_is_lossy_and_counted():
+@pytest.mark.parametrize("walk", ["host", "device"])
+def test_relaxed_sampling_is_lossy_and_counted(walk):
     """The same test fails with the relaxation on (so it has power, and MARS is lossy)."""
     target, draft = sampling_pair(12.0)
     params = SamplingParams(temperature=1.0)
-    engine = SpeculativeEngine(target, make_policy("chain", k=3), MarsRule(0.5), ModelDraftSource(draft), eos_token_ids=[])
+    engine = SpeculativeEngine(target, make_policy("chain", k=3), MarsRule(0.5, walk=walk), ModelDraftSource(draft), eos_token_ids=[])
     counts, relaxed = sample_counts(engine, params)
     assert relaxed > 0
     pvalue = chi2_pvalue(counts, exact_joint(target, PROMPT, V, TOKENS, params))
@@ -437,3 +441,43 @@ def test_cli_generate_mars(tiny_pair_dir, capsys):
     assert "--mars-theta applies only to --verify mars" in capsys.readouterr().err
     assert main([*base, "--verify", "mars", "--mars-theta", "0"]) == 2
     assert "theta=0.0 must be a number > 0" in capsys.readouterr().err
+
+
+def test_device_walk_equals_the_host_walk_where_the_tests_are_certain():
+    """top_k = 1 makes every exact test certain (the target is a point mass on v1), so both
+    walks must give the same verdict: path, bonus, relaxed and fallback counts, over random
+    trees of distinct sibling tokens and random raw logits (some nodes low-margin, some with
+    z1 <= 0); and `outright_children` picks what the host's relaxation hook picks."""
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, top_k=1)
+    rows, n = 64, 7
+    parents = [[-1, 0, 0, 0, 1, 1, 2]] * rows  # root: 3 children; node 1: 2; node 2: 1
+    tokens = []
+    for _ in range(rows):
+        a = torch.randperm(V, generator=gen)[:3].tolist()
+        b = torch.randperm(V, generator=gen)[:2].tolist()
+        tokens.append([5, *a, *b, int(torch.randint(V, (1,), generator=gen))])
+    tree = make_tree(tokens, parents)
+    z = torch.randn(rows, n, V, generator=gen) * 3.0
+    top2 = z.topk(2, dim=-1).indices
+    z.scatter_(2, top2[:, :, 1:], z.gather(2, top2[:, :, :1]) * 0.95)  # runner-up close: low-margin where z1 > 0
+    z -= 20.0 * (torch.rand(rows, n, 1, generator=gen) < 0.3)  # about 30% of nodes with z1 <= 0: strict fallbacks, leaves too
+    for theta in (0.9, 1.0):
+        host = MarsRule(theta, walk="host").verify(tree, z, params, torch.Generator().manual_seed(1))
+        device = MarsRule(theta, walk="device").verify(tree, z, params, torch.Generator().manual_seed(1))
+        assert device.accepted_nodes == host.accepted_nodes
+        assert device.bonus_tokens.tolist() == host.bonus_tokens.tolist()
+        assert (device.relaxed, device.strict_fallbacks) == (host.relaxed, host.strict_fallbacks)
+    assert sum(host.relaxed) == 0
+    relaxed = MarsRule(0.9, walk="host").verify(tree, z, params, None)
+    assert sum(relaxed.relaxed) > 0 and sum(relaxed.strict_fallbacks) > 0  # both counters are exercised
+    m = margins(z, 0.9)
+    picks = outright_children(tree, m).tolist()
+    v1, v2, fire, fallback = (t.tolist() for t in (m.v1, m.v2, m.fire, m.fallback))
+    for row in range(rows):
+        hook = _relax_hook(tokens[row], v1[row], v2[row], fire[row], fallback[row])
+        for node in range(n):
+            kids = [c for c in range(n) if parents[row][c] == node]
+            if kids:
+                chosen, _ = hook(node, kids)
+                assert picks[row][node] == (n if chosen is None else chosen)

@@ -9,7 +9,7 @@ from specdec.verification.sampling import SamplingRule
 
 __all__ = ["RULE_OPTIONS", "RULE_OPTION_DEFAULTS", "AcceptRule", "GreedyRule", "MarsRule", "SamplingRule", "Verdict", "make_rule"]
 
-RULE_OPTIONS: dict[str, tuple[str, ...]] = {"greedy": (), "sampling": ("walk",), "mars": ("theta",)}
+RULE_OPTIONS: dict[str, tuple[str, ...]] = {"greedy": (), "sampling": ("walk",), "mars": ("theta", "walk")}
 """every `--verify` name and the options its rule takes"""
 
 RULE_OPTION_DEFAULTS: dict[str, Any] = {"walk": "auto", "theta": 0.9}
@@ -18,7 +18,7 @@ RULE_OPTION_DEFAULTS: dict[str, Any] = {"walk": "auto", "theta": 0.9}
 
 def make_rule(name: str, **options: Any) -> AcceptRule:
     """Accept rule by name: 'greedy', 'sampling' (option: walk, where trees are tested: 'auto',
-    'device' or 'host') or 'mars' (option: theta, default 0.9).
+    'device' or 'host') or 'mars' (options: theta, default 0.9, and walk).
 
     An option the rule does not take is an error, e.g. make_rule("greedy", theta=0.9).
     """

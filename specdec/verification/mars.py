@@ -57,9 +57,7 @@ from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict, deepest_path
-from specdec.verification.sampling import HostBatch, RelaxHook, SamplingRule, verdict_of
-
-_LOSSLESS = SamplingRule()
+from specdec.verification.sampling import EXACT_TREE, HostBatch, RelaxHook, SamplingRule, check_walk, verdict_of, walks_on_device
 
 DEFAULT_THETA = 0.9
 """the paper's default logit-ratio threshold"""
@@ -106,6 +104,26 @@ def margins(raw_logits: torch.Tensor, theta: float) -> Margins:
     return Margins(v1=v1, v2=v2, fire=fire, fallback=fallback)
 
 
+def outright_children(tree: TokenTree, m: Margins) -> torch.Tensor:
+    """[B, N] int64: at each low-margin node, its child equal to v1, else its child equal to v2
+    (accepted outright at T > 0); n (no node) elsewhere. Tensor ops, no host read; the same
+    choice as `_relax_hook`'s."""
+    b, n = tree.tokens.shape
+    dev = tree.tokens.device
+    parent = tree.parents.clamp(min=0)  # [B, N]
+    child = tree.valid & (tree.parents >= 0)  # [B, N]
+    cols = torch.arange(n, device=dev).expand(b, n)
+    missing = torch.full((b, n), -1, dtype=torch.long, device=dev)
+    picks = []
+    for top in (m.v1, m.v2):  # per node: its child whose token is `top` there (the last one, as the hook's dict), -1 if none
+        match = child & (tree.tokens == top.gather(1, parent))  # [B, N] per child
+        slot = torch.where(match, parent, n)  # the dump column n for the rest
+        picks.append(torch.full((b, n + 1), -1, dtype=torch.long, device=dev).scatter_reduce_(1, slot, torch.where(match, cols, missing), "amax")[:, :n])
+    first, second = picks
+    pick = torch.where(first >= 0, first, second)
+    return torch.where(m.fire & (pick >= 0), pick, n)
+
+
 def _relax_hook(tokens: list[int], v1: list[int], v2: list[int], fire: list[bool], fallback: list[bool]) -> RelaxHook:
     """The relaxation for one row (lists are per node): at a low-margin node, the child equal
     to v1, else the child equal to v2, is accepted outright; elsewhere nothing is, and a
@@ -129,12 +147,14 @@ class MarsRule:
 
     name = "mars"
 
-    def __init__(self, theta: float = DEFAULT_THETA) -> None:
+    def __init__(self, theta: float = DEFAULT_THETA, walk: str = "auto") -> None:
         self.theta = validate_theta(theta)
+        self.walk = check_walk(walk, "mars")
+        self._lossless = SamplingRule(walk=self.walk)
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
         if not params.greedy and self.theta >= 1:  # no relaxation: exactly the lossless rule (and its tensor-only chain path)
-            return _LOSSLESS.verify(tree, target_logits, params, generator)
+            return self._lossless.verify(tree, target_logits, params, generator)
         m = margins(target_logits, self.theta)
         if params.greedy:
             return self._verify_greedy(tree, m)
@@ -168,6 +188,8 @@ class MarsRule:
     def _verify_sampling(
         self, tree: TokenTree, target_logits: torch.Tensor, m: Margins, params: SamplingParams, generator: torch.Generator | None
     ) -> Verdict:
+        if walks_on_device(self.walk, target_logits.device):  # the same tests on the device, the relaxed picks given to them
+            return EXACT_TREE.verify(tree, target_logits, params, generator, outright=outright_children(tree, m), fallback=m.fallback)
         host = HostBatch.read(tree, target_logits, params, generator)
         v1, v2, fire, fallback = (t.tolist() for t in (m.v1, m.v2, m.fire, m.fallback))  # [B][N] each, one transfer
         walks = [

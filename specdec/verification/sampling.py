@@ -340,7 +340,20 @@ class TreeTests:
         `target` where nothing is left)."""
         return (target - proposal).clamp_(min=0.0)
 
-    def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
+    def verify(
+        self,
+        tree: TokenTree,
+        target_logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        outright: torch.Tensor | None = None,
+        fallback: torch.Tensor | None = None,
+    ) -> Verdict:
+        """outright: [B, N] int64, a child each node accepts without a test (a relaxed rule: MARS),
+        n where none; the exact tests still run at such a node, only to count the child in
+        `relaxed_count` when they would not have accepted it (the strict rule's counterfactual).
+        fallback: [B, N] bool, nodes a relaxed rule verified strictly: counted in `fallback_count`
+        where they are on the walk (the accepted path and its last node) and have children."""
         b, n = tree.tokens.shape
         dev = target_logits.device
         target = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]: each node's target, then its residual
@@ -376,9 +389,16 @@ class TreeTests:
             undecided.logical_xor_(ok)  # (ok implies undecided)
             if i < k - 1:  # (the residuals after the last children are only needed at the path's end, below)
                 self._advance(target, draft_left, mass, x, s, point[:, :, i], tested.logical_xor_(ok), zero)  # rejected: tested, not ok
-        ok_nodes = chosen[:, :n]
+        strict = chosen[:, :n]  # [B, N]: the child the exact tests accept at its parent
+        ok_nodes = strict.clone()
+        relaxed = None
+        if outright is not None:  # a parent with an outright choice takes it, whatever the tests said
+            forced = torch.zeros(b, n + 1, dtype=torch.bool, device=dev).scatter_(1, outright, True)[:, :n]  # [B, N]
+            parent_forces = (outright < n).gather(1, tree.parents.clamp(min=0))  # [B, N]: the node's parent accepts outright
+            ok_nodes = torch.where(parent_forces, forced, strict)
+            relaxed = forced & ~strict
         ok_nodes[:, 0] = True
-        deepest, _, path, accepted_len = deepest_path(tree, ok_nodes)
+        deepest, on_path, path, accepted_len = deepest_path(tree, ok_nodes)
         # the bonus: drawn from the deepest node's residual after all its children (all rejected)
         at = deepest[:, None]  # [B, 1]
         probs = target.gather(1, at[:, :, None].expand(b, 1, target.shape[2]))  # [B, 1, V]
@@ -390,7 +410,9 @@ class TreeTests:
             self._advance(probs, left, mass, x, s, pt, has[:, :, last].gather(1, at), zero)
         bonus = (probs[:, 0] / torch.empty_like(probs[:, 0]).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs
         zeros = constants.full((b,), 0, torch.long, dev)
-        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
+        relaxed_count = zeros if relaxed is None else (relaxed & on_path).sum(dim=1)
+        fallback_count = zeros if fallback is None or k == 0 else (fallback & has[:, :, 0] & on_path).sum(dim=1)
+        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=relaxed_count, fallback_count=fallback_count)
 
     def _advance(
         self,
@@ -436,6 +458,18 @@ WALKS = ("auto", "device", "host")
 device on accelerators and the host on the CPU"""
 
 
+def check_walk(walk: object, rule: str) -> str:
+    """`walk` if it is one of `WALKS`, else a SpecDecError naming it and the choices."""
+    if walk not in WALKS:
+        raise SpecDecError(f"{rule} walk={walk!r} must be one of {', '.join(WALKS)} (where trees are tested: 'auto' the device on accelerators, the host on the CPU)")
+    return str(walk)
+
+
+def walks_on_device(walk: str, device: torch.device) -> bool:
+    """Whether trees of a `device` are tested there under the `walk` setting."""
+    return walk == "device" or (walk == "auto" and device.type != "cpu")
+
+
 class SamplingRule:
     """Lossless speculative sampling (see the module docstring).
 
@@ -446,18 +480,16 @@ class SamplingRule:
     name = "sampling"
 
     def __init__(self, tests: SiblingTests = EXACT, chain_tests: ChainTests = EXACT_CHAIN, tree_tests: TreeTests = EXACT_TREE, walk: str = "auto") -> None:
-        if walk not in WALKS:
-            raise SpecDecError(f"sampling walk={walk!r} must be one of {', '.join(WALKS)} (where trees are tested: 'auto' the device on accelerators, the host on the CPU)")
+        self.walk = check_walk(walk, "sampling")
         self.tests = tests
         self.chain_tests = chain_tests
         self.tree_tests = tree_tests
-        self.walk = walk
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Whether trees on `device` are tested there (`TreeTests`) rather than walked on the host."""
         if type(self.tests) is not SiblingTests:  # deliberately wrong host tests keep the host walk
             return False
-        return self.walk == "device" or (self.walk == "auto" and device.type != "cpu")
+        return walks_on_device(self.walk, device)
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
         if params.greedy:
