@@ -209,6 +209,21 @@ def test_bench_lookup_draft_source(tiny_pair_dir, tmp_path):
     assert results["methods"]["chain"]["matches_ar"] is True
 
 
+def test_bench_reports_what_adaptive_methods_learned(tiny_pair_dir, tmp_path):
+    """dynatree's and cast's learned state after the timed calls: in results.json and a report section."""
+    prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:1])
+    out = tmp_path / "out"
+    assert main(_bench_args(tiny_pair_dir, prompts, out, "--methods", "ar,chain,dynatree,cast", "--repeats", "1")) == 0
+    methods = json.loads((out / "results.json").read_text())["methods"]
+    assert methods["ar"]["policy_state"] is None and methods["chain"]["policy_state"] is None
+    dyn, cast = methods["dynatree"]["policy_state"], methods["cast"]["policy_state"]
+    assert {"d0", "tau_high", "rho_deep", "adjustments"} <= set(dyn) and dyn["calibration"]["top-k"]["observations"] > 0
+    assert cast["plain_vs_drafted"] and cast["calibration"]["observations"] > 0
+    report = (out / "report.md").read_text()
+    section = report.split("## Adaptive state after the timed calls")[1].split("##")[0]
+    assert f"- dynatree: D_0 {dyn['d0']}, tau_h" in section and "- cast: B~1: drafted" in section
+
+
 def test_bench_batch_sizes_sweep(tiny_pair_dir, tmp_path):
     prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:1] * 4)
     out = tmp_path / "out"

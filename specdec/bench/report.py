@@ -105,6 +105,8 @@ class MethodSummary:
     """device-to-host value reads per decoding step outside model forwards"""
     host_kb_per_step: float | None = None
     """what those reads copied per decoding step, in KB (1000 bytes)"""
+    policy_state: dict[str, Any] | None = None
+    """an adaptive policy's learned state after the timed calls (`BenchResult.policy_states`)"""
     tau_histogram: dict[int, int] = field(default_factory=dict)
     """accepted_len + 1 -> steps"""
     drafted_by_depth: list[int] = field(default_factory=list)
@@ -248,6 +250,7 @@ def summarize(result: BenchResult) -> list[MethodSummary]:
                     div = r.divergences[row] if r.divergences is not None else None
                     ties += div is not None and div["kind"] == "numerical tie"
             s.equality_compared, s.equality_mismatches, s.equality_ties = compared, mismatches, ties
+        s.policy_state = result.policy_states.get(v.label)
         work = result.host_work.get(v.label)
         if work is not None:
             s.ops_per_step, s.ops_all_per_step, s.host_reads_per_step = work["ops"], work["ops_all"], work["host_reads"]
@@ -648,12 +651,38 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
     if result.cost_profiles:
         lines += ["## Cost profiles", "", "Where each cost-aware method's forward-cost table came from (ready before the warm-up and every timed call):", ""]
         lines += [f"- {label}: {source['text']}" for label, source in result.cost_profiles.items()] + [""]
+    states = [line for s in summaries if s.policy_state for line in [policy_state_line(s.label, s.policy_state)] if line]
+    if states:
+        lines += ["## Adaptive state after the timed calls", "", "What each adaptive method had learned (whole state: results.json `policy_state`):", ""]
+        lines += states + [""]
     notes = list(result.notes) + root_only_notes(summaries)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+def policy_state_line(label: str, state: dict[str, Any]) -> str:
+    """One markdown bullet of an adaptive policy's state: DynaTree's adapted D_0, tau_h, rho_deep
+    and history moves; CAST's plain-vs-drafted ms per token by batch bucket and its learned
+    overheads; '' for a state of another shape."""
+    if "d0" in state:
+        ratio = state.get("last_window_ratio")
+        last = f", last full window accepted / predicted {ratio:.2f}" if isinstance(ratio, (int, float)) else ""
+        return (
+            f"- {label}: D_0 {state['d0']}, tau_h {state['tau_high']:.2f}, rho_deep {state['rho_deep']:.2f} after "
+            f"{state['adjustments']} history move(s){last}"
+        )
+    if "plain_vs_drafted" in state:
+        buckets = []
+        for bucket, t in state["plain_vs_drafted"].items():
+            drafted, plain = t.get("drafted_ms_per_token"), t.get("plain_ms_per_token")
+            fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+            buckets.append(f"B~{bucket}: drafted {fmt(drafted)} / plain {fmt(plain)} ms per token")
+        overheads = ", ".join(f"{k} {v:+.2f}" for k, v in state.get("overheads_ms", {}).items())
+        return f"- {label}: {'; '.join(buckets) or 'no timed steps'}; learned overheads (ms): {overheads}"
+    return ""
 
 
 ROOT_ONLY_NOTE = 0.05

@@ -17,6 +17,7 @@ Protocol
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Sequence
@@ -205,6 +206,9 @@ class BenchResult:
     cost_profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     """per cost-aware variant (cast): where its cost table came from (`ProfileSource.to_dict`),
     loaded or measured before the warm-up and the timed calls"""
+    policy_states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """per adaptive variant (a policy with `state()`: cast, dynatree): its learned state right
+    after the timed calls (calibration, adapted thresholds, plain-vs-drafted times, overheads)"""
 
 
 # ----- configuration -----------------------------------------------------------------
@@ -428,6 +432,16 @@ class _Runner:
         ids = turn_context(self.models.tokenizer, prompt, turn, previous, answers, self.eos_token_ids, self.config.chat, self.config.system)
         return fit_context(ids, self.max_context, max_new)
 
+    def policy_states(self, variants: Sequence[Variant]) -> dict[str, dict[str, Any]]:
+        """Per variant whose policy adapts (has `state()`): that state, JSON-ready."""
+        states = {}
+        for v in variants:
+            decoder = self.decoders.get(v.label)
+            state = getattr(getattr(decoder, "policy", None), "state", None)
+            if callable(state):
+                states[v.label] = json.loads(json.dumps(state(), default=float))
+        return states
+
     def count_host_work(self, variant: Variant, groups: Sequence[Sequence[BenchPrompt]], min_steps: int = HOST_WORK_MIN_STEPS) -> dict[str, float]:
         """Ops, host reads and the bytes they copy per decoding step outside model forwards (`specdec.hostwork`) on the
         first turns of the prompt groups, in untimed calls (the counting itself is slow): group
@@ -588,6 +602,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
                     progress.update(task, description=f"repeat {repeat + 1}/{config.repeats} prompt group {g + 1}/{len(groups)} {escape(v.label)}")
                     records.extend(runner.run_group(v, group, repeat, g))
                     progress.advance(task)
+    policy_states = runner.policy_states(variants)  # before the host-work calls below add to what they learned
     host_work = {v.label: runner.count_host_work(v, groups) for v in variants if not v.peer}
     if config.temperature == 0:
         _classify_divergences(records, models.target)
@@ -614,6 +629,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         wall_s=time.perf_counter() - t_start,
         host_work=host_work,
         cost_profiles=cost_profiles,
+        policy_states=policy_states,
     )
 
 

@@ -338,6 +338,18 @@ class DynaTreePolicy:
         self._predicted_sum = None
         self._last_ratio: float | None = None  # the last full window's accepted / predicted
 
+    def state(self) -> dict[str, object]:
+        """Introspection: the adapted parameters, the history rule's moves and last full window's
+        accepted / predicted ratio, and the calibration table of each kind of children."""
+        return {
+            "d0": self.cur_d0,
+            "tau_high": self.cur_tau_high,
+            "rho_deep": self.cur_rho_deep,
+            "adjustments": self.adjustments,
+            "last_window_ratio": self._last_ratio,
+            "calibration": {"top-k": self._calibrators[False].state(), "drawn": self._calibrators[True].state()},
+        }
+
     def bounds(self) -> dict[str, tuple[float, float]]:
         """The closed ranges the history rule keeps D_0, tau_h and rho_deep in."""
         return {
