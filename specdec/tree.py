@@ -117,7 +117,8 @@ class TokenTree:
 
     def sibling_ranks(self) -> torch.Tensor:
         """[B, N] int64: each valid non-root node's position among its parent's valid children in
-        tree order (0 for the first child), -1 at the root and padding. No host read.
+        tree order (0 for the first child), -1 at the root and padding. No host read (the host,
+        1-based counterpart over recorded parents is `specdec.drafting.ranks.sibling_ranks`).
         Example: parents [-1, 0, 0, 1, 0] -> ranks [-1, 0, 1, 0, 2]."""
         n = self.parents.shape[1]
         cols = constants.arange(n, self.parents.device)

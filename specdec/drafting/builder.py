@@ -144,9 +144,9 @@ class TreeBuilder:
         self._anc = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)
         torch.diagonal(self._anc, dim1=1, dim2=2).fill_(True)  # every node is its own ancestor
         self.levels = 0
+        """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
         self.max_children = 0
         """the most children any `add` may have given one parent (`TokenTree.max_children`)"""
-        """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
         self._any_sampled = False
         """a node drawn from its parent's draft distribution was added (else the sampled flags are all False)"""
         self.keep_draft_probs = keep_draft_probs

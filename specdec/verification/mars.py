@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import constants
 from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -112,7 +113,7 @@ def outright_children(tree: TokenTree, m: Margins) -> torch.Tensor:
     dev = tree.tokens.device
     parent = tree.parents.clamp(min=0)  # [B, N]
     child = tree.valid & (tree.parents >= 0)  # [B, N]
-    cols = torch.arange(n, device=dev).expand(b, n)
+    cols = constants.arange(n, dev).expand(b, n)
     missing = torch.full((b, n), -1, dtype=torch.long, device=dev)
     picks = []
     for top in (m.v1, m.v2):  # per node: its child whose token is `top` there (the last one, as the hook's dict), -1 if none
