@@ -48,8 +48,10 @@ def test_greedy_matches_generate_on_more_architectures(model_type):
 
 
 UNSUPPORTED = {
-    "mamba": ({}, "recurrent state"),
-    "rwkv": ({}, "recurrent state"),
+    # (whichever check names them: a forward without a cache argument, as in transformers 5.23, or
+    # the state layers of the cache it lays out, as for mamba in 5.24, which takes a `cache`)
+    "mamba": ({}, "recurrent (or convolutional )?state"),
+    "rwkv": ({}, "recurrent (or convolutional )?state"),
     "falcon_h1": ({}, "recurrent or convolutional state"),
     "minimax": ({}, "recurrent or convolutional state"),
     "lfm2": ({"layer_types": ["conv", "full_attention"]}, "recurrent or convolutional state"),
@@ -82,3 +84,20 @@ def test_unsupported_loaded_model_is_refused_by_the_runner(model_type):
 def test_falcon_without_alibi_is_accepted():
     """The ALiBi rule reads the config: Falcon's default rotary positions pass."""
     assert check_causal_lm(tiny_any_config("falcon"), "falcon", "target") is AutoModelForCausalLM
+
+
+def test_cache_argument_follows_the_forward_signature():
+    """transformers 5.24 renamed a forward's `past_key_values` to `cache` (the old name still works
+    there, with a deprecation warning): the runner passes the cache by the name the model takes."""
+    from specdec.models.support import cache_argument, output_cache
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    assert (cache_argument(New()), cache_argument(Old()), cache_argument(object())) == ("cache", "past_key_values", "past_key_values")
+    marker = object()
+    assert output_cache(type("Out", (), {"cache": marker})()) is marker
+    assert output_cache(type("Out", (), {"past_key_values": marker})()) is marker

@@ -37,7 +37,7 @@ from specdec.hostwork import uncounted
 from specdec.models.graphs import CudaGraphRunner
 from specdec.models.static import BUCKETS, StaticInputs, StoragePool, node_bucket, shared_state
 from specdec.models.support import FIX as UNSUPPORTED_FIX
-from specdec.models.support import tree_verification_problem
+from specdec.models.support import cache_argument, tree_verification_problem
 
 _LOG = logging.getLogger("specdec.runner")
 
@@ -211,6 +211,7 @@ class ModelRunner:
         if problem is not None:
             raise SpecDecError(f"{type(model).__name__} {problem}; {UNSUPPORTED_FIX}")
         self.model = model
+        self._cache_arg = cache_argument(model)  # 'cache' (transformers >= 5.24) or 'past_key_values'
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.static_shapes = static_shapes or cuda_graphs
@@ -399,8 +400,8 @@ class ModelRunner:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_arg: cache},
                 logits_to_keep=logits_to_keep,
                 **(model_inputs or {}),
             )
@@ -496,8 +497,8 @@ class ModelRunner:
             input_ids=buf.input_ids,
             attention_mask=mask,
             position_ids=buf.position_ids,
-            past_key_values=self._cache(),
             use_cache=True,
+            **{self._cache_arg: self._cache()},
             logits_to_keep=logits_to_keep,
             **(model_inputs or {}),
         )

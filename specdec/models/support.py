@@ -28,6 +28,10 @@ MASKED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 """architectures whose ALiBi bias comes from the cache index or the 2-D mask, never from position ids"""
 
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+"""the names a model's forward takes its key/value cache by: `cache` since transformers 5.24,
+`past_key_values` before (5.24 still accepts it, renamed with a deprecation warning)"""
+
 FIX = (
     "specdec supports transformers decoder-only models with an attention key/value cache "
     "(Llama, Qwen, Mistral, Gemma, Phi, GPT-2, GPT-NeoX, OPT, Falcon without ALiBi, ...); "
@@ -35,16 +39,32 @@ FIX = (
 )
 
 
+def cache_argument(model: object) -> str:
+    """The keyword `model`'s forward takes its key/value cache by (`CACHE_ARGUMENTS`):
+    'cache' where it names it (transformers >= 5.24), else 'past_key_values'."""
+    try:
+        parameters = inspect.signature(type(model).forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def output_cache(output: object) -> object:
+    """The key/value cache a forward returned, under either name (`CACHE_ARGUMENTS`)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
 def tree_verification_problem(config: PretrainedConfig, model_class: type | None = None) -> str | None:
     """Why draft trees cannot be verified with a model of this config (a phrase to follow the
     model's name), or None when they can. model_class: the concrete model class when known
-    (models that take no `past_key_values` keep their own recurrent state)."""
+    (models whose forward takes no key/value cache, `CACHE_ARGUMENTS`, keep their own recurrent state)."""
     text = config.get_text_config()
     model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None) or "unknown"
     forward = getattr(model_class, "forward", None)
     if forward is not None:
         try:
-            takes_cache = "past_key_values" in inspect.signature(forward).parameters
+            takes_cache = any(name in inspect.signature(forward).parameters for name in CACHE_ARGUMENTS)
         except (TypeError, ValueError):
             takes_cache = True  # no signature to read: let the cache layers decide
         if not takes_cache:

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specdec.models.support import cache_argument, output_cache
+
 
 @dataclass
 class UnlikelihoodConfig:
@@ -66,13 +68,14 @@ def repeat_mask(tokens: list[int], n: int) -> list[bool]:
 def greedy_continuations(model: PreTrainedModel, prefix: torch.Tensor, length: int) -> torch.Tensor:
     """[B, length] greedy tokens after `prefix` [B, P] (with the KV cache; EOS does not stop it:
     the loss looks at what the model would go on to say)."""
+    name = cache_argument(model)  # 'cache' (transformers >= 5.24) or 'past_key_values'
     out = model(prefix, use_cache=True)
-    past = out.past_key_values
+    past = output_cache(out)
     token = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
     tokens = [token]
     for _ in range(length - 1):
-        out = model(token, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(token, use_cache=True, **{name: past})
+        past = output_cache(out)
         token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
         tokens.append(token)
     return torch.cat(tokens, dim=1)
