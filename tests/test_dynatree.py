@@ -498,6 +498,8 @@ def test_calibrated_history_predicts_with_calibrated_values():
         ({"accept_low": 0.5, "accept_high": 0.4}, "accept_low < accept_high"),
         ({"adjust_step": 0}, "adjust_step=0"),
         ({"rho_deep": "0.5"}, "rho_deep='0.5' must be a number"),
+        ({"free_tokens": -1}, "free_tokens=-1"),
+        ({"free_tokens": 1.5}, "free_tokens=1.5"),
     ],
 )
 def test_validation_names_value_and_fix(options, needle):
@@ -512,7 +514,7 @@ def test_registered_with_every_field_as_option():
     opts = method_options("dynatree")
     assert set(opts) == {
         "d0", "d_max", "b_min", "b_mid", "b_max", "tau_high", "tau_low", "prune_tau", "rho_stop", "rho_deep",
-        "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase", "tree_sampling", "history_rule", "calibrate",
+        "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase", "tree_sampling", "history_rule", "calibrate", "free_tokens",
     }  # fmt: skip
     pol = make_policy("dynatree", d0=3, phase=1)
     assert (pol.d0, pol.phase, pol.d_max, pol.max_nodes, pol.prune_tau) == (3, 1, 8, 256, 0.03)

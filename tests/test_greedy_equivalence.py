@@ -128,6 +128,34 @@ SMALL_BUDGETS = {
 }
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_dynatree_inside_a_free_verification_width(arch, batch_size):
+    """DynaTree with a free verification width (no pruning, the best nodes by p over all levels,
+    at most free_tokens // B - 1 a row) gives the target's own greedy output."""
+    target = sharpen(tiny_model(arch, seed=0))
+    draft = sharpen(tiny_model(arch, seed=0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    policy = make_policy("dynatree", free_tokens=12)
+    widths: list[tuple[int, int]] = []  # (rows, the widest row's tree) per step
+    draft_step = policy.draft
+
+    def recorded(source, roots, ctx):
+        out = draft_step(source, roots, ctx)
+        widths.append((roots.shape[0], int(out.tree.valid.sum(dim=1).max())))
+        return out
+
+    policy.draft = recorded  # type: ignore[method-assign]
+    engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+    outs = engine.generate(PROMPTS, 20, batch_size=batch_size)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == reference(target, prompt, 20, EOS), (arch, batch_size, prompt)
+    assert all(width <= 12 // rows for rows, width in widths)  # the root and at most free_tokens // B - 1 draft tokens
+    assert max(width for _, width in widths) > 2  # the trees did grow into the free width
+
+
 @pytest.mark.parametrize("method", sorted(SMALL_BUDGETS))
 def test_node_budgets_that_end_inside_a_level(method):
     """A node budget running out part-way through a level (the old static tree crashed there)

@@ -124,6 +124,9 @@ CASES = {
     "chain": ("chain", {"k": 3}, SamplingParams(temperature=1.0)),
     "chain-top-k": ("chain", {"k": 2}, SamplingParams(temperature=1.2, top_k=4)),
     "eagle2-sampled-top-k": ("eagle2", TREES["eagle2"][1], SamplingParams(temperature=1.0, top_k=3)),
+    # DynaTree inside a free verification width (5 draft tokens a row at BATCH rows): no pruning,
+    # each level's 5 best growing nodes, the tree the 5 best nodes by p over all levels
+    **{f"dynatree-free-{p}": ("dynatree", {**TREES["dynatree"][1], "free_tokens": 6 * BATCH}, PARAMS[p]) for p in ("t1", "t0.7-top-p")},
 }
 
 

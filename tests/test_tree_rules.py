@@ -10,6 +10,7 @@ that is exactly as good as its probabilities say."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdec.bench.treesim import Simulation, SyntheticDraft, Truth, cpu_like_table, gpu_like_table, summary
 from specdec.drafting.cast import StepPlan
@@ -101,3 +102,34 @@ def test_dynatree_history_does_not_shrink_a_calibrated_draft_tree():
     assert by_predicted["expected"] > by_drafted["expected"] and by_predicted["depth"] > by_drafted["depth"]
     ratio = predicted.windowed_acceptance()
     assert ratio is not None and 0.6 < ratio < 1.4  # a calibrated draft: about what the tree predicts
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+@pytest.mark.parametrize("batch", [1, 2, 4, 16])
+def test_dynatree_fills_a_free_verification_width(draft, batch):
+    """Where verifying 64 tokens costs one token's (a GPU), DynaTree's pruning and early stop save
+    nothing: inside the free width (free_tokens // B - 1 draft tokens a row) it keeps its best
+    nodes by p instead, and beats both its own paper rules and the static tree per unit time
+    (the paper's rules lost to the static tree at B = 1 on an H100, issue 18)."""
+    sim = Simulation(*DRAFTS[draft], gpu_like_table(), batch=batch)
+    free, paper, static = run("dynatree", sim, free_tokens=64), run("dynatree", sim, free_tokens=0), run("static", sim)
+    assert free["rate"] > paper["rate"], (free, paper)
+    assert free["rate"] >= static["rate"], (free, static)
+    assert free["nodes"] <= 64 // batch - 1
+
+
+def test_dynatree_free_width_costs_where_every_token_costs():
+    """Why the free width is off on a CPU (the default there): where every verified token costs,
+    the paper's pruning is the better rule."""
+    sim = Simulation(*DRAFTS["calibrated"], cpu_like_table(), batch=1)
+    assert run("dynatree", sim, free_tokens=0)["rate"] > run("dynatree", sim, free_tokens=64)["rate"]
+
+
+def test_dynatree_free_width_per_device_and_batch():
+    policy = make_policy("dynatree")  # free_tokens None: the device's default
+    assert policy.free_width(1, torch.device("cpu")) == 0
+    assert policy.free_width(1, torch.device("cuda")) == 63
+    assert policy.free_width(16, torch.device("cuda")) == 3
+    assert policy.free_width(64, torch.device("cuda")) == 0  # one token a row: nothing is free
+    assert make_policy("dynatree", free_tokens=20).free_width(2, torch.device("cpu")) == 9
+    assert make_policy("dynatree", free_tokens=64, phase=0).free_width(1, torch.device("cuda")) == 0  # the fixed tree stays fixed

@@ -38,6 +38,13 @@ if TYPE_CHECKING:
     from specdec.sources.base import DraftSource
     from specdec.stats import StepRecord
 
+FREE_TOKENS_ACCELERATOR = 64
+"""`free_tokens`' default on CUDA devices: a verification forward of up to 64 tokens costs about
+one token's on a data-centre GPU at batch sizes a server runs (memory-bound: the weights are
+read once whatever the token count; the H100 measurement of issue 18, 3B target). CPUs pay for
+every token (the bundled pair: 64 tokens cost 3.5 one-token forwards), hence 0 there. Not
+measured per device: pass free_tokens (from `specdec profile`'s table) to override"""
+
 PHASES = (0, 1, 2, 3)
 """0 fixed tree (D_0, B_mid); 1 + adaptive branching; 2 + dynamic depth; 3 + history adjustment"""
 
@@ -233,6 +240,13 @@ class DynaTreePolicy:
     the calibrated rate of u's best child, looked up from a top-k child's draft probability or, for
     drawn children, from the draw rank and the parent's collision mass; False: the paper's raw draft
     probabilities, and drawn children valued by their Gumbel keys"""
+    free_tokens: int | None = None
+    """tokens one verification forward takes for about the price of one, over the whole batch (a
+    device property). Each row's share, n = free_tokens // B - 1 draft tokens, costs nothing to
+    verify, so within it pruning (prune_tau) and early stopping (rho_stop), which exist to save
+    verification, are off, each level keeps its n best growing nodes, and the tree is the n best
+    nodes by p over all levels (EAGLE-2's rerank) instead of a level-by-level budget; 0 (or n < 1):
+    the paper's rules. None (default): `FREE_TOKENS_ACCELERATOR` (64) on CUDA devices, 0 elsewhere"""
     name: str = "dynatree"
     uses_draft: bool = True
 
@@ -273,6 +287,11 @@ class DynaTreePolicy:
 
     # ----- validation --------------------------------------------------------------------
     def _validate(self) -> None:
+        if self.free_tokens is not None and (isinstance(self.free_tokens, bool) or not isinstance(self.free_tokens, int) or self.free_tokens < 0):
+            raise SpecDecError(
+                f"dynatree free_tokens={self.free_tokens!r} must be a non-negative integer (tokens a verification takes for the price of one; "
+                "0: the paper's pruning rules); fix --free-tokens"
+            )
         for name in ("d0", "d_max", "b_min", "b_mid", "b_max", "max_nodes", "history_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -438,6 +457,19 @@ class DynaTreePolicy:
             self.adjustments += 1
 
     # ----- drafting ----------------------------------------------------------------------
+    def free_tokens_on(self, device: torch.device) -> int:
+        """`free_tokens`, or its default on `device` (`FREE_TOKENS_ACCELERATOR` on CUDA, else 0)."""
+        if self.free_tokens is not None:
+            return self.free_tokens
+        return FREE_TOKENS_ACCELERATOR if device.type == "cuda" else 0
+
+    def free_width(self, batch: int, device: torch.device) -> int:
+        """Draft tokens per row inside the verification's free width at `batch` rows on `device`:
+        free_tokens // batch - 1, or 0 (the paper's rules) when that is below 1 or in phase 0
+        (the fixed tree)."""
+        n = self.free_tokens_on(device) // max(batch, 1) - 1
+        return n if n >= 1 and self.phase > 0 else 0
+
     def depth_limit(self, ctx: DraftContext) -> int:
         """Deepest node depth this step: D_0 (phases 0-1) or D_max (phases 2-3), capped by ctx.max_depth."""
         return max(0, min(self.cur_d0 if self.phase < 2 else self.d_max, ctx.max_depth))
@@ -471,16 +503,17 @@ class DynaTreePolicy:
             table = self._rank_limits[key] = torch.tensor(limits, device=device)  # [k]
         return top_logq < table
 
-    def _growing(self, depth: int, node_valid: torch.Tensor, score: torch.Tensor, limit: int) -> torch.Tensor | None:
+    def _growing(self, depth: int, node_valid: torch.Tensor, score: torch.Tensor, limit: int, rho_stop: float) -> torch.Tensor | None:
         """Which of a level's nodes (all at `depth`) get children, [B, w] bool; None when no
         node of that depth may (the depth limit). Phases 0-1: every valid node above the limit;
         phases 2-3: the paper's gate p(u) >= rho_stop and (d(u) < D_0 or p(u) >= rho_deep), with
-        the depth parts decided on the host (one comparison on the device)."""
+        the depth parts decided on the host (one comparison on the device). rho_stop: the
+        option, or 0 inside the free width."""
         if depth >= limit:
             return None
         if self.phase < 2:
             return node_valid
-        threshold = _log(self.rho_stop) if depth < self.cur_d0 else max(_log(self.rho_stop), _log(self.cur_rho_deep))
+        threshold = _log(rho_stop) if depth < self.cur_d0 else max(_log(rho_stop), _log(self.cur_rho_deep))
         if threshold > float("-inf"):  # invalid nodes have score -inf (the builder writes it): the comparison alone
             return score >= threshold
         return (score >= threshold).logical_and_(node_valid)
@@ -552,13 +585,21 @@ class DynaTreePolicy:
         self._drawing = sampled
         self._calibrating = self.calibrate and self.phase > 0  # phase 0 (fixed tree) has no p(u) or c(u) to calibrate
         self._last_tree = None  # a step that does not calibrate leaves nothing for feedback to pair with its record
-        level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
-        frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
         proposed = self.b_mid if self.phase == 0 else self.b_max
+        # inside the verification's free width: no pruning, no early stop; each level's `free` best
+        # growing nodes form the next frontier (a node outside them is outside the final best `free`,
+        # and so are its children, whose p is lower) and the tree is the `free` best nodes by p
+        free = self.free_width(roots.shape[0], roots.device)
+        rho_stop = 0.0 if free else self.rho_stop
+        if free:
+            frontier_cap, level_cap = free, free * proposed
+        else:
+            level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
+            frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
         # room for every level uncompacted (top-k levels add all m * k candidates, invalid ones included)
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + proposed * (1 + max(0, limit - 1) * frontier_cap))
         dev = roots.device
-        log_tau = _log(self.prune_tau)
+        log_tau = float("-inf") if free else _log(self.prune_tau)
         frontier, frontier_valid = builder.root, builder.root_valid  # [B, m] builder indices to expand (finished rows: nothing grows)
         logprobs = builder.root_logprobs[:, None, :]  # [B, m, V] children distributions of the frontier
         vocab = logprobs.shape[-1]
@@ -589,11 +630,16 @@ class DynaTreePolicy:
                     nodes = builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau, depth=depth + 1)  # [B, m*k]
             tree_width += nodes.shape[1]  # an upper bound until the next read
             # p(u): cum_logq, or the node's score: its calibrated value, or for uncalibrated drawn nodes their Gumbel key
-            grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit)  # [B, w] or None (no deeper level)
+            grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit, rho_stop)  # [B, w] or None (no deeper level)
             if grow is not None and room is not None:
                 grow = grow & room[:, None]
             last = grow is None
-            if not last:
+            if not last and free:  # the level's `free` best growing nodes by p, growing ones first
+                assert grow is not None
+                cap = min(grow.shape[1], free)
+                order = torch.topk(builder.score[:, start:].masked_fill(~grow, float("-inf")), cap, dim=1).indices  # [B, cap]
+                frontier_valid = grow.gather(1, order)
+            elif not last:
                 assert grow is not None
                 growing, order = torch.sort(grow, dim=1, descending=True, stable=True)  # growing nodes first, in creation order
                 # path probabilities bound how many nodes of a level can grow (no read); Gumbel keys and
@@ -614,10 +660,12 @@ class DynaTreePolicy:
                     frontier_valid, order = frontier_valid[:, :n_growing], order[:, :n_growing]
             frontier = order + start
             logprobs = builder.expand(frontier, frontier_valid, depth=depth + 1)  # [B, m', V]: one draft forward per level
-        if predicts:  # each row's predicted accepted tokens: the sum of p(u) over its nodes (-inf at invalid ones), read in `feedback`
-            self._predicted_sum = (builder.score if calibrating else builder.cum_logq)[:, 1:].exp().sum(dim=1)  # [B]
-        # the valid nodes only (levels are padded to a static width): `tree_width` columns
-        drafted = builder.finish(builder.valid, width=tree_width)
+        keep = builder.top_by_score(None, free) if free else builder.valid  # [B, N]: the free width's best nodes by p, or every valid one
+        if predicts:  # each row's predicted accepted tokens: the sum of p(u) over its kept nodes (-inf at invalid ones), read in `feedback`
+            value = (builder.score if calibrating else builder.cum_logq)[:, 1:]
+            self._predicted_sum = (value.masked_fill(~keep[:, 1:], float("-inf")) if free else value).exp().sum(dim=1)  # [B]
+        # the kept nodes only (levels are padded to a static width): `tree_width` columns, or the free width's
+        drafted = builder.finish(keep, width=1 + free if free else tree_width)
         if calibrating:
             tree = drafted.tree
             self._last_tree = (torch.cat(self._cells, dim=1).gather(1, drafted.builder_nodes), tree.parents, tree.valid)
