@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included)
 #   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
-#   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), eagle2, dynatree, cast at B = 4 and 16
+#   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), eagle2, dynatree (free width / paper rules), cast at B = 4 and 16
 #   bash benchmarks/gpu/run.sh sampling  # the same pair at T = 1, B = 1: the trees' sampled rules against the chain (#19)
 #
 # Writes under $OUT (the device tool brings back at most 8 files, 2 folders deep): a log per stage
@@ -41,14 +41,14 @@ case "$stage" in
   b1)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods ar,hf,hf-assisted,chain,static,eagle2,dynatree,cast --num-prompts 12 --max-new-tokens 64 --repeats 1 \
+      --methods ar,hf,hf-assisted,chain,static,eagle2,dynatree,dynatree:free_tokens=0,cast --num-prompts 12 --max-new-tokens 64 --repeats 1 \
       --no-progress --out "$OUT/b1" 2>&1 | tee "$OUT/b1.log"
     tar -czf "$OUT/b1.tar.gz" -C "$OUT" b1 && rm -rf "$OUT/b1"
     ;;
   sweep)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods ar,hf,eagle2,dynatree,cast --batch-sizes 4,16 --num-prompts 32 --max-new-tokens 64 --repeats 1 \
+      --methods ar,hf,eagle2,dynatree,dynatree:free_tokens=0,cast --batch-sizes 4,16 --num-prompts 32 --max-new-tokens 64 --repeats 1 \
       --no-progress --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log"
     tar -czf "$OUT/sweep.tar.gz" -C "$OUT" sweep && rm -rf "$OUT/sweep"
     ;;
