@@ -133,3 +133,27 @@ def test_dynatree_free_width_per_device_and_batch():
     assert policy.free_width(64, torch.device("cuda")) == 0  # one token a row: nothing is free
     assert make_policy("dynatree", free_tokens=20).free_width(2, torch.device("cpu")) == 9
     assert make_policy("dynatree", free_tokens=64, phase=0).free_width(1, torch.device("cuda")) == 0  # the fixed tree stays fixed
+    assert make_policy("dynatree", free_tokens=10**6, max_nodes=40).free_width(1, torch.device("cpu")) == 40  # the node budget caps it
+
+
+def test_dynatree_free_width_predicts_from_the_verified_nodes():
+    """Inside the free width the tree keeps the best nodes of a larger drafted set: the history
+    rule's prediction is the sum of p(u) over the verified nodes only (the dropped ones would make
+    the draft look overconfident and walk the parameters to their conservative bounds)."""
+    sim = Simulation(*DRAFTS["calibrated"], gpu_like_table(), batch=2)
+    policy = make_policy("dynatree", free_tokens=24, calibrate=False)  # p(u) = exp(cum_logq): readable from the tree
+    predicted = []
+    draft = policy.draft
+
+    def recorded(source, roots, ctx):
+        out = draft(source, roots, ctx)
+        tree = out.tree
+        kept = tree.cum_logq.masked_fill(~tree.valid, float("-inf"))[:, 1:].exp().sum(dim=1)  # [B]
+        predicted.append((policy._predicted_sum.clone(), kept, tree.valid.sum(dim=1)))
+        return out
+
+    policy.draft = recorded  # type: ignore[method-assign]
+    sim.run(policy, 6)
+    for got, kept, nodes in predicted:
+        assert torch.allclose(got, kept), (got, kept)
+        assert bool((nodes <= 24 // 2).all())  # the root and at most 11 draft tokens a row

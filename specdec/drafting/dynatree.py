@@ -245,8 +245,8 @@ class DynaTreePolicy:
     device property). Each row's share, n = free_tokens // B - 1 draft tokens, costs nothing to
     verify, so within it pruning (prune_tau) and early stopping (rho_stop), which exist to save
     verification, are off, each level keeps its n best growing nodes, and the tree is the n best
-    nodes by p over all levels (EAGLE-2's rerank) instead of a level-by-level budget; 0 (or n < 1):
-    the paper's rules. None (default): `FREE_TOKENS_ACCELERATOR` (64) on CUDA devices, 0 elsewhere"""
+    nodes by p over all levels (EAGLE-2's rerank) instead of a level-by-level budget; n is capped at
+    max_nodes; 0 (or n < 1): the paper's rules. None (default): `FREE_TOKENS_ACCELERATOR` (64) on CUDA devices, 0 elsewhere"""
     name: str = "dynatree"
     uses_draft: bool = True
 
@@ -465,9 +465,9 @@ class DynaTreePolicy:
 
     def free_width(self, batch: int, device: torch.device) -> int:
         """Draft tokens per row inside the verification's free width at `batch` rows on `device`:
-        free_tokens // batch - 1, or 0 (the paper's rules) when that is below 1 or in phase 0
-        (the fixed tree)."""
-        n = self.free_tokens_on(device) // max(batch, 1) - 1
+        free_tokens // batch - 1, at most the node budget N_max (`max_nodes`, which also bounds the
+        builder's buffers), or 0 (the paper's rules) when that is below 1 or in phase 0 (the fixed tree)."""
+        n = min(self.free_tokens_on(device) // max(batch, 1) - 1, self.max_nodes)
         return n if n >= 1 and self.phase > 0 else 0
 
     def depth_limit(self, ctx: DraftContext) -> int:
