@@ -250,6 +250,35 @@ def test_one_batched_forward_per_level_with_padding():
             assert len(set(nodes[row].tolist())) == nodes.shape[1] and len(real) == len(set(real))
 
 
+def test_free_width_reads_only_where_the_depth_gate_decides():
+    """Inside the free width nothing stops early above D_0, so those levels grow every valid node
+    with no host read; only levels from D_0 on (the rho_deep gate) read. Here D_0 = 4 and no
+    depth-4 node reaches rho_deep: one read in all (the paper's rules read once per level from
+    depth 1: 3)."""
+    from specdec.hostwork import HostWorkCounter, uncounted
+
+    class Uncounted(TableSource):  # the fake source reads its tables on the host: not the policy's reads
+        def begin_step(self, roots, params):
+            with uncounted():
+                return super().begin_step(roots, params)
+
+        def expand(self, batch, params):
+            with uncounted():
+                return super().expand(batch, params)
+
+    middling = lambda row, path: {1: 0.5, 2: 0.3, 3: 0.1}  # noqa: E731  every node: b_mid = 2 children
+    policy = paper_policy(free_tokens=30, d0=4, d_max=6)
+    src = Uncounted(middling)
+    ctx = DraftContext(params=SamplingParams(), generator=None, max_depth=50, active=torch.tensor([True]))
+    with HostWorkCounter() as counter:
+        drafted = policy.draft(src, torch.full((1,), 3, dtype=torch.long), ctx)
+    assert counter.host_reads == 1
+    tree = drafted.tree
+    assert int(tree.valid.sum()) == 1 + 29  # the root and the free width's 29 best of 2 + 4 + 8 + 16 nodes
+    assert tree.depths[0].max().item() == 4  # p <= 0.5^4 at depth 4 < rho_deep: nothing deeper
+    assert len(src.calls) == 3  # levels 1-3 expanded without reads; depth 4 read and stopped
+
+
 def test_respects_ctx_max_depth_and_inactive_rows():
     tree, src = draft(paper_policy(), confident_chain(0.95), rows=2, max_depth=3, active=[True, False])
     assert tree.max_depth() == 3 and len(src.calls) == 2

@@ -518,6 +518,12 @@ class DynaTreePolicy:
             return score >= threshold
         return (score >= threshold).logical_and_(node_valid)
 
+    def _growth_reads(self, depth: int) -> bool:
+        """Inside the free width (no early stop): whether which nodes at `depth` grow depends on
+        their values (the deep-expansion gate p(u) >= rho_deep, from D_0 on, phases 2-3), so the
+        level needs its host read; above D_0 (and in phases 0-1) every valid node grows."""
+        return self.phase >= 2 and depth >= self.cur_d0
+
     def _add_level_with_budget(
         self,
         builder: TreeBuilder,
@@ -613,7 +619,9 @@ class DynaTreePolicy:
             start = builder.num_nodes
             m = frontier.shape[1]
             room = None  # [B] bool: rows with budget left after this level (None: all, the budget cannot bind)
-            budget_binds = tree_width - 1 + m * k >= self.max_nodes  # the node budget may cut this level
+            # the node budget may cut this level; inside the free width it cannot (only the `free` best
+            # nodes are verified, free <= max_nodes, and the builder has room for every level)
+            budget_binds = not free and tree_width - 1 + m * k >= self.max_nodes
             if sampled or budget_binds:  # drawn children, or the node budget may cut this level
                 nodes, room = self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, level_cap, log_tau, sampled, depth + 1, budget_binds)
             else:  # top-k children; the budget cannot bind: one topk, the branching mask and one add
@@ -646,7 +654,13 @@ class DynaTreePolicy:
                 # calibrated rates do not, so their frontier is cut to the count read below
                 cap = min(grow.shape[1], frontier_cap if not (sampled or calibrating) else grow.shape[1])
                 frontier_valid, order = growing[:, :cap], order[:, :cap]  # [B, m']
-            if last or depth > 0 or sampled or room is not None:
+            if free and (last or not self._growth_reads(depth + 1)):
+                # inside the free width growth below the depth gate's D_0 is every valid node (no early
+                # stop), so the frontier is the static `free` best of them and nothing needs reading;
+                # the tree is cut to `free` columns by `finish`, so its width is not needed either
+                if last:
+                    break
+            elif last or depth > 0 or sampled or room is not None:
                 # the level's one host read: the largest row's node count (the tree's width) and the largest
                 # row's count of growing nodes (0: nothing grows). Skipped after the first level when no budget
                 # binds (the root's children nearly always grow; if none does, the next level adds nothing and
