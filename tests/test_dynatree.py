@@ -151,6 +151,19 @@ def test_branching_from_draft_confidence_one_level():
     assert src.calls == []  # max_depth 1: only the root's distribution is needed
 
 
+def test_free_width_proposes_b_max_children_and_keeps_the_best_by_p():
+    """Inside the free width the confident row's node proposes b_max children too (B(u) saves nodes
+    that cost nothing there) and the width keeps the best by p: with room for 4 draft tokens the
+    confident row's tree is its 4 best nodes by p over 3 children a node, not a chain of one child a node."""
+    roots = [{7: 0.95, 8: 0.03, 9: 0.01}, {7: 0.6, 8: 0.3, 9: 0.05}]
+    dist = lambda row, path: roots[row] if len(path) == 0 else {7: 0.95, 8: 0.03, 9: 0.01}  # noqa: E731
+    tree, _ = draft(paper_policy(free_tokens=10), dist, rows=2, max_depth=2)  # 10 // 2 - 1 = 4 a row
+    assert set(nodes_of(tree, 0)) == {(7,), (8,), (7, 7), (7, 8)}  # p 0.95, 0.03, 0.9025, 0.0285 (9: 0.01)
+    assert set(nodes_of(tree, 1)) == {(7,), (8,), (7, 7), (8, 7)}  # 0.6, 0.3, 0.57, 0.285 (9: 0.05)
+    capped, _ = draft(paper_policy(), dist, rows=2, max_depth=2)  # the paper's rules: B(u) = 1 for c >= tau_h
+    assert set(nodes_of(capped, 0)) == {(7,), (7, 7)}
+
+
 def test_dynamic_depth_gate_function():
     logp = torch.tensor([0.9, 0.6, 0.4, 0.09]).log()
     gate = dict(d0=5, d_max=8, rho_stop=0.1, rho_deep=0.5)

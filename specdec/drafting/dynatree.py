@@ -243,8 +243,9 @@ class DynaTreePolicy:
     free_tokens: int | None = None
     """tokens one verification forward takes for about the price of one, over the whole batch (a
     device property). Each row's share, n = free_tokens // B - 1 draft tokens, costs nothing to
-    verify, so within it pruning (prune_tau) and early stopping (rho_stop), which exist to save
-    verification, are off, each level keeps its n best growing nodes, and the tree is the n best
+    verify, so within it pruning (prune_tau), early stopping (rho_stop) and the confidence cap on
+    branching (B(u)), which exist to save verification, are off (every node proposes b_max
+    children), each level keeps its n best growing nodes, and the tree is the n best
     nodes by p over all levels (EAGLE-2's rerank) instead of a level-by-level budget; n is capped at
     max_nodes; 0 (or n < 1): the paper's rules. None (default): `FREE_TOKENS_ACCELERATOR` (64) on CUDA devices, 0 elsewhere"""
     name: str = "dynatree"
@@ -270,6 +271,8 @@ class DynaTreePolicy:
     """this step's calibration cells per node, [B, n] per add in creation order (calibrated steps only)"""
     _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     """the last calibrated step's (cells, parents, valid) in the verified tree's order, for feedback"""
+    _free: bool = field(default=False, init=False, repr=False)
+    """whether the step being drafted is inside a free verification width (`free_width` > 0)"""
     _calibrating: bool = field(default=False, init=False, repr=False)
     """whether the step being drafted calibrates (`calibrate`, phase >= 1; top-k or drawn children, each kind with its own table)"""
     _rank_limits: dict[tuple[int, float, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
@@ -490,12 +493,15 @@ class DynaTreePolicy:
         """Which of each node's k top children the confidence rule keeps (rank < B(u)).
 
         top_logq: [B, m, 1] log c(u) (the node's best child's log-prob, or its calibrated rate).
-        Returns [k] (phase 0: b_mid for every node) or [B, m, k] bool. With b_min <= b_mid <= b_max,
+        Returns [k] (phase 0: b_mid for every node; inside the free width: all k, B(u) exists to save
+        nodes that cost nothing there) or [B, m, k] bool. With b_min <= b_mid <= b_max,
         rank < B(u) iff log c(u) < T[rank], with T = +inf below b_min, log tau_h below b_mid, log
         tau_l below b_max and -inf from b_max on (the same B(u) as `confidence_branching`): one
         comparison against a per-rank table cached per (k, tau_h)."""
         if self.phase == 0:
             return constants.below(k, self.b_mid, device)
+        if self._free:  # inside the free width every proposed child is a candidate: the rerank by p decides
+            return constants.below(k, k, device)
         key = (k, self.cur_tau_high, device)
         table = self._rank_limits.get(key)
         if table is None:
@@ -596,6 +602,7 @@ class DynaTreePolicy:
         # growing nodes form the next frontier (a node outside them is outside the final best `free`,
         # and so are its children, whose p is lower) and the tree is the `free` best nodes by p
         free = self.free_width(roots.shape[0], roots.device)
+        self._free = bool(free)
         rho_stop = 0.0 if free else self.rho_stop
         if free:
             frontier_cap, level_cap = free, free * proposed
