@@ -38,8 +38,14 @@ METHODS = {
     "static": {"depth": 3, "branching": 2, "max_nodes": 12},
     "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10},
     "dynatree": {"max_nodes": 12},
+    "dynatree-free": {"free_tokens": 24},  # CUDA's default rules: the free width (7 draft tokens a row at B = 3)
     "cast": {"cost_table": CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)},
 }
+
+
+def policy(label: str) -> Any:
+    """The policy of a METHODS entry (a method name, or method-variant)."""
+    return make_policy(label.split("-")[0], **METHODS[label])
 
 
 class ReplayEmulator:
@@ -70,7 +76,7 @@ def reference(target, prompt: list[int], max_new: int) -> list[int]:
 
 def emulated_engine(target, draft, method: str, rule: Any = None) -> tuple[SpeculativeEngine, list[ReplayEmulator]]:
     source = ModelDraftSource(draft, static_shapes=True)
-    engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), rule or GreedyRule(), source, eos_token_ids=[EOS], static_shapes=True)
+    engine = SpeculativeEngine(target, policy(method), rule or GreedyRule(), source, eos_token_ids=[EOS], static_shapes=True)
     emulators = [ReplayEmulator(), ReplayEmulator()]
     engine.target.graphs, source.runner.graphs = emulators
     return engine, emulators
@@ -128,7 +134,7 @@ def test_replay_reads_every_input_from_the_buffers(unsafe, monkeypatch):
         assert worst < 1e-5
 
 
-@pytest.mark.parametrize("method", ["chain", "eagle2", "dynatree"])
+@pytest.mark.parametrize("method", ["chain", "eagle2", "dynatree", "dynatree-free"])
 def test_sampled_output_under_emulated_replay_equals_eager(method):
     """Sampling (T = 0.8, top-p 0.9, one seed): replayed forwards give the same draws as eager ones."""
     target, draft = close_pair("llama")
@@ -136,7 +142,7 @@ def test_sampled_output_under_emulated_replay_equals_eager(method):
     engine, emulators = emulated_engine(target, draft, method, rule=SamplingRule())
     replayed = [o.token_ids for o in engine.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)]
     eager_source = ModelDraftSource(draft, static_shapes=True)
-    eager = SpeculativeEngine(target, make_policy(method, **METHODS[method]), SamplingRule(), eager_source, eos_token_ids=[EOS], static_shapes=True)
+    eager = SpeculativeEngine(target, policy(method), SamplingRule(), eager_source, eos_token_ids=[EOS], static_shapes=True)
     assert replayed == [o.token_ids for o in eager.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)]
     assert emulators[0].replays > 0 and emulators[1].replays > 0
 
@@ -173,7 +179,7 @@ def test_vision_language_pair_replays_exactly(lvlm, method):
             out = lvlm["target"].generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=1)
         refs.append(out[0, ids.shape[1] :].tolist())
     source = ModelDraftSource(lvlm["draft"], static_shapes=True)
-    engine = SpeculativeEngine(lvlm["target"], make_policy(method, **METHODS[method]), GreedyRule(), source, eos_token_ids=[eos], pad_token_id=1, static_shapes=True)
+    engine = SpeculativeEngine(lvlm["target"], policy(method), GreedyRule(), source, eos_token_ids=[eos], pad_token_id=1, static_shapes=True)
     engine.target.graphs, source.runner.graphs = emulators = [ReplayEmulator(), ReplayEmulator()]
     for batch_size in (None, 2):
         assert [o.token_ids for o in engine.generate(lvlm["prompts"], 16, batch_size=batch_size)] == refs, f"batch_size={batch_size}"
