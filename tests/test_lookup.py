@@ -25,7 +25,7 @@ def test_lookup_next_prefers_longest_latest_match():
     assert lookup_next([9, 9], 3, 1) == 9
 
 
-@pytest.mark.parametrize("method,options", [("chain", {"k": 4}), ("static", {"depth": 3, "branching": 2, "max_nodes": 10}), ("dynatree", {})])
+@pytest.mark.parametrize("method,options", [("chain", {"k": 4}), ("static", {"depth": 3, "branching": 2, "max_nodes": 10}), ("dynatree", {}), ("dynatree", {"free_tokens": 16})])
 def test_lookup_greedy_equals_generate_and_accepts(method, options):
     target = sharpen(tiny_model("llama", seed=0))
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]

@@ -29,7 +29,7 @@ from specdec.sources.ensemble import (
 from specdec.training.lvlm import make_processor
 from specdec.verification import GreedyRule, SamplingRule
 
-POLICIES = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}}
+POLICIES = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "dynatree": {"free_tokens": 16}}  # dynatree: CUDA's free width
 
 
 def test_target_path_logprobs_per_row_and_repeated():

@@ -37,11 +37,24 @@ def run(method: str, sim: Simulation, **options: object) -> dict[str, float]:
 @pytest.mark.parametrize("draft", sorted(DRAFTS))
 @pytest.mark.parametrize(("device", "batch"), [("gpu", 1), ("gpu", 4), ("cpu", 1), ("cpu", 4)])
 def test_cast_rate_is_at_least_eagle2_and_dynatree(device, batch, draft):
+    """CAST against EAGLE-2 and DynaTree with the paper's rules (DynaTree's default off CUDA; the
+    simulator runs on the CPU). DynaTree inside its free width, CUDA's default, is the next test."""
     table = gpu_like_table() if device == "gpu" else cpu_like_table()
     sim = Simulation(*DRAFTS[draft], table, batch=batch)
     cast, eagle2, dynatree = run("cast", sim), run("eagle2", sim), run("dynatree", sim)
     assert cast["rate"] >= eagle2["rate"], (cast, eagle2)
     assert cast["rate"] >= dynatree["rate"], (cast, dynatree)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (issue 18): CAST's calibrated values rank a calibrated draft's children coarsely; 0.158 against 0.163")
+def test_cast_rate_is_at_least_dynatree_free_width_at_batch_1():
+    """Issue 18 asks CAST >= DynaTree; on the GPU-like table at B = 1 with the calibrated draft
+    DynaTree inside its free width (CUDA's default) is ahead. CAST without calibration is ahead of
+    both there (0.175), so the loss is in the calibrated values' resolution (10 q bins, ranks 3+
+    pooled), not in the cost rules. Strict: when CAST catches up this passes and fails the suite,
+    so the mark gets removed."""
+    sim = Simulation(*DRAFTS["calibrated"], gpu_like_table(), batch=1)
+    assert run("cast", sim)["rate"] >= run("dynatree", sim, free_tokens=64)["rate"]
 
 
 @pytest.mark.parametrize("draft", sorted(DRAFTS))
