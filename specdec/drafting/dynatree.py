@@ -527,7 +527,7 @@ class DynaTreePolicy:
     def _growth_reads(self, depth: int) -> bool:
         """Inside the free width (no early stop): whether which nodes at `depth` grow depends on
         their values (the deep-expansion gate p(u) >= rho_deep, from D_0 on, phases 2-3), so the
-        level needs its host read; above D_0 (and in phases 0-1) every valid node grows."""
+        level needs its host read; shallower than D_0 (and in phases 0-1) every valid node grows."""
         return self.phase >= 2 and depth >= self.cur_d0
 
     def _add_level_with_budget(
@@ -662,7 +662,7 @@ class DynaTreePolicy:
                 cap = min(grow.shape[1], frontier_cap if not (sampled or calibrating) else grow.shape[1])
                 frontier_valid, order = growing[:, :cap], order[:, :cap]  # [B, m']
             if free and (last or not self._growth_reads(depth + 1)):
-                # inside the free width growth below the depth gate's D_0 is every valid node (no early
+                # inside the free width growth at depths before the gate's D_0 is every valid node (no early
                 # stop), so the frontier is the static `free` best of them and nothing needs reading;
                 # the tree is cut to `free` columns by `finish`, so its width is not needed either
                 if last:
