@@ -57,6 +57,15 @@ def test_cast_rate_is_at_least_dynatree_free_width_at_batch_1():
     assert run("cast", sim)["rate"] >= run("dynatree", sim, free_tokens=64)["rate"]
 
 
+@pytest.mark.xfail(strict=True, reason="known gap (issue 18): the same calibrated values' resolution; 0.145 against 0.155")
+def test_cast_rate_is_at_least_eagle2_at_batch_2_with_a_calibrated_draft():
+    """Issue 18 asks CAST >= EAGLE-2 at B = 2 too: on the GPU-like table with the calibrated draft
+    CAST is 6% below in 40 steps (3% after 200); CAST without calibration ties EAGLE-2 there. With
+    the underconfident draft CAST is ahead. Strict, as above."""
+    sim = Simulation(*DRAFTS["calibrated"], gpu_like_table(), batch=2)
+    assert run("cast", sim)["rate"] >= run("eagle2", sim)["rate"]
+
+
 @pytest.mark.parametrize("draft", sorted(DRAFTS))
 def test_cast_keeps_eagle2_expected_tokens_when_nodes_are_free(draft):
     """Verification flat up to 64 tokens and a draft forward at 1/400 of a target one: width and
