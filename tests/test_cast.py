@@ -469,9 +469,11 @@ def step_record(paths: list[list[int]], active: list[bool], draft_s: float = 0.0
 
 
 def test_calibrator_starts_at_identity_then_learns_per_rank():
-    cal = AcceptanceCalibrator(bins=10, ranks=3)
+    cal = AcceptanceCalibrator(ranks=3)
     q = torch.tensor([0.35, 0.05, 0.95])
-    assert torch.allclose(cal.local_logprob(q.log(), torch.tensor([1, 2, 3])).exp(), torch.tensor([0.35, 0.05, 0.95]), atol=1e-6)
+    centres = torch.tensor([cal.centers[cal.bin_of(float(v))] for v in q], dtype=torch.float32)
+    assert centres.tolist() == pytest.approx([0.35, (0.03 * 0.1) ** 0.5, 0.95])  # log-spaced below 0.1: the geometric centre
+    assert torch.allclose(cal.local_logprob(q.log(), torch.tensor([1, 2, 3])).exp(), centres, atol=1e-6)
     assert cal.local_logprob(torch.tensor([float("-inf")]), torch.tensor([1])).item() == float("-inf")
     # greedy verification: the draft's favourite is accepted 90% of the time even at q = 0.25
     rng = random.Random(0)
@@ -480,8 +482,10 @@ def test_calibrator_starts_at_identity_then_learns_per_rank():
         cal.observe(torch.full((4,), 0.25).log(), torch.ones(4, dtype=torch.long), hits)
     rate = cal.local_logprob(torch.tensor([0.25]).log(), torch.tensor([1])).exp().item()
     assert abs(rate - 0.9) < 0.06
-    # a sparse bin of the same rank borrows the rank's pooled rate instead of staying at q
-    assert cal.local_logprob(torch.tensor([0.05]).log(), torch.tensor([1])).exp().item() > 0.7
+    # a sparse bin of the same rank borrows the rank's evidence (its power law q^γ, γ ~ 0.08) instead of staying at q ...
+    assert cal.rank_exponents()[0] < 0.2 and cal.local_logprob(torch.tensor([0.05]).log(), torch.tensor([1])).exp().item() > 0.7
+    # ... and keeps its own q: a q = 0.002 token is valued far below a q = 0.05 one
+    assert cal.local_logprob(torch.tensor([0.002]).log(), torch.tensor([1])).exp().item() < 0.65
     # ranks without evidence keep the identity; every rank stays monotone in q
     assert abs(cal.local_logprob(torch.tensor([0.35]).log(), torch.tensor([3])).exp().item() - 0.35) < 1e-5
     rates = cal.rates()

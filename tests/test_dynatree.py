@@ -498,7 +498,7 @@ def test_calibration_learns_from_verdicts_and_values_nodes_by_calibrated_rates()
         rec.accepted_nodes = [path]
         pol.feedback(rec)
     rates = pol._calibrator.rates()
-    assert rates[0, 6] > 0.9 and pol._calibrator.observations > 0  # rank 1, q in [0.6, 0.7): learned, not the prior's 0.65
+    assert rates[0, pol._calibrator.bin_of(0.6)] > 0.9 and pol._calibrator.observations > 0  # rank 1, q in [0.6, 0.7): learned, not the prior's 0.65
     tree, score = drafted_and_scores()
     assert tree.max_depth() >= raw.max_depth() + 3
     table = pol._calibrator._log_rate  # [ranks, bins] the log rates in use (as of the last refit)
@@ -506,7 +506,7 @@ def test_calibration_learns_from_verdicts_and_values_nodes_by_calibrated_rates()
         if tree.valid[0, i]:
             tokens = [int(tree.tokens[0, j]) for j in tree.path_to(0, i)[1:]]
             local = [(1, 0.6) if tok == 1 else (2, 0.35) for tok in tokens]  # (rank, q) of each step along the path
-            expected = sum(float(table[rank - 1, int(q * 10)]) for rank, q in local)
+            expected = sum(float(table[rank - 1, pol._calibrator.bin_of(q)]) for rank, q in local)
             assert float(score[0, i]) == pytest.approx(expected, abs=1e-4)
 
 
@@ -516,7 +516,8 @@ def test_calibrated_history_predicts_with_calibrated_values():
     pol = DynaTreePolicy(history_window=3)
     draft(pol, dist, max_depth=1)
     rates = pol._calibrator.rates()  # the identity prior: bin centres
-    assert pol._predicted_sum.tolist() == pytest.approx([float(rates[0, 8] + rates[1, 1])], abs=1e-4)
+    cal = pol._calibrator
+    assert pol._predicted_sum.tolist() == pytest.approx([float(rates[0, cal.bin_of(0.88)] + rates[1, cal.bin_of(0.1)])], abs=1e-4)
 
 
 # ----- validation, registry, CLI -------------------------------------------------------------
@@ -724,7 +725,8 @@ def test_drawn_and_top_k_children_keep_separate_calibration_tables():
     pol = DynaTreePolicy(phase=2)
     first, _ = sampled_draft(pol, lambda row, path: probs, 0)
     greedy_rates = pol._calibrators[False].rates().copy()
-    prior = float(pol._calibrators[True].rates()[0, 3])
+    column = pol._calibrators[True].bin_of(0.38)  # rank 1 at collision mass 0.38
+    prior = float(pol._calibrators[True].rates()[0, column])
     for step in range(40):  # the target accepts the chain of first draws whole
         tree, _ = sampled_draft(pol, lambda row, path: probs, step)
         path, node = [], 0
@@ -734,7 +736,7 @@ def test_drawn_and_top_k_children_keep_separate_calibration_tables():
         rec = record([tree.drafted_per_row().item()], [len(path)], step=step)
         rec.accepted_nodes = [path]
         pol.feedback(rec)
-    assert pol._calibrators[True].rates()[0, 3] > max(0.9, prior + 0.3)  # rank 1 at collision mass 0.38: learned
+    assert pol._calibrators[True].rates()[0, column] > max(0.9, prior + 0.3)  # learned
     assert (pol._calibrators[False].rates() == greedy_rates).all() and pol._calibrators[False].observations == 0
     last, _ = sampled_draft(pol, lambda row, path: probs, 99)
     assert last.max_depth() >= first.max_depth() + 2

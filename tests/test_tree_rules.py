@@ -28,10 +28,23 @@ DRAFTS = {
 more often than its probability says (a small draft under greedy verification)"""
 
 
+SEEDS = (0, 1, 2)
+"""simulations whose rates `mean_rate` averages: one 40-step simulation's verdicts are few
+enough that a learned table's noise moves a rate by up to 10% (CAST, calibrated draft, B = 1:
+0.145-0.172 over 8 seeds)"""
+
+
 def run(method: str, sim: Simulation, **options: object) -> dict[str, float]:
     if method == "cast":
         options = {"cost_table": sim.table, "deterministic": True, **options}
     return summary(sim.run(make_policy(method, **options), STEPS)[WARMUP:])
+
+
+def mean_rate(method: str, draft: str, device: str, batch: int, **options: object) -> float:
+    """`method`'s expected accepted tokens per ms averaged over the simulations of `SEEDS`."""
+    table = gpu_like_table() if device == "gpu" else cpu_like_table()
+    rates = [run(method, Simulation(*DRAFTS[draft], table, batch=batch, seed=seed), **options)["rate"] for seed in SEEDS]
+    return sum(rates) / len(rates)
 
 
 @pytest.mark.parametrize("draft", sorted(DRAFTS))
@@ -39,31 +52,30 @@ def run(method: str, sim: Simulation, **options: object) -> dict[str, float]:
 def test_cast_rate_is_at_least_eagle2_and_dynatree(device, batch, draft):
     """CAST against EAGLE-2 and DynaTree with the paper's rules (DynaTree's default off CUDA; the
     simulator runs on the CPU). DynaTree inside its free width, CUDA's default, is the next test."""
-    table = gpu_like_table() if device == "gpu" else cpu_like_table()
-    sim = Simulation(*DRAFTS[draft], table, batch=batch)
-    cast, eagle2, dynatree = run("cast", sim), run("eagle2", sim), run("dynatree", sim)
-    assert cast["rate"] >= eagle2["rate"], (cast, eagle2)
-    assert cast["rate"] >= dynatree["rate"], (cast, dynatree)
+    cast, eagle2, dynatree = (mean_rate(m, draft, device, batch) for m in ("cast", "eagle2", "dynatree"))
+    assert cast >= eagle2, (cast, eagle2)
+    assert cast >= dynatree, (cast, dynatree)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (issue 18): CAST's calibrated values rank a calibrated draft's children coarsely; 0.158 against 0.163")
-def test_cast_rate_is_at_least_dynatree_free_width_at_batch_1():
-    """Issue 18 asks CAST >= DynaTree; on the GPU-like table at B = 1 with the calibrated draft
-    DynaTree inside its free width (CUDA's default) is ahead. CAST without calibration is ahead of
-    both there (0.175), so the loss is in the calibrated values' resolution (10 q bins, ranks 3+
-    pooled), not in the cost rules. Strict: when CAST catches up this passes and fails the suite,
-    so the mark gets removed."""
-    sim = Simulation(*DRAFTS["calibrated"], gpu_like_table(), batch=1)
-    assert run("cast", sim)["rate"] >= run("dynatree", sim, free_tokens=64)["rate"]
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+def test_cast_rate_is_at_least_dynatree_free_width_at_batch_1(draft):
+    """Issue 18 asks CAST >= DynaTree; DynaTree inside its free width (CUDA's default) is the
+    strong one on the GPU-like table. With the calibrated draft CAST lost to it (0.158 against
+    0.163, one simulation) while CAST *without* calibration was ahead: the calibration table's
+    resolution (10 linear q bins, ranks 3-12 pooled, a sparse bin's prior at the rank's pooled rate)
+    valued children of very different q alike. Log-spaced low-q bins, one row per proposed rank and
+    a prior that keeps each bin's q (the rank's power law) fixed it."""
+    assert mean_rate("cast", draft, "gpu", 1) >= mean_rate("dynatree", draft, "gpu", 1, free_tokens=64)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (issue 18): the same calibrated values' resolution; 0.145 against 0.155")
+@pytest.mark.xfail(strict=True, reason="known gap (issue 18): CAST 1% below EAGLE-2 here (0.1535 against 0.1550)")
 def test_cast_rate_is_at_least_eagle2_at_batch_2_with_a_calibrated_draft():
     """Issue 18 asks CAST >= EAGLE-2 at B = 2 too: on the GPU-like table with the calibrated draft
-    CAST is 6% below in 40 steps (3% after 200); CAST without calibration ties EAGLE-2 there. With
-    the underconfident draft CAST is ahead. Strict, as above."""
-    sim = Simulation(*DRAFTS["calibrated"], gpu_like_table(), batch=2)
-    assert run("cast", sim)["rate"] >= run("eagle2", sim)["rate"]
+    CAST is 1% below (it was 6% below in one simulation before the calibration table's change;
+    after 100 steps and 4 seeds 0.154 against 0.155); CAST without calibration ties EAGLE-2 there.
+    With the underconfident draft CAST is ahead. Strict: when CAST catches up this passes and fails
+    the suite, so the mark gets removed."""
+    assert mean_rate("cast", "calibrated", "gpu", 2) >= mean_rate("eagle2", "calibrated", "gpu", 2)
 
 
 @pytest.mark.parametrize("draft", sorted(DRAFTS))

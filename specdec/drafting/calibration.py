@@ -10,13 +10,16 @@ expected accepted length summed from raw confidences is a third of the measured 
 `AcceptanceCalibrator` learns the map from the verifier's verdicts. Each verified node
 whose parent was reached (on the accepted path, or the root) is one observation: its local
 draft probability q = q_D(token | parent), its rank among its siblings (1 = the draft's
-favourite, 2, 3+), and whether the target accepted it. Per rank, q is binned; each bin
-holds exponentially decayed counts plus a prior of `prior` pseudo-observations at a mean
-that starts at the identity (acceptance = q, the uncalibrated value) and moves to the rank's
-pooled acceptance rate as evidence arrives, and the bins' rates are made
-non-decreasing in q (pool-adjacent-violators), so a calibrated path value is still never
-larger for a child than for its parent. The calibrated path value is the product of the
-calibrated local rates along the path.
+favourite, 2, 3+), and whether the target accepted it. Per rank, q is binned (`DEFAULT_EDGES`:
+tenths above q = 0.1, log-spaced below, so that a child the draft gives 0.002 is not valued
+like one it gives 0.08); each bin holds exponentially decayed counts plus a prior of `prior`
+pseudo-observations at the rank's fitted power law q^γ evaluated at the bin's centre. γ starts
+at 1 (the identity: acceptance = q, the uncalibrated value) and is fitted to the rank's
+verdicts as they arrive (`rank_exponents`), so a sparse bin borrows its rank's evidence in a
+form that keeps its own q: a rank whose q = 0.25 children are accepted 90% of the time values
+an unobserved q = 0.05 bin at about 0.77, and an unobserved rank keeps the identity at the
+bin's q. The bins' rates are made non-decreasing in q (pool-adjacent-violators). The
+calibrated path value is the product of the calibrated local rates along the path.
 
 Calibration only shapes trees; verification is untouched, so outputs stay lossless (each
 step's tree depends on past verdicts only, as in DynaTree's history rule).
@@ -25,6 +28,7 @@ step's tree depends on past verdicts only, as in DynaTree's history rule).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,8 +40,14 @@ from specdec.isotonic import isotonic
 if TYPE_CHECKING:
     from specdec.stats import StepRecord
 
+DEFAULT_EDGES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+"""interior q edges of the calibration bins (14 bins): log-spaced below 0.1, where the draft's
+lower-ranked children live, tenths above"""
 RANK_PRIOR = 10.0
-"""pseudo-observations before a rank's pooled rate replaces the identity as its bins' prior"""
+"""pseudo-observations of the identity (acceptance = q, at the rank's own observed q's) in the
+fit of a rank's exponent γ: evidence moves γ away from 1 once it outweighs them"""
+EXPONENTS = np.exp(np.arange(-80, 33) * 0.05)
+"""the γ grid of `rank_exponents` (0.018 to 4.95, 5% apart, 1 included)"""
 EARLY_REFITS = 4
 """the calibrated table is refitted after each of the first EARLY_REFITS updates (it starts from a prior) ..."""
 REFIT_EVERY = 16
@@ -62,15 +72,46 @@ class AcceptanceCalibrator:
     """Calibrated acceptance rate of a draft token from its local draft probability and
     sibling rank, learned online from verdicts (see the module docstring)."""
 
-    def __init__(self, bins: int = 10, ranks: int = 3, prior: float = 2.0, decay: float = 0.998) -> None:
-        if bins < 1 or ranks < 1:
-            raise ValueError(f"AcceptanceCalibrator needs bins >= 1 and ranks >= 1 (got {bins}, {ranks})")
+    def __init__(
+        self,
+        edges: Sequence[float] | None = DEFAULT_EDGES,
+        ranks: int = 3,
+        prior: float = 10.0,
+        decay: float = 0.998,
+        bins: int | None = None,
+        rank_prior: str = "power",
+    ) -> None:
+        """edges: the interior q edges of the bins, increasing in (0, 1); or None with `bins`:
+        that many equal-width bins. ranks: calibration rows (sibling rank r uses row
+        min(r, ranks): later ranks share the last). prior: pseudo-observations per bin at the
+        rank's prior mean (10: in the tree simulator 2 let a bin follow its own noise, 10 and 20
+        did equally well; docs/cast.md "Calibration"). decay: per-observation forgetting.
+        rank_prior: the prior mean of a bin, "power" (the rank's fitted power law at the bin's
+        centre, `rank_exponents`) or "pooled" (the bin's centre moving to the rank's pooled rate
+        as the rank gathers RANK_PRIOR observations: for drawn children, whose q is a stand-in,
+        see `drawn`)."""
+        if rank_prior not in ("power", "pooled"):
+            raise ValueError(f"AcceptanceCalibrator rank_prior={rank_prior!r} must be 'power' or 'pooled'")
+        self.rank_prior = rank_prior
+        if edges is None or bins is not None:
+            if bins is None or bins < 1:
+                raise ValueError(f"AcceptanceCalibrator needs bins >= 1 when it is given or edges is None (got bins={bins})")
+            edges = [i / bins for i in range(1, bins)]
+        edges = [float(e) for e in edges]
+        if any(not 0.0 < e < 1.0 for e in edges) or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+            raise ValueError(f"AcceptanceCalibrator needs edges increasing strictly inside (0, 1) (got {edges})")
+        if ranks < 1:
+            raise ValueError(f"AcceptanceCalibrator needs ranks >= 1 (got {ranks})")
         if not 0.0 < decay <= 1.0 or prior <= 0:
             raise ValueError(f"AcceptanceCalibrator needs 0 < decay <= 1 and prior > 0 (got {decay}, {prior})")
-        self.bins, self.ranks, self.prior, self.decay = bins, ranks, prior, decay
-        self.centers = (np.arange(bins) + 0.5) / bins  # the identity prior's rate per bin
-        self._seen = np.zeros((ranks, bins))  # decayed observation counts (host copy, as of the last flush)
-        self._hits = np.zeros((ranks, bins))  # decayed accepted counts
+        self.edges = np.array(edges)
+        self.bins, self.ranks, self.prior, self.decay = len(edges) + 1, ranks, prior, decay
+        lo, hi = np.concatenate([[0.0], self.edges]), np.concatenate([self.edges, [1.0]])
+        # each bin's representative q (the identity prior's rate): the geometric centre of a
+        # log-spaced bin (hi / lo >= 2.5), the middle of a narrow one and of the bottom bin
+        self.centers = np.where((lo > 0) & (hi >= 2.5 * lo), np.sqrt(lo * np.maximum(hi, 1e-12)), (lo + hi) / 2)
+        self._seen = np.zeros((ranks, self.bins))  # decayed observation counts (host copy, as of the last flush)
+        self._hits = np.zeros((ranks, self.bins))  # decayed accepted counts
         self._observations = 0
         # the counts are accumulated where the verdicts live (no read per step): [3, ranks * bins + 1]
         # rows seen, hits and (column 0 of row 2) the observation count; the last column collects
@@ -83,6 +124,20 @@ class AcceptanceCalibrator:
         self._edges: dict[torch.device, torch.Tensor] = {}  # log q bin edges per device
         self._offsets: dict[tuple[int, torch.device], torch.Tensor] = {}  # `child_rates`' rank offsets per (k, device)
         self._set_rates(np.tile(self.centers, (ranks, 1)))  # the identity until verdicts arrive
+
+    @classmethod
+    def top_k(cls, ranks: int) -> AcceptanceCalibrator:
+        """The table for top-k children (a child's q is its own draft probability): `ranks` rows
+        (one per proposed rank), log-spaced low-q bins, each rank's power law as the prior."""
+        return cls(DEFAULT_EDGES, ranks=ranks)
+
+    @classmethod
+    def drawn(cls) -> AcceptanceCalibrator:
+        """The table for children drawn from the draft (their q is the parent's collision mass,
+        the same for every draw): 10 equal bins, ranks 3+ pooled, 2 pseudo-observations per bin
+        at a prior that moves to the rank's pooled rate. On the bundled pair at T = 1 (CAST, B = 1)
+        the top-k table's layout drafted more and ran 3-6% slower (docs/cast.md "Calibration")."""
+        return cls(None, ranks=3, prior=2.0, bins=10, rank_prior="pooled")
 
     @property
     def seen(self) -> np.ndarray:
@@ -113,32 +168,60 @@ class AcceptanceCalibrator:
         self._observations = round(float(acc[2, 0]))
         self._dirty = False
 
+    def bin_of(self, q: float) -> int:
+        """The bin (column of `rates`) of local draft probability q."""
+        return int(np.searchsorted(self.edges, q, side="right"))
+
+    def rank_exponents(self) -> np.ndarray:
+        """[ranks] γ per rank: the penalised maximum-likelihood exponent of P(accepted) = q^γ
+        over the rank's binned verdicts (each bin at its centre), with RANK_PRIOR
+        pseudo-observations of the identity (γ = 1) spread over the bins as the rank's own
+        observations are. γ < 1: the draft's q understates acceptance (greedy verification of
+        a spread-out draft); γ > 1: it overstates it."""
+        self._flush()
+        log_c = np.log(self.centers)  # [bins]
+        log_hit = EXPONENTS[:, None] * log_c[None, :]  # [G, bins] log q^γ
+        log_miss = np.log1p(-np.minimum(np.exp(log_hit), 1 - 1e-9))  # [G, bins] log (1 - q^γ)
+        share = (self._seen + 1e-3) / (self._seen + 1e-3).sum(axis=1, keepdims=True)  # [R, bins]
+        hits = self._hits + RANK_PRIOR * share * self.centers  # [R, bins] with the identity's pseudo-verdicts
+        misses = np.maximum(self._seen - self._hits, 0.0) + RANK_PRIOR * share * (1 - self.centers)
+        loglik = hits @ log_hit.T + misses @ log_miss.T  # [R, G]
+        return EXPONENTS[loglik.argmax(axis=1)]
+
     def rates(self) -> np.ndarray:
         """[ranks, bins] calibrated acceptance rates (prior included, monotone in q).
 
-        Each bin is shrunk towards a prior mean that starts at the identity (the bin's q) and
-        moves to its rank's pooled rate as that rank gathers observations, so a sparse bin
-        (a rank-1 token the draft gives q < 0.1) borrows its rank's evidence instead of
-        staying at q."""
+        Each bin is shrunk towards its rank's power law at the bin's centre, centre^γ
+        (`rank_exponents`; γ = 1, the identity, before evidence), so a sparse bin (a rank-1
+        token the draft gives q < 0.1) borrows its rank's evidence without losing its own q
+        (`rank_prior="pooled"`: towards the rank's pooled rate instead)."""
         self._flush()
-        seen_rank = self._seen.sum(axis=1, keepdims=True)  # [R, 1]
-        pooled = self._hits.sum(axis=1, keepdims=True) / np.maximum(seen_rank, 1e-12)
-        w = RANK_PRIOR / (RANK_PRIOR + seen_rank)
-        prior_mean = w * self.centers + (1 - w) * pooled  # [R, bins]
+        if self.rank_prior == "power":
+            prior_mean = self.centers[None, :] ** self.rank_exponents()[:, None]  # [R, bins]
+        else:
+            seen_rank = self._seen.sum(axis=1, keepdims=True)  # [R, 1]
+            pooled = self._hits.sum(axis=1, keepdims=True) / np.maximum(seen_rank, 1e-12)
+            w = RANK_PRIOR / (RANK_PRIOR + seen_rank)
+            prior_mean = w * self.centers + (1 - w) * pooled  # [R, bins]
         raw = (self._hits + self.prior * prior_mean) / (self._seen + self.prior)
         return np.array([isotonic(raw[r], self._seen[r] + self.prior) for r in range(self.ranks)])
 
+    def _log_edges(self, device: torch.device) -> torch.Tensor:
+        edges = self._edges.get(device)
+        if edges is None:
+            edges = self._edges[device] = torch.tensor(np.log(self.edges), dtype=torch.float32, device=device)
+        return edges
+
     def _cells(self, logq: torch.Tensor, rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = logq.exp().nan_to_num(0.0)
-        b = (q * self.bins).long().clamp(0, self.bins - 1)
+        b = torch.bucketize(logq.float().nan_to_num(float("-inf")), self._log_edges(logq.device), right=True)
         r = (rank.long() - 1).clamp(0, self.ranks - 1)
         return r, b
 
     def local_logprob(self, logq: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
         """Calibrated log acceptance of tokens with local draft log-probs `logq` and sibling
         ranks `rank` (1-based), same shape; -inf where logq is -inf."""
-        q_bin = (logq.exp() * self.bins).long().clamp_(0, self.bins - 1)  # exp(-inf) = 0: bin 0
-        cell = (rank.long() - 1).clamp_(0, self.ranks - 1) * self.bins + q_bin
+        r, q_bin = self._cells(logq, rank)  # -inf: bin 0
+        cell = r * self.bins + q_bin
         if self._flat_log_rate.device != logq.device:
             self._flat_log_rate = self._flat_log_rate.to(logq.device)
         return self._flat_log_rate[cell].masked_fill_(~torch.isfinite(logq), float("-inf"))
@@ -147,10 +230,7 @@ class AcceptanceCalibrator:
         """The table cell of tokens with local draft log-probs `logq`: (rank - 1) * bins + q bin,
         with `rank_offset` = (min(rank, ranks) - 1) * bins given (`rank_offsets`); a -inf logq
         falls in the q = 0 bin. Two ops: a bucketize and an add (broadcasting)."""
-        edges = self._edges.get(logq.device)
-        if edges is None:
-            edges = self._edges[logq.device] = torch.log(torch.arange(1, self.bins, device=logq.device, dtype=torch.float32) / self.bins)
-        return torch.bucketize(logq, edges, right=True) + rank_offset
+        return torch.bucketize(logq, self._log_edges(logq.device), right=True) + rank_offset
 
     def child_rates(self, local: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Table cells and calibrated log acceptance rates of k children per parent in rank order.
@@ -268,4 +348,10 @@ class AcceptanceCalibrator:
 
     def state(self) -> dict[str, object]:
         """Introspection: observations so far and the calibrated rate per rank and q bin."""
-        return {"observations": self.observations, "rates": np.round(self.rates(), 3).tolist(), "child_rate": round(self.child_rate(), 4)}
+        return {
+            "observations": self.observations,
+            "edges": self.edges.tolist(),
+            "exponents": np.round(self.rank_exponents(), 3).tolist(),
+            "rates": np.round(self.rates(), 3).tolist(),
+            "child_rate": round(self.child_rate(), 4),
+        }

@@ -660,11 +660,12 @@ class CastPolicy:
     _sampled: bool = field(default=False, init=False, repr=False)
     """this step's children are drawn (set by `draft`)"""
     _calibrators: dict[bool, AcceptanceCalibrator] = field(
-        default_factory=lambda: {False: AcceptanceCalibrator(), True: AcceptanceCalibrator()}, init=False, repr=False
+        default_factory=dict, init=False, repr=False
     )
     """one calibration table per kind of children, top-k (False) and drawn (True): their values mean
     different things (a top-k child's own draft probability, a drawn child's parent collision mass)
-    and are accepted by different rules, so a server alternating greedy and sampled requests keeps two"""
+    and are accepted by different rules, so a server alternating greedy and sampled requests keeps two.
+    The top-k table has one row per proposed sibling rank (`top_k` rows): a 12th child is not valued as a 3rd."""
     overheads: StepOverheads = field(default_factory=lambda: StepOverheads(), init=False, repr=False)
     """the engine's measured time per draft forward and per verification beyond the tables"""
     _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
@@ -723,6 +724,7 @@ class CastPolicy:
             raise SpecDecError("give either cost_table or cost_profile, not both")
         check_tree_sampling(self.tree_sampling)
         self._buffers = DepthBuffers(self.buffer)
+        self._calibrators = {False: AcceptanceCalibrator.top_k(self.top_k), True: AcceptanceCalibrator.drawn()}
 
     # ----- settings ----------------------------------------------------------------------
     def depth_for(self, batch: int) -> int:
