@@ -85,7 +85,7 @@ class AcceptanceCalibrator:
         that many equal-width bins. ranks: calibration rows (sibling rank r uses row
         min(r, ranks): later ranks share the last). prior: pseudo-observations per bin at the
         rank's prior mean (10: in the tree simulator 2 let a bin follow its own noise, 10 and 20
-        did equally well; docs/cast.md "Calibration"). decay: per-observation forgetting.
+        did equally well; docs/cast.md, "Draft confidence is not acceptance"). decay: per-observation forgetting.
         rank_prior: the prior mean of a bin, "power" (the rank's fitted power law at the bin's
         centre, `rank_exponents`) or "pooled" (the bin's centre moving to the rank's pooled rate
         as the rank gathers RANK_PRIOR observations: for drawn children, whose q is a stand-in,
@@ -136,7 +136,7 @@ class AcceptanceCalibrator:
         """The table for children drawn from the draft (their q is the parent's collision mass,
         the same for every draw): 10 equal bins, ranks 3+ pooled, 2 pseudo-observations per bin
         at a prior that moves to the rank's pooled rate. On the bundled pair at T = 1 (CAST, B = 1)
-        the top-k table's layout drafted more and ran 3-6% slower (docs/cast.md "Calibration")."""
+        the top-k table's layout drafted more and ran 3-6% slower (docs/cast.md, "Draft confidence is not acceptance")."""
         return cls(None, ranks=3, prior=2.0, bins=10, rank_prior="pooled")
 
     @property
