@@ -2,7 +2,7 @@
 
     previous: 10 equal q bins, ranks 3-12 sharing one row, 2 pseudo-observations per bin at a
               prior moving from the bin's centre to the rank's pooled rate
-              (= today's `AcceptanceCalibrator.drawn()`, still used for drawn children)
+              (= today's `AcceptanceCalibrator.pooled()`, still used for drawn children)
     current:  `AcceptanceCalibrator.top_k(top_k)`: log-spaced bins below q = 0.1, one row per
               proposed rank, 10 pseudo-observations per bin at the rank's fitted power law q^γ
 
@@ -38,7 +38,7 @@ LAYOUTS = ("previous", "current")
 
 def with_layout(policy: CastPolicy, layout: str) -> CastPolicy:
     if layout == "previous":  # the top-k table as it was (the private field: an A/B probe, not an API)
-        policy._calibrators[False] = AcceptanceCalibrator.drawn()
+        policy._calibrators[False] = AcceptanceCalibrator.pooled()
     return policy
 
 
@@ -49,13 +49,13 @@ def sim(steps: int = 100, seeds: int = 4) -> None:
             for batch in (1, 2, 4, 8, 16):
                 sims = [Simulation(*DRAFTS[draft], table, batch=batch, seed=s) for s in range(seeds)]
 
-                def mean(make) -> float:
+                def mean(make, sims: list[Simulation] = sims) -> float:
                     return statistics.mean(summary(s.run(make(), steps)[10:])["rate"] for s in sims)
 
                 row = {"device": device, "draft": draft, "batch": batch}
                 for layout in LAYOUTS:
-                    row[f"cast ({layout})"] = mean(lambda layout=layout: with_layout(make_policy("cast", cost_table=table, deterministic=True), layout))
-                row["cast (uncalibrated)"] = mean(lambda: make_policy("cast", cost_table=table, deterministic=True, calibrate=False))
+                    row[f"cast ({layout})"] = mean(lambda layout=layout, table=table: with_layout(make_policy("cast", cost_table=table, deterministic=True), layout))
+                row["cast (uncalibrated)"] = mean(lambda table=table: make_policy("cast", cost_table=table, deterministic=True, calibrate=False))
                 row["eagle2"] = mean(lambda: make_policy("eagle2"))
                 if device == "gpu":
                     row["dynatree (free_tokens=64)"] = mean(lambda: make_policy("dynatree", free_tokens=64))
@@ -68,7 +68,7 @@ def real(batches: list[int], prompts_n: int = 16, new_tokens: int = 96) -> None:
     from specdec.api import SpeculativeDecoder
     from specdec.bench.prompts import bundled_heldout_path
 
-    prompts = [json.loads(line)["prompt"] for line in open(bundled_heldout_path())][::4][:prompts_n]
+    prompts = [json.loads(line)["prompt"] for line in Path(bundled_heldout_path()).read_text().splitlines() if line.strip()][::4][:prompts_n]
     decoders = {layout: SpeculativeDecoder.from_pretrained(method="cast", deterministic=True) for layout in LAYOUTS}
     for layout, dec in decoders.items():
         with_layout(dec.policy, layout)

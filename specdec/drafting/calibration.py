@@ -89,7 +89,7 @@ class AcceptanceCalibrator:
         rank_prior: the prior mean of a bin, "power" (the rank's fitted power law at the bin's
         centre, `rank_exponents`) or "pooled" (the bin's centre moving to the rank's pooled rate
         as the rank gathers RANK_PRIOR observations: for drawn children, whose q is a stand-in,
-        see `drawn`)."""
+        see `pooled`)."""
         if rank_prior not in ("power", "pooled"):
             raise ValueError(f"AcceptanceCalibrator rank_prior={rank_prior!r} must be 'power' or 'pooled'")
         self.rank_prior = rank_prior
@@ -132,11 +132,18 @@ class AcceptanceCalibrator:
         return cls(DEFAULT_EDGES, ranks=ranks)
 
     @classmethod
-    def drawn(cls) -> AcceptanceCalibrator:
-        """The table for children drawn from the draft (their q is the parent's collision mass,
-        the same for every draw): 10 equal bins, ranks 3+ pooled, 2 pseudo-observations per bin
-        at a prior that moves to the rank's pooled rate. On the bundled pair at T = 1 (CAST, B = 1)
-        the top-k table's layout drafted more and ran 3-6% slower (docs/cast.md, "Draft confidence is not acceptance")."""
+    def pooled(cls) -> AcceptanceCalibrator:
+        """The earlier, coarser table: 10 equal q bins, ranks 3+ in one row, 2 pseudo-observations
+        per bin at a prior that moves from the bin's centre to the rank's pooled rate. Used for
+        children drawn from the draft (their q is the parent's collision mass, the same for every
+        draw; with the `top_k` layout CAST drafted more and ran 3-6% slower on the bundled pair at
+        T = 1) and for DynaTree's top-k children: DynaTree prunes nodes worth less than τ = 0.03,
+        and the coarse bottom bin values every child with q < 0.1 at 0.05 before evidence (it is
+        verified, so calibration learns whether such children are accepted), where the `top_k`
+        table values it at about its own q; on a tiny random pair DynaTree with the `top_k` table
+        verified no child and so learned nothing, and on the bundled pair it was neutral (τ 2.85 ->
+        2.78, tok/s 104.6 -> 106.0, greedy, B = 1, one run). docs/cast.md, "Draft confidence is
+        not acceptance"."""
         return cls(None, ranks=3, prior=2.0, bins=10, rank_prior="pooled")
 
     @property

@@ -724,7 +724,7 @@ class CastPolicy:
             raise SpecDecError("give either cost_table or cost_profile, not both")
         check_tree_sampling(self.tree_sampling)
         self._buffers = DepthBuffers(self.buffer)
-        self._calibrators = {False: AcceptanceCalibrator.top_k(self.top_k), True: AcceptanceCalibrator.drawn()}
+        self._calibrators = {False: AcceptanceCalibrator.top_k(self.top_k), True: AcceptanceCalibrator.pooled()}
 
     # ----- settings ----------------------------------------------------------------------
     def depth_for(self, batch: int) -> int:

@@ -348,7 +348,7 @@ class DynaTreePolicy:
 
     def reset_history(self) -> None:
         """Forget the acceptance history (and the calibration) and restore the configured D_0, tau_h, rho_deep."""
-        self._calibrators = {False: AcceptanceCalibrator.top_k(3), True: AcceptanceCalibrator.drawn()}
+        self._calibrators = {False: AcceptanceCalibrator.pooled(), True: AcceptanceCalibrator.pooled()}
         self._last_tree = None
         self.cur_d0 = self.d0
         self.cur_tau_high = float(self.tau_high)
