@@ -19,7 +19,10 @@ verdicts as they arrive (`rank_exponents`), so a sparse bin borrows its rank's e
 form that keeps its own q: a rank whose q = 0.25 children are accepted 90% of the time values
 an unobserved q = 0.05 bin at about 0.77, and an unobserved rank keeps the identity at the
 bin's q. The bins' rates are made non-decreasing in q (pool-adjacent-violators). The
-calibrated path value is the product of the calibrated local rates along the path.
+calibrated path value is the product of the calibrated local rates along the path. That is
+CAST's table for top-k children (`AcceptanceCalibrator.top_k`); drawn children and DynaTree keep
+the earlier, coarser one (`AcceptanceCalibrator.pooled`: 10 equal bins, ranks 3+ in one row, a
+sparse bin's prior moving from its centre to the rank's pooled rate).
 
 Calibration only shapes trees; verification is untouched, so outputs stay lossless (each
 step's tree depends on past verdicts only, as in DynaTree's history rule).
