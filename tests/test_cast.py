@@ -493,6 +493,20 @@ def test_calibrator_starts_at_identity_then_learns_per_rank():
     assert abs(cal.child_rate() - 0.9) < 0.06
 
 
+def test_cast_top_k_table_has_a_row_per_proposed_rank():
+    """CAST proposes top_k children a node; its top-k table keeps one row per rank, so verdicts on
+    3rd children do not set the value of 12th children of the same q (they shared a row before),
+    and an unobserved rank keeps the identity at its own q. Drawn children keep the pooled table."""
+    pol = CastPolicy(top_k=12)
+    cal = pol._calibrators[False]
+    assert cal.ranks == 12 and pol._calibrators[True].ranks == 3
+    q = torch.full((40,), 0.05).log()
+    for _ in range(20):  # rank-3 children at q = 0.05 are accepted half the time
+        cal.observe(q, torch.full((40,), 3), torch.arange(40) % 2 == 0)
+    rank3, rank12 = (cal.local_logprob(q[:1], torch.tensor([r])).exp().item() for r in (3, 12))
+    assert rank3 > 0.4 and rank12 == pytest.approx(cal.centers[cal.bin_of(0.05)], abs=1e-4)
+
+
 def test_calibrator_forgets_old_verdicts():
     cal = AcceptanceCalibrator(decay=0.998)
     q, rank = torch.full((50,), 0.6).log(), torch.ones(50, dtype=torch.long)
