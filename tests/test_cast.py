@@ -761,6 +761,26 @@ def test_plain_check_warms_up_then_times_one_plain_step():
     assert decisions[5] is False  # drafting (3.3 ms/token) beats plain (10): back to drafting
 
 
+def test_plain_check_times_a_plain_step_early_when_the_cost_model_predicts_it_faster():
+    """A rolling batch's last rows reach a small batch bucket late, for a few steps: a plain step
+    is timed there before `warm_up` drafted steps when the cost model says it is faster."""
+    check = PlainDecodingCheck(warm_up=16, margin=0.1)
+    check.observe(1, False, 40.0, 2.0)  # drafted: 20 ms per token
+    asked = []
+
+    def predicted(ms: float | None):
+        return lambda: asked.append(ms) or ms
+
+    assert check.plain_next(1, predicted(10.0)) is True  # 10 * 1.1 < 20: time a plain step now
+    assert check.plain_next(1, predicted(19.0)) is False  # within the margin: drafting keeps the benefit of the doubt
+    assert check.plain_next(1, predicted(None)) is False and check.plain_next(1) is False  # no prediction: warm up as before
+    assert check.plain_next(2, predicted(1.0)) is False  # nothing drafted timed at this bucket yet: draft
+    check.observe(1, True, 12.0, 1.0)  # once a plain step is timed, the times decide and the model is not asked
+    n = len(asked)
+    check.plain_next(1, predicted(1000.0))
+    assert len(asked) == n
+
+
 def test_plain_check_runs_the_faster_mode_and_probes_the_other():
     check = PlainDecodingCheck(warm_up=2, probe_every=5, margin=0.0)
     trace = []
@@ -818,7 +838,7 @@ def test_plain_check_buckets_and_stalls():
 class _AlternatingCheck(PlainDecodingCheck):
     """Plain at every other step, whatever the times."""
 
-    def plain_next(self, batch: int) -> bool:
+    def plain_next(self, batch: int, predicted_plain=None) -> bool:
         self.calls = getattr(self, "calls", 0) + 1
         return self.calls % 2 == 0
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -501,13 +501,23 @@ class PlainDecodingCheck:
     def times(self, batch: int) -> _ModeTimes:
         return self._buckets.setdefault(batch_bucket(batch), _ModeTimes())
 
-    def plain_next(self, batch: int) -> bool:
-        """Whether the next step at this batch size should draft nothing."""
+    def plain_next(self, batch: int, predicted_plain: Callable[[], float | None] | None = None) -> bool:
+        """Whether the next step at this batch size should draft nothing.
+
+        predicted_plain: the cost model's ms per token of a plain step at this batch size (None:
+        no prediction), asked only while the bucket has drafted steps timed but no plain one: a
+        plain step is timed at once, before `warm_up` drafted steps, when the prediction is
+        faster than the drafted steps by more than `margin` (a rolling batch's last rows reach a
+        bucket of their own late, for a few steps, and these are the rows whose drafts the target
+        rejects most)."""
         t = self.times(batch)
         if t.drafted is None:
             return False
         if t.plain is None:
-            return t.since_plain >= self.warm_up
+            if t.since_plain >= self.warm_up:
+                return True
+            predicted = predicted_plain() if predicted_plain is not None else None
+            return predicted is not None and predicted * (1 + self.margin) < t.drafted
         if t.plain * (1 + self.margin) < t.drafted:  # plain steps are ahead: probe drafting now and then, two steps in a row
             interval = self.probe_every * (4 if t.drafted > self.sure_lead * t.plain else 1)
             return t.since_plain != 1 and t.since_drafted < interval
@@ -781,6 +791,16 @@ class CastPolicy:
             "or build the decoder with SpeculativeDecoder, which finds or measures them"
         )
 
+    def _predicted_plain_ms(self, batch: int, ctx: DraftContext) -> float | None:
+        """The cost model's ms per committed token of a plain step (the root alone: one target
+        forward of one token per row, the verification and step overheads learned so far); None
+        when the context length is not known on the host (a read) or nothing is learned yet."""
+        if ctx.host_context_len is None or not self._learns_costs or not ctx.host_active or not any(ctx.host_active):
+            return None
+        n0 = max(n for n, a in zip(ctx.host_context_len, ctx.host_active, strict=True) if a)
+        forward = self.table_for(batch).target_cost(batch, n0, 1)
+        return forward + max(self.overheads.verify_ms, -0.5 * forward) + self.overheads.verify_node_ms + self.overheads.other_ms
+
     # ----- drafting ----------------------------------------------------------------------
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         self._sampled = ctx.samples_children(self.tree_sampling)
@@ -791,7 +811,7 @@ class CastPolicy:
         self._last_tree = None
         self._step_plain = None
         if self._plain_steps_on:
-            plain = self.plain_check.plain_next(b)
+            plain = self.plain_check.plain_next(b, lambda: self._predicted_plain_ms(b, ctx))
             if (plain or depth == 0) and source.defer(roots):  # no draft forward at all
                 self._step_plain = plain if depth > 0 else None  # a last token is not a timing of plain steps
                 self._owed = True
