@@ -39,7 +39,9 @@ METHODS = {
     "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10},
     "dynatree": {"max_nodes": 12},
     "dynatree-free": {"free_tokens": 24},  # CUDA's default rules: the free width (7 draft tokens a row at B = 3)
-    "cast": {"cost_table": CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)},
+    # plain steps off: the wall-clock check would rightly go plain under the slow emulated replays
+    # (the synthetic table's 10 ms plain step against traced draft forwards), and the draft must replay here
+    "cast": {"cost_table": CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n), "plain_steps": False},
 }
 
 
