@@ -794,7 +794,9 @@ class CastPolicy:
     def _predicted_plain_ms(self, batch: int, ctx: DraftContext) -> float | None:
         """The cost model's ms per committed token of a plain step (the root alone: one target
         forward of one token per row, the verification and step overheads learned so far); None
-        when the context length is not known on the host (a read) or nothing is learned yet."""
+        when the context length is not known on the host (a read), no row is active, or the rules
+        learn no overheads (threshold rules, `deterministic`: the table's forward alone would
+        understate a step)."""
         if ctx.host_context_len is None or not self._learns_costs or not ctx.host_active or not any(ctx.host_active):
             return None
         n0 = max(n for n, a in zip(ctx.host_context_len, ctx.host_active, strict=True) if a)
