@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from specdec.bench.runner import BASELINE, BenchResult, CallRecord
+from specdec.cpu_blas import mkl_mode
 from specdec.stats import (
     acceptance_rate,
     exact_match_share,
@@ -403,7 +404,8 @@ def category_lines(rows: Sequence[CategorySummary]) -> list[str]:
 
 
 def machine_info(device: str) -> dict[str, Any]:
-    """CPU model (from /proc/cpuinfo), core counts, torch threads, memory, GPU name if any."""
+    """CPU model (from /proc/cpuinfo), core counts, torch threads, MKL's numerical mode
+    (`specdec.cpu_blas`), memory, GPU name if any."""
     import psutil
     import torch
 
@@ -420,6 +422,7 @@ def machine_info(device: str) -> dict[str, Any]:
         "logical_cores": os.cpu_count(),
         "physical_cores": psutil.cpu_count(logical=False),
         "torch_threads": torch.get_num_threads(),
+        "mkl_cbwr": mkl_mode(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),
         "device": device,
@@ -547,7 +550,7 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         "# specdec bench",
         "",
         f"- **Machine**: {machine['cpu']}, {machine['logical_cores']} logical cores ({machine['physical_cores']} physical), "
-        f"{machine['memory_gb']} GB RAM, torch threads {machine['torch_threads']}, device {result.device}"
+        f"{machine['memory_gb']} GB RAM, torch threads {machine['torch_threads']}, MKL_CBWR {machine.get('mkl_cbwr', 'not recorded')}, device {result.device}"
         + (f" ({machine['gpu']})" if "gpu" in machine else ""),
         f"- **Versions**: python {ver['python']}, torch {ver['torch']}, transformers {ver['transformers']}, specdec {ver['specdec']}",
         f"- **Command**: `{command_line(argv)}`",

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from specdec.cpu_blas import mkl_mode
 from specdec.errors import SpecDecError
 from specdec.isotonic import isotonic
 
@@ -118,9 +119,11 @@ def model_identity(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def device_identity(device: torch.device) -> dict[str, Any]:
-    """Device type and name (the GPU's name, or the CPU model) plus the thread count."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    return {"type": device.type, "name": name, "threads": torch.get_num_threads()}
+    """Device type and name (the GPU's name, or the CPU model) plus the thread count; on a CPU
+    also MKL's numerical mode (`specdec.cpu_blas`: it changes small products' speed)."""
+    if device.type == "cuda":
+        return {"type": device.type, "name": torch.cuda.get_device_name(device), "threads": torch.get_num_threads()}
+    return {"type": device.type, "name": _cpu_name(), "threads": torch.get_num_threads(), "mkl_cbwr": mkl_mode()}
 
 
 def _cpu_name() -> str:
@@ -422,6 +425,8 @@ class CostTable:
                 diffs.append(FieldDiff("GPU" if gpu else "CPU model", have.get("name"), dev["name"], gpu))
             if dev["type"] == "cpu" and have.get("type") == "cpu" and have.get("threads") != dev["threads"]:
                 diffs.append(FieldDiff("torch threads", have.get("threads"), dev["threads"], False))
+            if dev["type"] == "cpu" and have.get("type") == "cpu" and have.get("mkl_cbwr", "default") != dev["mkl_cbwr"]:
+                diffs.append(FieldDiff("MKL_CBWR", have.get("mkl_cbwr", "default"), dev["mkl_cbwr"], False))
             dtype = str(param.dtype).removeprefix("torch.")
             if self.meta.get("dtype") != dtype:
                 diffs.append(FieldDiff("dtype", self.meta.get("dtype"), dtype, True))
