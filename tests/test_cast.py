@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from specdec.drafting.cast import (
     PlainDecodingCheck,
     StepOverheads,
     StepPlan,
+    _ModeTimes,
     batch_bucket,
     batch_utility,
     breadth_count,
@@ -822,6 +824,61 @@ def test_plain_check_divides_sums_not_per_step_ratios():
     assert times.plain == pytest.approx(5.0)
     assert times.drafted is not None and times.drafted < 4.5
     assert check.plain_next(1) == (times.since_plain >= 16)  # drafting ahead by more than clear_lead: a plain step every 4 * 4
+
+
+def test_mode_times_standard_error_is_the_ratio_estimators():
+    """Without decay the standard error is the delta method's for R = sum ms / sum tokens:
+    sqrt(sum (ms - R * tokens)^2 / (n - 1)) * sqrt(n) / sum tokens; zero when every step has the
+    same ms per token; unknown below MIN_NOISE_STEPS steps."""
+    rng = random.Random(3)
+    steps = [(rng.uniform(20, 40), float(rng.randint(1, 5))) for _ in range(30)]
+    times = _ModeTimes()
+    for ms, tokens in steps[:2]:
+        times.add(False, ms, tokens, 1.0)
+    assert times.standard_error(False) is None
+    for ms, tokens in steps[2:]:
+        times.add(False, ms, tokens, 1.0)
+    n, total = len(steps), sum(t for _, t in steps)
+    rate = sum(m for m, _ in steps) / total
+    expected = math.sqrt(sum((m - rate * t) ** 2 for m, t in steps) / (n - 1)) * math.sqrt(n) / total
+    assert times.standard_error(False) == pytest.approx(expected, rel=1e-9)
+    steady = _ModeTimes()
+    for tokens in (1.0, 3.0, 2.0, 5.0):
+        steady.add(True, 7.0 * tokens, tokens, 0.95)
+    assert steady.standard_error(True) == pytest.approx(0.0, abs=1e-6)
+
+
+def _plain_share(check: PlainDecodingCheck, drafted: Callable[[], tuple[float, float]], plain: Callable[[], tuple[float, float]], steps: int = 300) -> float:
+    """Runs the check on sampled (ms, tokens per row) steps; the share of plain steps in the last 200."""
+    trace = []
+    for _ in range(steps):
+        go_plain = check.plain_next(8)
+        trace.append(go_plain)
+        check.observe(8, go_plain, *(plain() if go_plain else drafted()))
+    return sum(trace[-200:]) / 200
+
+
+def test_plain_check_goes_plain_on_a_steady_small_lead_but_not_on_noise():
+    """Steady drafted steps (a large batch: each commits about the same tokens per row) 7% slower
+    per token than plain steps: the lead is far outside the timings' noise and plain steps run,
+    where a fixed 10% lead, the rule before, kept drafting. Noisy drafted steps (batch 1: they
+    commit 1 to 5 tokens) 5% *faster* than plain ones: drafting runs, where a fixed 3% lead went
+    plain on noise (as it did on the bundled pair at batch 1)."""
+    rng = random.Random(0)
+
+    def plain():
+        return rng.gauss(12.0, 0.3), 1.0
+
+    def steady():
+        return rng.gauss(25.7, 0.5), rng.gauss(2.0, 0.04)  # 12.85 ms per token
+
+    def noisy():
+        return rng.gauss(34.2, 2.0), float(rng.randint(1, 5))  # 11.4 ms per token over many steps
+
+    assert _plain_share(PlainDecodingCheck(warm_up=8), steady, plain) > 0.8
+    assert _plain_share(PlainDecodingCheck(warm_up=8, margin=0.10, z=0.0), steady, plain) < 0.1  # the old fixed 10% lead
+    assert _plain_share(PlainDecodingCheck(warm_up=8), noisy, plain) < 0.15  # plain probes only (one every probe_every)
+    assert _plain_share(PlainDecodingCheck(warm_up=8, margin=0.03, z=0.0), noisy, plain) > 0.5  # a fixed 3% lead
 
 
 def test_plain_check_buckets_and_stalls():

@@ -432,7 +432,8 @@ class _ModeTimes:
     """Drafted and plain steps at one batch bucket: exponentially decayed sums of their wall ms,
     of the tokens they commit per row and of their count; ms per token is the ratio of the two
     sums (a mean of per-step ratios would overstate it: a step that commits one token costs
-    about as much as one that commits six)."""
+    about as much as one that commits six). The decayed second moments give that ratio's
+    standard error (`standard_error`), so a lead can be told from noise."""
 
     ms: dict[bool, float] = field(default_factory=dict)
     """plain (True) / drafted (False) -> decayed sum of step ms"""
@@ -440,14 +441,39 @@ class _ModeTimes:
     """plain / drafted -> decayed sum of tokens committed per active row"""
     count: dict[bool, float] = field(default_factory=dict)
     """plain / drafted -> decayed count of timed steps"""
+    moments: dict[bool, tuple[float, float, float, float]] = field(default_factory=dict)
+    """plain / drafted -> decayed sums of ms^2, ms * tokens, tokens^2 and of the squared weights"""
     since_plain: int = 0
     """drafted steps since the last plain one"""
     since_drafted: int = 0
     """plain steps since the last drafted one"""
 
+    def add(self, plain: bool, step_ms: float, tokens: float, decay: float) -> None:
+        """One timed step of a mode; its earlier steps' weights shrink by `decay`."""
+        self.ms[plain] = decay * self.ms.get(plain, 0.0) + step_ms
+        self.tokens[plain] = decay * self.tokens.get(plain, 0.0) + tokens
+        self.count[plain] = decay * self.count.get(plain, 0.0) + 1.0
+        mm, mt, tt, w2 = self.moments.get(plain, (0.0, 0.0, 0.0, 0.0))
+        self.moments[plain] = (decay * mm + step_ms * step_ms, decay * mt + step_ms * tokens, decay * tt + tokens * tokens, decay * decay * w2 + 1.0)
+
     def ms_per_token(self, plain: bool) -> float | None:
         """None until the mode has been timed."""
         return self.ms[plain] / self.tokens[plain] if plain in self.ms else None
+
+    def standard_error(self, plain: bool) -> float | None:
+        """The standard error of `ms_per_token(plain)` (a ratio estimator R = sum ms / sum tokens:
+        its residuals ms - R * tokens, weighted, over the effective number of steps the decayed
+        weights hold), or None with fewer than `MIN_NOISE_STEPS` effective steps (no estimate)."""
+        rate = self.ms_per_token(plain)
+        if rate is None:
+            return None
+        mm, mt, tt, w2 = self.moments[plain]
+        w, t = self.count[plain], self.tokens[plain]
+        n_eff = w * w / w2
+        if n_eff < MIN_NOISE_STEPS or t <= 0:
+            return None
+        residual = max(0.0, mm - 2.0 * rate * mt + rate * rate * tt)  # sum of w * (ms - R * tokens)^2
+        return math.sqrt(residual / w * n_eff / (n_eff - 1.0)) * w / (t * math.sqrt(n_eff))
 
     @property
     def drafted(self) -> float | None:
@@ -456,6 +482,10 @@ class _ModeTimes:
     @property
     def plain(self) -> float | None:
         return self.ms_per_token(True)
+
+
+MIN_NOISE_STEPS = 3.0
+"""effective timed steps a mode needs before its noise is estimated (`_ModeTimes.standard_error`)"""
 
 
 @dataclass
@@ -469,9 +499,11 @@ class PlainDecodingCheck:
     - while drafting is ahead, one plain step every `probe_every` drafted steps, or every
       `4 * probe_every` once it is ahead by more than `clear_lead` (a probe then costs less
       than 1 / (4 * probe_every) of the throughput: it is itself a plain step, at plain speed);
-    - while plain steps are ahead by more than `margin`, two drafted steps every `probe_every`
-      plain steps, or every `4 * probe_every` once they lead by more than `sure_lead` (the
-      first drafted step forwards the tokens the draft owes, so only the second is timed).
+    - while plain steps are ahead (`plain_ahead`: faster by more than the noise of the two
+      timings, `z` standard errors, and by at least `margin`), two drafted steps every
+      `probe_every` plain steps, or every `4 * probe_every` once they lead by more than
+      `sure_lead` (the first drafted step forwards the tokens the draft owes, so only the
+      second is timed).
 
     Times are kept per batch bucket (`batch_bucket`): a step of 8 rows says little about a
     step of 2. A mode's speed is its steps' wall time (drafting, verification, commits,
@@ -485,11 +517,18 @@ class PlainDecodingCheck:
     sure_lead: float = 1.3
     """plain steps ahead by more than this: drafting is probed 4x less often (a drafted step's
     speed is noisy, so a smaller lead keeps the frequent probes: a wrong early verdict must not stick)"""
-    margin: float = 0.10
-    """plain steps run only when faster by more than this share: drafting has the benefit of the
-    doubt, since CAST learns (calibration, overheads) only while it drafts, its first steps are
-    its slowest, and a drafted step's speed is noisy (measured on the bundled pair: with 3% the
-    check went plain at batch 1 where always drafting was 1.08x AR)"""
+    margin: float = 0.02
+    """plain steps run only when faster by at least this share, and by more than `z` standard
+    errors of the two timings: drafting has the benefit of the doubt, since CAST learns
+    (calibration, overheads) only while it drafts, its first steps are its slowest, and a
+    drafted step's speed is noisy, at batch 1 most (measured on the bundled pair: with a fixed
+    3% lead the check went plain at batch 1 where always drafting was 1.08x AR). A fixed lead of
+    10%, the rule before, kept drafting at batch 8 where plain steps were 9% faster, steadily."""
+    z: float = 2.0
+    """standard errors by which plain steps must lead (`_ModeTimes.standard_error`)"""
+    unknown_noise_margin: float = 0.10
+    """the lead required while a mode has too few timed steps for a noise estimate (and of the
+    cost model's predicted plain step, `plain_next`'s predicted_plain)"""
     decay: float = 0.95
     """per timed step of a mode: its older steps' weight (about the last 20 count, so the slow
     first drafted steps are soon forgotten)"""
@@ -517,12 +556,25 @@ class PlainDecodingCheck:
             if t.since_plain >= self.warm_up:
                 return True
             predicted = predicted_plain() if predicted_plain is not None else None
-            return predicted is not None and predicted * (1 + self.margin) < t.drafted
-        if t.plain * (1 + self.margin) < t.drafted:  # plain steps are ahead: probe drafting now and then, two steps in a row
+            return predicted is not None and predicted * (1 + self.unknown_noise_margin) < t.drafted
+        if self.plain_ahead(t):  # plain steps are ahead: probe drafting now and then, two steps in a row
             interval = self.probe_every * (4 if t.drafted > self.sure_lead * t.plain else 1)
             return t.since_plain != 1 and t.since_drafted < interval
         interval = self.probe_every * (4 if t.plain > self.clear_lead * t.drafted else 1)
         return t.since_plain >= interval
+
+    def plain_ahead(self, t: _ModeTimes) -> bool:
+        """Plain steps are faster per token than drafted ones by at least `margin` and by more
+        than `z` standard errors of the difference; by `unknown_noise_margin` while either mode
+        has too few timed steps to estimate its noise."""
+        drafted, plain = t.drafted, t.plain
+        if drafted is None or plain is None:
+            return False
+        se_drafted, se_plain = t.standard_error(False), t.standard_error(True)
+        if se_drafted is None or se_plain is None:
+            return plain * (1 + self.unknown_noise_margin) < drafted
+        lead = drafted - plain
+        return lead > plain * self.margin and lead > self.z * math.hypot(se_drafted, se_plain)
 
     def observe(self, batch: int, plain: bool, step_ms: float, tokens_per_row: float) -> None:
         """One step's wall time (ms) and the tokens it committed per active row."""
@@ -539,16 +591,21 @@ class PlainDecodingCheck:
                 return
         if step_ms <= 0 or tokens_per_row <= 0:
             return
-        d = self.decay
         if plain in t.ms:
             step_ms = min(step_ms, 3.0 * t.ms[plain] / t.count[plain])
-        t.ms[plain] = d * t.ms.get(plain, 0.0) + step_ms
-        t.tokens[plain] = d * t.tokens.get(plain, 0.0) + tokens_per_row
-        t.count[plain] = d * t.count.get(plain, 0.0) + 1.0
+        t.add(plain, step_ms, tokens_per_row, self.decay)
 
     def state(self) -> dict[int, dict[str, float | None]]:
         """Per batch bucket: ms per committed token of drafted and plain steps."""
-        return {b: {"drafted_ms_per_token": t.drafted, "plain_ms_per_token": t.plain} for b, t in sorted(self._buckets.items())}
+        return {
+            b: {
+                "drafted_ms_per_token": t.drafted,
+                "plain_ms_per_token": t.plain,
+                "drafted_standard_error": t.standard_error(False),
+                "plain_standard_error": t.standard_error(True),
+            }
+            for b, t in sorted(self._buckets.items())
+        }
 
 
 def _cumsum(values: Sequence[float]) -> list[float]:
