@@ -184,6 +184,39 @@ def test_storage_is_reused_across_runners():
     assert torch.allclose(second.forward(*step), ref.forward(*step), atol=1e-5)
 
 
+def test_cpu_runners_reuse_released_storage_and_its_stale_values_stay_hidden():
+    """Without static shapes, on a CPU, a new cache takes the storage a released one left (no
+    fresh pages to fault in per call); its stale keys and values are never attended to: the
+    logits equal those of a runner on fresh (zeroed) storage."""
+    model = tiny_model("llama", seed=0)
+    first = ModelRunner(model)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    first.prefill(ids, torch.ones_like(ids))
+    address = first.cache.storage.data_ptr()
+    first.reset(2)  # the storage goes back to the model's pool
+    prompt = torch.tensor([[7, 8], [5, 6]])
+    first.prefill(prompt, torch.ones_like(prompt))
+    assert first.cache.storage.data_ptr() == address
+    step = torch.tensor([[9, 10], [11, 12]]), torch.tensor([[2, 3], [2, 3]]), torch.ones(2, 2, 2, dtype=torch.bool).tril()
+    fresh = ModelRunner(model)
+    fresh._pool = None  # zeroed storage of its own
+    fresh.prefill(prompt, torch.ones_like(prompt))
+    assert fresh.cache.storage.data_ptr() != address
+    assert torch.equal(first.forward(*step), fresh.forward(*step))
+
+
+def test_storage_pool_keeps_its_byte_budget():
+    from specdec.models.static import StoragePool
+
+    pool = StoragePool(max_bytes=3 * 400)
+    tensors = [torch.zeros(100) for _ in range(4)]  # 400 bytes each
+    pool.give([(t, 0, 0) for t in tensors[:2]])
+    pool.give([(tensors[2], 0, 0), (tensors[3], 0, 0)])
+    assert [id(t) for t, _, _ in pool.free] == [id(t) for t in tensors[1:]]  # the oldest went first
+    assert pool.take((100,), torch.float32, torch.device("cpu")) is tensors[3]
+    assert pool.take((101,), torch.float32, torch.device("cpu")) is None
+
+
 def test_warm_up_runs_every_bucket():
     model = tiny_model("llama", seed=0)
     engine = SpeculativeEngine(model, make_policy("chain", k=4), GreedyRule(), ModelDraftSource(tiny_model("llama", seed=1), static_shapes=True), static_shapes=True)

@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.graphs import CudaGraphRunner
-from specdec.models.static import BUCKETS, StaticInputs, StoragePool, node_bucket, shared_state
+from specdec.models.static import BUCKETS, StaticInputs, StoragePool, cpu_pool, node_bucket, shared_state
 from specdec.models.support import FIX as UNSUPPORTED_FIX
 from specdec.models.support import cache_argument, tree_verification_problem
 
@@ -216,6 +216,10 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.static_shapes = static_shapes or cuda_graphs
         self._shared = shared_state(model) if self.static_shapes else None
+        # released KV storage is reused: with static shapes (addresses repeat for CUDA graphs), and
+        # on a CPU (a new cache's fresh pages cost up to a few hundred ms per call there; CUDA's
+        # caching allocator already reuses memory)
+        self._pool: StoragePool | None = self._shared.pool if self._shared is not None else (cpu_pool(model) if self.device.type == "cpu" else None)
         self.graphs: CudaGraphRunner | None = None
         if cuda_graphs:
             assert self._shared is not None
@@ -261,9 +265,8 @@ class ModelRunner:
 
     def reset(self, batch_size: int, capacity: int = CAPACITY_STEP) -> None:
         capacity = _round_up(max(capacity, 1))
-        pool = None
-        if self._shared is not None:  # static shapes: storage comes from (and returns to) the model's pool
-            pool = self._shared.pool
+        pool = self._pool
+        if pool is not None:  # storage comes from (and returns to) the model's pool
             self._release()
             capacity = pool.capacity_for(batch_size, capacity) or capacity
         self.cache = SlotCache(self.num_layers, batch_size, capacity, pool=pool)
@@ -274,9 +277,9 @@ class ModelRunner:
         """True while the host knows every committed slot is valid (set by `prefill(dense=True)`, kept by dense commits)"""
 
     def _release(self) -> None:
-        """Hand the cache's storage back to the model's pool (static shapes)."""
-        if self._shared is not None and self.cache is not None:
-            self._shared.pool.give(self.cache.tensors())
+        """Hand the cache's storage back to the model's pool (static shapes, or a CPU)."""
+        if self._pool is not None and self.cache is not None:
+            self._pool.give(self.cache.tensors())
             self.cache.storage, self.cache.extra = None, {}
 
     def __del__(self) -> None:
