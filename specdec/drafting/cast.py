@@ -546,7 +546,8 @@ class PlainDecodingCheck:
         predicted_plain: the cost model's ms per token of a plain step at this batch size (None:
         no prediction), asked only while the bucket has drafted steps timed but no plain one: a
         plain step is timed at once, before `warm_up` drafted steps, when the prediction is
-        faster than the drafted steps by more than `margin` (a rolling batch's last rows reach a
+        faster than the drafted steps by more than `unknown_noise_margin` (a prediction has no
+        noise estimate; a rolling batch's last rows reach a
         bucket of their own late, for a few steps, and these are the rows whose drafts the target
         rejects most)."""
         t = self.times(batch)
