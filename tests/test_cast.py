@@ -9,6 +9,7 @@ import math
 import random
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from conftest import EOS, close_pair, sharpen, tiny_model
@@ -475,7 +476,8 @@ def test_calibrator_starts_at_identity_then_learns_per_rank():
     q = torch.tensor([0.35, 0.05, 0.95])
     centres = torch.tensor([cal.centers[cal.bin_of(float(v))] for v in q], dtype=torch.float32)
     assert centres.tolist() == pytest.approx([0.35, (0.03 * 0.1) ** 0.5, 0.95])  # log-spaced below 0.1: the geometric centre
-    assert torch.allclose(cal.local_logprob(q.log(), torch.tensor([1, 2, 3])).exp(), centres, atol=1e-6)
+    # before evidence the identity, exactly: a token's own q, not its bin's centre (the rate's line in log q)
+    assert torch.allclose(cal.local_logprob(q.log(), torch.tensor([1, 2, 3])).exp(), q, atol=1e-6)
     assert cal.local_logprob(torch.tensor([float("-inf")]), torch.tensor([1])).item() == float("-inf")
     # greedy verification: the draft's favourite is accepted 90% of the time even at q = 0.25
     rng = random.Random(0)
@@ -495,6 +497,56 @@ def test_calibrator_starts_at_identity_then_learns_per_rank():
     assert abs(cal.child_rate() - 0.9) < 0.06
 
 
+def bernoulli_verdicts(cal: AcceptanceCalibrator, rate, steps: int, seed: int = 0, n: int = 64) -> None:
+    """`steps` updates of `n` rank-1 tokens, q uniform in (0.02, 0.99), each accepted with
+    probability rate(q)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        q = 0.02 + 0.97 * torch.rand(n, generator=gen, dtype=torch.float64)
+        hits = torch.rand(n, generator=gen, dtype=torch.float64) < rate(q)
+        cal.observe(q.log().float(), torch.ones(n, dtype=torch.long), hits)
+
+
+def test_calibrator_pools_a_calibrated_draft_with_its_law():
+    """A draft whose q is its acceptance rate: its bins scatter about the law by their binomial
+    noise only, so they are pooled with it (many pseudo-observations) and the table is within 0.03 of q
+    everywhere, where bins left at `prior` pseudo-observations stray further from the law."""
+    cal = AcceptanceCalibrator.top_k(3)
+    bernoulli_verdicts(cal, lambda q: q, steps=6)  # ~380 verdicts over 11 bins
+    gamma = cal.rank_exponents()
+    prior_mean = np.exp(cal.mean_logq() * gamma[:, None])
+    assert cal.prior_strength(prior_mean)[0].min() > 5 * cal.prior
+    q = torch.tensor([0.04, 0.15, 0.45, 0.75, 0.97])
+    pooled = cal.local_logprob(q.log(), torch.ones(5, dtype=torch.long)).exp()
+    assert torch.allclose(pooled, q, atol=0.03), pooled
+    loose = (cal.hits[0] + cal.prior * prior_mean[0]) / (cal.seen[0] + cal.prior)  # the bins at `prior` only
+    assert np.abs(cal.rates()[0] - prior_mean[0]).max() < np.abs(loose - prior_mean[0]).max()
+
+
+def test_calibrator_keeps_a_bin_that_contradicts_the_law():
+    """A draft calibrated except that its tokens with q < 0.2 are never accepted: those bins'
+    evidence beats the law (which the other bins fit), so q = 0.15 is valued near 0, not near q
+    (bins at the bottom: the table stays monotone without pooling them with their neighbours)."""
+    cal = AcceptanceCalibrator.top_k(3)
+    bernoulli_verdicts(cal, lambda q: torch.where(q < 0.2, 0.0, q), steps=10)
+    inside = cal.local_logprob(torch.tensor([0.15]).log(), torch.tensor([1])).exp().item()
+    outside = cal.local_logprob(torch.tensor([0.75]).log(), torch.tensor([1])).exp().item()
+    assert inside < 0.05 and outside == pytest.approx(0.75, rel=0.1)
+
+
+def test_calibrator_values_tokens_of_one_bin_by_their_own_q():
+    """Two favourites in the top bin (q 0.91 and 0.99) of a calibrated draft: valued apart, about
+    their own q (the bin's line in log q), and the bin's mean q is what the draft proposed there."""
+    cal = AcceptanceCalibrator.top_k(3)
+    bernoulli_verdicts(cal, lambda q: q, steps=10)
+    low, high = cal.local_logprob(torch.tensor([0.91, 0.99]).log(), torch.ones(2, dtype=torch.long)).exp().tolist()
+    assert high - low > 0.05 and high == pytest.approx(0.99, abs=0.04)
+    assert np.exp(cal.mean_logq()[0, cal.bin_of(0.95)]) == pytest.approx(0.945, abs=0.01)  # uniform q in [0.9, 0.99)
+    # CAST's per-level lookup gives the same values as local_logprob
+    _, child = cal.child_rates(torch.tensor([[0.91, 0.5]]).log(), 2)
+    assert child[0, 0].exp().item() == pytest.approx(low, rel=1e-5)
+
+
 def test_cast_top_k_table_has_a_row_per_proposed_rank():
     """CAST proposes top_k children a node; its top-k table keeps one row per rank, so verdicts on
     3rd children do not set the value of 12th children of the same q (they shared a row before),
@@ -506,7 +558,7 @@ def test_cast_top_k_table_has_a_row_per_proposed_rank():
     for _ in range(20):  # rank-3 children at q = 0.05 are accepted half the time
         cal.observe(q, torch.full((40,), 3), torch.arange(40) % 2 == 0)
     rank3, rank12 = (cal.local_logprob(q[:1], torch.tensor([r])).exp().item() for r in (3, 12))
-    assert rank3 > 0.4 and rank12 == pytest.approx(cal.centers[cal.bin_of(0.05)], abs=1e-4)
+    assert rank3 > 0.4 and rank12 == pytest.approx(0.05, abs=1e-4)  # the identity at its own q
 
 
 def test_calibrator_forgets_old_verdicts():

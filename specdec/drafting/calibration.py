@@ -18,7 +18,13 @@ at 1 (the identity: acceptance = q, the uncalibrated value) and is fitted to the
 verdicts as they arrive (`rank_exponents`), so a sparse bin borrows its rank's evidence in a
 form that keeps its own q: a rank whose q = 0.25 children are accepted 90% of the time values
 an unobserved q = 0.05 bin at about 0.77, and an unobserved rank keeps the identity at the
-bin's q. The bins' rates are made non-decreasing in q (pool-adjacent-violators). The
+bin's q. Where the law fits, a bin is pooled with it more strongly (`prior_strength`: empirical
+Bayes over the rank's bins; `_law_weight`: per bin, the posterior odds that it follows the law
+rather than only loosely), so a calibrated draft is valued by its law, not by 14 noisy bins,
+while a bin that contradicts the law keeps its own evidence; the law is evaluated at each bin's
+mean observed q (`mean_logq`), and within a bin a token's rate follows the law through the
+bin's rate (a q = 0.98 favourite is not valued like the bin's mean 0.94: over a five-token path
+that is 0.90 against 0.73). The bins' rates are made non-decreasing in q (pool-adjacent-violators). The
 calibrated path value is the product of the calibrated local rates along the path. That is
 CAST's table for top-k children (`AcceptanceCalibrator.top_k`); drawn children and DynaTree keep
 the earlier, coarser one (`AcceptanceCalibrator.pooled`: 10 equal bins, ranks 3+ in one row, a
@@ -49,6 +55,8 @@ lower-ranked children live, tenths above"""
 RANK_PRIOR = 10.0
 """pseudo-observations of the identity (acceptance = q, at the rank's own observed q's) in the
 fit of a rank's exponent γ: evidence moves γ away from 1 once it outweighs them"""
+MAX_PRIOR = 1000.0
+"""the most pseudo-observations `prior_strength` puts at a bin's power-law rate"""
 EXPONENTS = np.exp(np.arange(-80, 33) * 0.05)
 """the γ grid of `rank_exponents` (0.018 to 4.95, 5% apart, 1 included)"""
 EARLY_REFITS = 4
@@ -62,13 +70,37 @@ made CAST verify twice the nodes it should in the tree simulation (tests/test_tr
 REFIT_GROWTH = 2
 """see REFIT_EVERY"""
 LOG_FLOOR = math.log(1e-6)
-"""calibrated local log-rates are clamped to [LOG_FLOOR, log(1 - 1e-6)]"""
+LOG_CEIL = math.log(1 - 1e-6)
+"""calibrated local log-rates are clamped to [LOG_FLOOR, LOG_CEIL]"""
 
 
 def collision_log_mass(logprobs: torch.Tensor) -> torch.Tensor:
     """log sum_v q(v)^2 of each distribution `logprobs` [..., V] -> [..., 1]: the draft's expected
     probability of its own sample, a token-free stand-in for a drawn child's logq."""
     return torch.logsumexp(2 * logprobs, dim=-1, keepdim=True).clamp_(max=0.0)
+
+
+def _log_beta_binomial(hits: np.ndarray, seen: np.ndarray, mean: np.ndarray, strength: np.ndarray) -> np.ndarray:
+    """log P(hits of seen | the rate ~ Beta(strength * mean, strength * (1 - mean))), up to the
+    binomial coefficient (the same for every prior), elementwise; counts may be fractional."""
+    h, n = torch.from_numpy(np.asarray(hits, dtype=np.float64)), torch.from_numpy(np.asarray(seen, dtype=np.float64))
+    m = torch.from_numpy(np.clip(np.asarray(mean, dtype=np.float64), 1e-9, 1 - 1e-9))
+    t = torch.from_numpy(np.asarray(strength, dtype=np.float64))
+    a, b = t * m, t * (1 - m)
+    miss = (n - h).clamp(min=0.0)
+
+    def log_beta(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.lgamma(x) + torch.lgamma(y) - torch.lgamma(x + y)
+
+    return (log_beta(h + a, miss + b) - log_beta(a, b)).numpy()
+
+
+def _law_weight(hits: np.ndarray, seen: np.ndarray, mean: np.ndarray, strength: np.ndarray, prior: float) -> np.ndarray:
+    """Posterior probability, per bin, that its rate follows the law (`strength` pseudo-observations
+    at `mean`) rather than only loosely (`prior` of them), the two equally likely a priori."""
+    follows = _log_beta_binomial(hits, seen, mean, strength)
+    loose = _log_beta_binomial(hits, seen, mean, np.full_like(strength, prior))
+    return 1.0 / (1.0 + np.exp(np.clip(loose - follows, -50.0, 50.0)))
 
 
 class AcceptanceCalibrator:
@@ -115,10 +147,12 @@ class AcceptanceCalibrator:
         self.centers = np.where((lo > 0) & (hi >= 2.5 * lo), np.sqrt(lo * np.maximum(hi, 1e-12)), (lo + hi) / 2)
         self._seen = np.zeros((ranks, self.bins))  # decayed observation counts (host copy, as of the last flush)
         self._hits = np.zeros((ranks, self.bins))  # decayed accepted counts
+        self._sum_logq = np.zeros((ranks, self.bins))  # decayed sums of the observed tokens' log q
         self._observations = 0
-        # the counts are accumulated where the verdicts live (no read per step): [3, ranks * bins + 1]
-        # rows seen, hits and (column 0 of row 2) the observation count; the last column collects
-        # unobserved entries. Read back (one transfer) when the table is refitted or the counts are asked for.
+        self._log_centers = np.log(self.centers)
+        # the counts are accumulated where the verdicts live (no read per step): [4, ranks * bins + 1]
+        # rows seen, hits, (column 0 of row 2) the observation count and the log q sums; the last
+        # column collects unobserved entries. Read back (one transfer) when the table is refitted or the counts are asked for.
         self._acc: torch.Tensor | None = None
         self._dirty = False
         self._updates = 0
@@ -126,6 +160,7 @@ class AcceptanceCalibrator:
         self._child = np.full(ranks, 0.5)  # child_rate per rank, as of the last refit
         self._edges: dict[torch.device, torch.Tensor] = {}  # log q bin edges per device
         self._offsets: dict[tuple[int, torch.device], torch.Tensor] = {}  # `child_rates`' rank offsets per (k, device)
+        self._gamma = np.ones(ranks)  # each rank's exponent γ as of the last refit (`rank_exponents`)
         self._set_rates(np.tile(self.centers, (ranks, 1)))  # the identity until verdicts arrive
 
     @classmethod
@@ -175,8 +210,16 @@ class AcceptanceCalibrator:
         acc = self._acc.cpu().numpy()
         self._seen = acc[0, :size].reshape(self.ranks, self.bins).copy()
         self._hits = acc[1, :size].reshape(self.ranks, self.bins).copy()
+        self._sum_logq = acc[3, :size].reshape(self.ranks, self.bins).copy()
         self._observations = round(float(acc[2, 0]))
         self._dirty = False
+
+    def mean_logq(self) -> np.ndarray:
+        """[ranks, bins] each cell's mean observed log q, with one pseudo-observation at the bin's
+        centre (an unobserved cell: the centre). The identity's rate in a cell is its mean q, not
+        its centre: a draft whose confidences crowd a bin's top end is accepted above the centre."""
+        self._flush()
+        return (self._sum_logq + self._log_centers[None, :]) / (self._seen + 1.0)
 
     def bin_of(self, q: float) -> int:
         """The bin (column of `rates`) of local draft probability q."""
@@ -189,32 +232,55 @@ class AcceptanceCalibrator:
         observations are. γ < 1: the draft's q understates acceptance (greedy verification of
         a spread-out draft); γ > 1: it overstates it."""
         self._flush()
-        log_c = np.log(self.centers)  # [bins]
-        log_hit = EXPONENTS[:, None] * log_c[None, :]  # [G, bins] log q^γ
-        log_miss = np.log1p(-np.minimum(np.exp(log_hit), 1 - 1e-9))  # [G, bins] log (1 - q^γ)
+        log_c = self.mean_logq()  # [R, bins] each cell's mean log q
+        q = np.exp(log_c)
+        log_hit = EXPONENTS[None, :, None] * log_c[:, None, :]  # [R, G, bins] log q^γ
+        log_miss = np.log1p(-np.minimum(np.exp(log_hit), 1 - 1e-9))  # [R, G, bins] log (1 - q^γ)
         share = (self._seen + 1e-3) / (self._seen + 1e-3).sum(axis=1, keepdims=True)  # [R, bins]
-        hits = self._hits + RANK_PRIOR * share * self.centers  # [R, bins] with the identity's pseudo-verdicts
-        misses = np.maximum(self._seen - self._hits, 0.0) + RANK_PRIOR * share * (1 - self.centers)
-        loglik = hits @ log_hit.T + misses @ log_miss.T  # [R, G]
+        hits = self._hits + RANK_PRIOR * share * q  # [R, bins] with the identity's pseudo-verdicts
+        misses = np.maximum(self._seen - self._hits, 0.0) + RANK_PRIOR * share * (1 - q)
+        loglik = np.einsum("rb,rgb->rg", hits, log_hit) + np.einsum("rb,rgb->rg", misses, log_miss)  # [R, G]
         return EXPONENTS[loglik.argmax(axis=1)]
 
     def rates(self) -> np.ndarray:
         """[ranks, bins] calibrated acceptance rates (prior included, monotone in q).
 
-        Each bin is shrunk towards its rank's power law at the bin's centre, centre^γ
-        (`rank_exponents`; γ = 1, the identity, before evidence), so a sparse bin (a rank-1
+        Each bin is shrunk towards its rank's power law at the bin's mean q, q̄^γ
+        (`rank_exponents`, `mean_logq`; γ = 1, the identity, before evidence), so a sparse bin (a rank-1
         token the draft gives q < 0.1) borrows its rank's evidence without losing its own q
-        (`rank_prior="pooled"`: towards the rank's pooled rate instead)."""
+        (`rank_prior="pooled"`: towards the rank's pooled rate from the bin's centre instead)."""
         self._flush()
         if self.rank_prior == "power":
-            prior_mean = self.centers[None, :] ** self.rank_exponents()[:, None]  # [R, bins]
+            prior_mean = np.exp(self.mean_logq() * self.rank_exponents()[:, None])  # [R, bins]
         else:
             seen_rank = self._seen.sum(axis=1, keepdims=True)  # [R, 1]
             pooled = self._hits.sum(axis=1, keepdims=True) / np.maximum(seen_rank, 1e-12)
             w = RANK_PRIOR / (RANK_PRIOR + seen_rank)
             prior_mean = w * self.centers + (1 - w) * pooled  # [R, bins]
         raw = (self._hits + self.prior * prior_mean) / (self._seen + self.prior)
+        if self.rank_prior == "power":  # bins that follow the law take it with more weight (`prior_strength`, `_law_weight`)
+            strength = self.prior_strength(prior_mean)  # [R, bins]
+            follows = (self._hits + strength * prior_mean) / (self._seen + strength)
+            w = _law_weight(self._hits, self._seen, prior_mean, strength, self.prior)
+            raw = w * follows + (1 - w) * raw
         return np.array([isotonic(raw[r], self._seen[r] + self.prior) for r in range(self.ranks)])
+
+    def prior_strength(self, prior_mean: np.ndarray) -> np.ndarray:
+        """[R, bins] pseudo-observations at `prior_mean` [R, bins] per bin: at least `prior`, more
+        as far as the rank's bins scatter about its power law no more than their counts' binomial
+        noise does (empirical Bayes: the between-bin variance σ² of the true rates about the law,
+        by the method of moments, and the beta prior of that variance, p (1 - p) / σ² - 1
+        pseudo-observations; at most MAX_PRIOR). A draft the law fits (a calibrated one) gets
+        its law, not 14 noisy bins; one it does not fit keeps its bins' own evidence."""
+        seen = self._seen
+        observed = seen >= 1.0
+        rate = np.where(observed, self._hits / np.maximum(seen, 1e-12), prior_mean)
+        p = np.clip(prior_mean, 1e-6, 1 - 1e-6)
+        excess = np.where(observed, seen * ((rate - p) ** 2 - p * (1 - p) / np.maximum(seen, 1e-12)), 0.0)  # [R, bins]
+        total = np.maximum((seen * observed).sum(axis=1, keepdims=True), 1e-12)
+        variance = np.maximum(excess.sum(axis=1, keepdims=True) / total, 0.0)  # [R, 1] σ² per rank
+        strength = p * (1 - p) / np.maximum(variance, 1e-12) - 1.0
+        return np.clip(strength, self.prior, MAX_PRIOR)
 
     def _log_edges(self, device: torch.device) -> torch.Tensor:
         edges = self._edges.get(device)
@@ -232,9 +298,12 @@ class AcceptanceCalibrator:
         ranks `rank` (1-based), same shape; -inf where logq is -inf."""
         r, q_bin = self._cells(logq, rank)  # -inf: bin 0
         cell = r * self.bins + q_bin
-        if self._flat_log_rate.device != logq.device:
-            self._flat_log_rate = self._flat_log_rate.to(logq.device)
-        return self._flat_log_rate[cell].masked_fill_(~torch.isfinite(logq), float("-inf"))
+        if self.rank_prior == "power":
+            line = self._line(logq.device)[cell]  # [..., 2]
+            rate = torch.addcmul(line[..., 0], line[..., 1], logq.float().nan_to_num(LOG_FLOOR, neginf=LOG_FLOOR)).clamp_(LOG_FLOOR, LOG_CEIL)
+        else:
+            rate = self.log_rate(cell)
+        return rate.masked_fill_(~torch.isfinite(logq), float("-inf"))
 
     def cells(self, logq: torch.Tensor, rank_offset: torch.Tensor) -> torch.Tensor:
         """The table cell of tokens with local draft log-probs `logq`: (rank - 1) * bins + q bin,
@@ -248,13 +317,17 @@ class AcceptanceCalibrator:
         local: [..., k] the children's local draft log-probs, or [..., 1] one stand-in value per
         parent for all k (drawn children). Returns (cells, log rates), each [..., k]; a -inf local
         log-prob falls in the q = 0 bin (finite rate: mask invalid children yourself). The rank
-        offsets are cached per (k, device): three ops per call."""
+        offsets are cached per (k, device): three ops per call, five for a `top_k` table (its
+        cells' lines in log q)."""
         key = (k, local.device)
         offsets = self._offsets.get(key)
         if offsets is None:
             offsets = self._offsets[key] = self.rank_offsets(torch.arange(1, k + 1, device=local.device))  # [k]
         cells = self.cells(local, offsets)
-        return cells, self.log_rate(cells)
+        if self.rank_prior != "power":
+            return cells, self.log_rate(cells)
+        line = self._line(local.device)[cells]  # [..., k, 2]: each cell's intercept and slope in log q
+        return cells, torch.addcmul(line[..., 0], line[..., 1], local).clamp_(LOG_FLOOR, LOG_CEIL)
 
     def drawn_child_rates(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Table cells and calibrated log acceptance rates of k children drawn (without
@@ -271,27 +344,36 @@ class AcceptanceCalibrator:
         """(min(rank, ranks) - 1) * bins for 1-based sibling ranks (cache it: it depends on the shape only)."""
         return (ranks.long() - 1).clamp(0, self.ranks - 1) * self.bins
 
+    def _line(self, device: torch.device) -> torch.Tensor:
+        """[R * bins, 2] each cell's log-rate line in log q (intercept, slope), on `device`."""
+        if self._flat_line.device != device:
+            self._flat_line = self._flat_line.to(device)
+        return self._flat_line
+
     def log_rate(self, cells: torch.Tensor) -> torch.Tensor:
         """Calibrated log acceptance of the tokens in `cells` (finite everywhere: mask invalid nodes yourself)."""
         if self._flat_log_rate.device != cells.device:
             self._flat_log_rate = self._flat_log_rate.to(cells.device)
         return self._flat_log_rate[cells]
 
-    def observe_cells(self, cells: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor) -> None:
-        """`observe` for tokens given by their table cells (`cells`); only entries where `mask`
-        is True count."""
+    def observe_cells(self, cells: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor, logq: torch.Tensor | None = None) -> None:
+        """`observe` for tokens given by their table cells (`cells`) and local log q (`logq`;
+        None: each cell's centre); only entries where `mask` is True count."""
         if cells.numel() == 0:
             return
         overflow = constants.full((), self.ranks * self.bins, torch.long, cells.device)  # the cell of unobserved entries
-        self._accumulate(torch.where(mask, cells, overflow).flatten(), mask.sum(), accepted)
+        if logq is not None:
+            logq = torch.where(mask, logq, 0.0)  # unobserved entries (the overflow cell) may be -inf
+        self._accumulate(torch.where(mask, cells, overflow).flatten(), mask.sum(), accepted, logq)
 
-    def observe_tree(self, cells: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, record: StepRecord) -> None:
+    def observe_tree(self, cells: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, record: StepRecord, logq: torch.Tensor | None = None) -> None:
         """The verdicts on one verified tree: every valid non-root node whose parent was reached (the
         root, or a node on the row's accepted path) is one observation, accepted iff it was reached.
 
         cells: [B, N] each node's table cell (`cells`), in the verified tree's order; parents,
         valid: [B, N] the tree's; record: the step's `StepRecord` (its `accepted_nodes` index the
-        same tree). The reached nodes are marked on the host and copied to the device once."""
+        same tree); logq: [B, N] the nodes' local draft log-probs (the q the cells were looked up
+        by; None: each cell's centre, for tables whose q is a stand-in). The reached nodes are marked on the host and copied to the device once."""
         if not record.accepted_nodes:
             return
         host_reached = np.zeros(tuple(parents.shape), dtype=np.bool_)  # [B, N]
@@ -304,7 +386,7 @@ class AcceptanceCalibrator:
         # observed: verified non-root nodes whose parent was reached (the root has no parent: column 0 off)
         observed = valid & reached.gather(1, parents.clamp(min=0))
         observed[:, 0] = False
-        self.observe_cells(cells, reached, observed)
+        self.observe_cells(cells, reached, observed, logq)
 
     def observe(self, logq: torch.Tensor, rank: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Record verdicts: logq, rank, accepted (and mask) have one shape; the entries where
@@ -316,22 +398,29 @@ class AcceptanceCalibrator:
         use = torch.isfinite(logq) if mask is None else (mask & torch.isfinite(logq))
         r, b = self._cells(logq, rank)
         size = self.ranks * self.bins
-        self._accumulate(torch.where(use, r * self.bins + b, size).flatten(), use.sum(), accepted)
+        self._accumulate(torch.where(use, r * self.bins + b, size).flatten(), use.sum(), accepted, logq.nan_to_num(0.0, neginf=0.0))
 
-    def _accumulate(self, cell: torch.Tensor, n: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Add observations (cell per entry, the overflow cell for unobserved ones; n observed) on the device."""
+    def _accumulate(self, cell: torch.Tensor, n: torch.Tensor, accepted: torch.Tensor, logq: torch.Tensor | None = None) -> None:
+        """Add observations (cell per entry, the overflow cell for unobserved ones; n observed;
+        their log q, None: their cells' centres) on the device."""
         size = self.ranks * self.bins
         dev = cell.device
         if self._acc is None or self._acc.device != dev:
-            self._acc = torch.zeros(3, size + 1, dtype=torch.float64, device=dev)
+            self._acc = torch.zeros(4, size + 1, dtype=torch.float64, device=dev)
             self._acc[0, :size] = torch.from_numpy(self._seen.reshape(-1))
             self._acc[1, :size] = torch.from_numpy(self._hits.reshape(-1))
             self._acc[2, 0] = float(self._observations)
+            self._acc[3, :size] = torch.from_numpy(self._sum_logq.reshape(-1))
+            # log centre per cell (the overflow cell: 0), for observations without their own log q
+            self._cell_log_centers = torch.from_numpy(np.append(np.tile(self._log_centers, self.ranks), 0.0)).to(dev)
         n = n.double()
         # decay the counts by decay ** (new observations), then add the new ones
-        self._acc[:2].mul_(torch.pow(self.decay, n))
+        decay = torch.pow(self.decay, n)
+        self._acc[:2].mul_(decay)
+        self._acc[3].mul_(decay)
         self._acc[0].index_add_(0, cell, constants.ones(cell.numel(), torch.float64, dev))
         self._acc[1].index_add_(0, cell, accepted.flatten().double())
+        self._acc[3].index_add_(0, cell, self._cell_log_centers[cell] if logq is None else logq.flatten().double())
         self._acc[2, :1].add_(n)
         self._dirty = True
         self._updates += 1
@@ -339,12 +428,19 @@ class AcceptanceCalibrator:
         if self._updates <= EARLY_REFITS or since >= min(REFIT_EVERY, max(1, self._refitted_at // REFIT_GROWTH)):  # refit the table now and then
             self._refitted_at = self._updates
             self._flush()
+            if self.rank_prior == "power":
+                self._gamma = self.rank_exponents()
             self._set_rates(self.rates())
             self._child = np.array([self._rate_of(r) for r in range(1, self.ranks + 1)])
 
     def _set_rates(self, rates: np.ndarray) -> None:
         self._log_rate = torch.from_numpy(np.log(np.clip(rates, 1e-6, 1 - 1e-6))).float()  # [R, bins]
         self._flat_log_rate = self._log_rate.reshape(-1)  # [R * bins], indexed by (rank - 1) * bins + q bin
+        # within a cell the rate follows the rank's power law through the cell's rate at its mean
+        # q: log rate(q) = log rate_cell + γ (log q - mean log q)
+        slope = np.broadcast_to(self._gamma[:, None], rates.shape)  # [R, bins]
+        intercept = self._log_rate.double().numpy() - slope * self.mean_logq()
+        self._flat_line = torch.from_numpy(np.stack([intercept, slope], axis=-1).reshape(-1, 2)).float()  # [R * bins, 2]
 
     def _rate_of(self, rank: int) -> float:
         r = min(max(rank, 1), self.ranks) - 1

@@ -736,7 +736,7 @@ class CastPolicy:
     The top-k table has one row per proposed sibling rank (`top_k` rows): a 12th child is not valued as a 3rd."""
     overheads: StepOverheads = field(default_factory=lambda: StepOverheads(), init=False, repr=False)
     """the engine's measured time per draft forward and per verification beyond the tables"""
-    _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _last_tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(default=None, init=False, repr=False)
     _feedback_ms: float = field(default=0.0, init=False, repr=False)
     """how long the previous feedback took (part of the step's time outside drafting and verification)"""
     _plan: list[int] | None = field(default=None, init=False, repr=False)
@@ -924,7 +924,8 @@ class CastPolicy:
         drafted = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
         tree = drafted.tree
         if self.calibrate:
-            self._last_tree = (torch.cat(self._cells, dim=1).gather(1, drafted.builder_nodes), tree.parents, tree.valid)
+            # top-k children: their own log q, which their cells were looked up by (drawn ones: a stand-in)
+            self._last_tree = (torch.cat(self._cells, dim=1).gather(1, drafted.builder_nodes), tree.parents, tree.valid, None if self._sampled else tree.logq)
         if self._learns_costs:
             nodes = min(tree.num_nodes, len(t_verify) - 1)
             self.overheads.expect(st.forward_ms, builder.draft_forwards - 1, st.expanded, t_verify[nodes], nodes)
@@ -1230,9 +1231,9 @@ class CastPolicy:
                 self.overheads.observe_other((record.step_s - record.draft_s - record.verify_s) * 1e3 + self._feedback_ms)
         if not self.calibrate or self._last_tree is None or not record.accepted_nodes:
             return
-        cells, parents, valid = self._last_tree
+        cells, parents, valid, logq = self._last_tree
         self._last_tree = None
-        self._calibrator.observe_tree(cells, parents, valid, record)
+        self._calibrator.observe_tree(cells, parents, valid, record, logq)
 
     def state(self) -> dict[str, Any]:
         """Introspection: the last step's layer widths and verified count, and the buffers."""
