@@ -116,6 +116,24 @@ def test_a_strong_layer_replaces_weak_nodes_in_a_full_plan():
     assert not additive.gains([0.5], 0.5)  # the old view: (1.9) / (2.5 + 20) < 1.4 / 12
 
 
+def test_cast_calibrates_top_k_children_by_their_own_q():
+    """CAST's feedback gives the calibrator each verified node's own local log q (`tree.logq`),
+    the value its table cell was looked up by: every observed cell's mean q lies inside its bin
+    (a path's cumulative log q, or the parent's, would fall below it)."""
+    import numpy as np
+
+    sim = Simulation(*DRAFTS["calibrated"], gpu_like_table(), batch=2)
+    policy = make_policy("cast", cost_table=sim.table, deterministic=True)
+    sim.run(policy, 20)
+    cal = policy._calibrators[False]
+    seen = cal.seen >= 1.0
+    assert seen.sum() >= 5
+    mean_q = np.exp(cal.mean_logq())[seen]
+    bins = np.broadcast_to(np.arange(cal.bins), seen.shape)[seen]
+    lo, hi = np.concatenate([[0.0], cal.edges])[bins], np.concatenate([cal.edges, [1.0]])[bins]
+    assert ((mean_q >= lo * 0.9) & (mean_q <= hi)).all(), (mean_q, lo, hi)
+
+
 def test_cast_drafts_with_few_reads():
     """Break-even CAST decides its layers from the previous step's plan and reads once at the end
     (more only while a confident step keeps paying for another layer)."""

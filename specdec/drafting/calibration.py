@@ -80,19 +80,21 @@ def collision_log_mass(logprobs: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(2 * logprobs, dim=-1, keepdim=True).clamp_(max=0.0)
 
 
+_lgamma = np.vectorize(math.lgamma, otypes=[np.float64])
+
+
+def _log_beta(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return _lgamma(x) + _lgamma(y) - _lgamma(x + y)
+
+
 def _log_beta_binomial(hits: np.ndarray, seen: np.ndarray, mean: np.ndarray, strength: np.ndarray) -> np.ndarray:
     """log P(hits of seen | the rate ~ Beta(strength * mean, strength * (1 - mean))), up to the
-    binomial coefficient (the same for every prior), elementwise; counts may be fractional."""
-    h, n = torch.from_numpy(np.asarray(hits, dtype=np.float64)), torch.from_numpy(np.asarray(seen, dtype=np.float64))
-    m = torch.from_numpy(np.clip(np.asarray(mean, dtype=np.float64), 1e-9, 1 - 1e-9))
-    t = torch.from_numpy(np.asarray(strength, dtype=np.float64))
-    a, b = t * m, t * (1 - m)
-    miss = (n - h).clamp(min=0.0)
-
-    def log_beta(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.lgamma(x) + torch.lgamma(y) - torch.lgamma(x + y)
-
-    return (log_beta(h + a, miss + b) - log_beta(a, b)).numpy()
+    binomial coefficient (the same for every prior), elementwise; counts may be fractional.
+    Host arithmetic (at refits), no torch ops."""
+    m = np.clip(mean, 1e-9, 1 - 1e-9)
+    a, b = strength * m, strength * (1 - m)
+    miss = np.maximum(seen - hits, 0.0)
+    return _log_beta(hits + a, miss + b) - _log_beta(a, b)
 
 
 def _law_weight(hits: np.ndarray, seen: np.ndarray, mean: np.ndarray, strength: np.ndarray, prior: float) -> np.ndarray:
@@ -151,8 +153,8 @@ class AcceptanceCalibrator:
         self._observations = 0
         self._log_centers = np.log(self.centers)
         # the counts are accumulated where the verdicts live (no read per step): [4, ranks * bins + 1]
-        # rows seen, hits, (column 0 of row 2) the observation count and the log q sums; the last
-        # column collects unobserved entries. Read back (one transfer) when the table is refitted or the counts are asked for.
+        # rows seen, hits, the log q sums and (column 0 of row 3) the observation count; the last
+        # column collects unobserved entries (whatever their log q: that column is never read). Read back (one transfer) when the table is refitted or the counts are asked for.
         self._acc: torch.Tensor | None = None
         self._dirty = False
         self._updates = 0
@@ -210,8 +212,8 @@ class AcceptanceCalibrator:
         acc = self._acc.cpu().numpy()
         self._seen = acc[0, :size].reshape(self.ranks, self.bins).copy()
         self._hits = acc[1, :size].reshape(self.ranks, self.bins).copy()
-        self._sum_logq = acc[3, :size].reshape(self.ranks, self.bins).copy()
-        self._observations = round(float(acc[2, 0]))
+        self._sum_logq = acc[2, :size].reshape(self.ranks, self.bins).copy()
+        self._observations = round(float(acc[3, 0]))
         self._dirty = False
 
     def mean_logq(self) -> np.ndarray:
@@ -242,16 +244,18 @@ class AcceptanceCalibrator:
         loglik = np.einsum("rb,rgb->rg", hits, log_hit) + np.einsum("rb,rgb->rg", misses, log_miss)  # [R, G]
         return EXPONENTS[loglik.argmax(axis=1)]
 
-    def rates(self) -> np.ndarray:
+    def rates(self, exponents: np.ndarray | None = None) -> np.ndarray:
         """[ranks, bins] calibrated acceptance rates (prior included, monotone in q).
 
         Each bin is shrunk towards its rank's power law at the bin's mean q, q̄^γ
         (`rank_exponents`, `mean_logq`; γ = 1, the identity, before evidence), so a sparse bin (a rank-1
         token the draft gives q < 0.1) borrows its rank's evidence without losing its own q
-        (`rank_prior="pooled"`: towards the rank's pooled rate from the bin's centre instead)."""
+        (`rank_prior="pooled"`: towards the rank's pooled rate from the bin's centre instead).
+        exponents: each rank's γ when already computed (`rank_exponents`)."""
         self._flush()
         if self.rank_prior == "power":
-            prior_mean = np.exp(self.mean_logq() * self.rank_exponents()[:, None])  # [R, bins]
+            gamma = self.rank_exponents() if exponents is None else exponents
+            prior_mean = np.exp(self.mean_logq() * gamma[:, None])  # [R, bins]
         else:
             seen_rank = self._seen.sum(axis=1, keepdims=True)  # [R, 1]
             pooled = self._hits.sum(axis=1, keepdims=True) / np.maximum(seen_rank, 1e-12)
@@ -362,8 +366,6 @@ class AcceptanceCalibrator:
         if cells.numel() == 0:
             return
         overflow = constants.full((), self.ranks * self.bins, torch.long, cells.device)  # the cell of unobserved entries
-        if logq is not None:
-            logq = torch.where(mask, logq, 0.0)  # unobserved entries (the overflow cell) may be -inf
         self._accumulate(torch.where(mask, cells, overflow).flatten(), mask.sum(), accepted, logq)
 
     def observe_tree(self, cells: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, record: StepRecord, logq: torch.Tensor | None = None) -> None:
@@ -409,19 +411,18 @@ class AcceptanceCalibrator:
             self._acc = torch.zeros(4, size + 1, dtype=torch.float64, device=dev)
             self._acc[0, :size] = torch.from_numpy(self._seen.reshape(-1))
             self._acc[1, :size] = torch.from_numpy(self._hits.reshape(-1))
-            self._acc[2, 0] = float(self._observations)
-            self._acc[3, :size] = torch.from_numpy(self._sum_logq.reshape(-1))
+            self._acc[2, :size] = torch.from_numpy(self._sum_logq.reshape(-1))
+            self._acc[3, 0] = float(self._observations)
             # log centre per cell (the overflow cell: 0), for observations without their own log q
             self._cell_log_centers = torch.from_numpy(np.append(np.tile(self._log_centers, self.ranks), 0.0)).to(dev)
         n = n.double()
         # decay the counts by decay ** (new observations), then add the new ones
         decay = torch.pow(self.decay, n)
-        self._acc[:2].mul_(decay)
-        self._acc[3].mul_(decay)
+        self._acc[:3].mul_(decay)  # the counts and the log q sums (row 3 holds the observation count)
         self._acc[0].index_add_(0, cell, constants.ones(cell.numel(), torch.float64, dev))
         self._acc[1].index_add_(0, cell, accepted.flatten().double())
-        self._acc[3].index_add_(0, cell, self._cell_log_centers[cell] if logq is None else logq.flatten().double())
-        self._acc[2, :1].add_(n)
+        self._acc[2].index_add_(0, cell, self._cell_log_centers[cell] if logq is None else logq.flatten().double())
+        self._acc[3, :1].add_(n)
         self._dirty = True
         self._updates += 1
         since = self._updates - self._refitted_at
@@ -430,7 +431,7 @@ class AcceptanceCalibrator:
             self._flush()
             if self.rank_prior == "power":
                 self._gamma = self.rank_exponents()
-            self._set_rates(self.rates())
+            self._set_rates(self.rates(self._gamma))
             self._child = np.array([self._rate_of(r) for r in range(1, self.ranks + 1)])
 
     def _set_rates(self, rates: np.ndarray) -> None:
