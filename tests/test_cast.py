@@ -933,6 +933,40 @@ def test_plain_check_goes_plain_on_a_steady_small_lead_but_not_on_noise():
     assert _plain_share(PlainDecodingCheck(warm_up=8, margin=0.03, z=0.0), noisy, plain) > 0.5  # a fixed 3% lead
 
 
+def test_plain_check_times_drafted_steps_by_their_expected_tokens():
+    """Drafted steps 5% slower per token than plain ones whose committed tokens vary by 20% from
+    step to step (the bundled pair at batch 8): timed over the tokens they commit, the noise
+    hides the lead within the check's window and drafting goes on; timed over the tokens the
+    policy expected (here 20% too many: the long-window factor corrects it), plain steps run."""
+    rng = random.Random(1)
+
+    def plain():
+        return rng.gauss(12.0, 0.3), 1.0
+
+    def drafted(expected: float | None):
+        def step():
+            ms = rng.gauss(25.2, 2.0)  # 12.6 ms per committed token
+            return ms, max(0.5, rng.gauss(2.0, 0.4)), expected
+
+        return step
+
+    def share(expected: float | None) -> float:
+        check = PlainDecodingCheck(warm_up=8)
+        trace = []
+        for _ in range(600):
+            go_plain = check.plain_next(8)
+            trace.append(go_plain)
+            check.observe(8, go_plain, *(plain() if go_plain else drafted(expected)()))
+        return sum(trace[-400:]) / 400
+
+    assert share(2.4) > 0.8
+    assert share(None) < 0.75  # 0.39-0.69 over seeds 0-3
+    times = _ModeTimes()
+    for _ in range(400):
+        times.add(False, rng.gauss(25.2, 2.0), max(0.5, rng.gauss(2.0, 0.4)), 0.95, expected=2.4)
+    assert times.drafted == pytest.approx(12.6, rel=0.05)  # committed, not expected, tokens set the rate
+
+
 def test_plain_check_buckets_and_stalls():
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
     check = PlainDecodingCheck(warm_up=1, probe_every=100)

@@ -428,52 +428,106 @@ def batch_bucket(batch: int) -> int:
 
 
 @dataclass
-class _ModeTimes:
-    """Drafted and plain steps at one batch bucket: exponentially decayed sums of their wall ms,
-    of the tokens they commit per row and of their count; ms per token is the ratio of the two
-    sums (a mean of per-step ratios would overstate it: a step that commits one token costs
-    about as much as one that commits six). The decayed second moments give that ratio's
-    standard error (`standard_error`), so a lead can be told from noise."""
+class _DecayedRatio:
+    """R = sum y / sum x over exponentially decayed observations (y, x), with the decayed
+    second moments that give R's standard error (the ratio estimator's: its residuals
+    y - R * x, weighted, over the effective number of observations the weights hold)."""
 
-    ms: dict[bool, float] = field(default_factory=dict)
-    """plain (True) / drafted (False) -> decayed sum of step ms"""
-    tokens: dict[bool, float] = field(default_factory=dict)
-    """plain / drafted -> decayed sum of tokens committed per active row"""
-    count: dict[bool, float] = field(default_factory=dict)
-    """plain / drafted -> decayed count of timed steps"""
-    moments: dict[bool, tuple[float, float, float, float]] = field(default_factory=dict)
-    """plain / drafted -> decayed sums of ms^2, ms * tokens, tokens^2 and of the squared weights"""
+    y: float = 0.0
+    x: float = 0.0
+    weight: float = 0.0
+    """decayed count of observations"""
+    moments: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """decayed sums of y^2, y * x, x^2 and of the squared weights"""
+
+    def add(self, y: float, x: float, decay: float) -> None:
+        """One observation; the earlier ones' weights shrink by `decay`."""
+        self.y = decay * self.y + y
+        self.x = decay * self.x + x
+        self.weight = decay * self.weight + 1.0
+        yy, yx, xx, w2 = self.moments
+        self.moments = (decay * yy + y * y, decay * yx + y * x, decay * xx + x * x, decay * decay * w2 + 1.0)
+
+    @property
+    def ratio(self) -> float | None:
+        """None before any observation."""
+        return self.y / self.x if self.weight > 0 and self.x > 0 else None
+
+    @property
+    def mean_y(self) -> float:
+        return self.y / self.weight
+
+    def standard_error(self) -> float | None:
+        """None with fewer than `MIN_NOISE_STEPS` effective observations (no estimate)."""
+        rate = self.ratio
+        if rate is None:
+            return None
+        yy, yx, xx, w2 = self.moments
+        w = self.weight
+        n_eff = w * w / w2
+        if n_eff < MIN_NOISE_STEPS:
+            return None
+        residual = max(0.0, yy - 2.0 * rate * yx + rate * rate * xx)  # sum of w * (y - R * x)^2
+        return math.sqrt(residual / w * n_eff / (n_eff - 1.0)) * w / (self.x * math.sqrt(n_eff))
+
+
+@dataclass
+class _ModeTimes:
+    """Drafted and plain steps at one batch bucket: a mode's speed is its steps' wall ms over
+    the tokens they commit per row, a ratio of decayed sums (a mean of per-step ratios would
+    overstate it: a step that commits one token costs about as much as one that commits six),
+    with its standard error, so a lead can be told from noise.
+
+    Most of a drafted step's noise is in the tokens it commits (acceptance is a coin toss per
+    node; on the bundled pair at batch 8 the tokens per row vary 19% from step to step, the
+    step's ms 8%), so when the policy says how many tokens it expected the step to commit, the
+    speed is a control-variate estimate: recent ms over recent *expected* tokens (`per_expected`,
+    decay `decay`), times how many tokens were committed per expected one over a much longer
+    window (`committed_per_expected`, decay `long_decay`): the acceptance noise averages out over
+    the long window, and the recent window follows the step's cost as it changes. Without
+    expectations (plain steps: one token each) the expected tokens are the committed ones and
+    the factor is 1."""
+
+    per_expected: dict[bool, _DecayedRatio] = field(default_factory=dict)
+    """plain (True) / drafted (False) -> step ms over expected tokens per row, recent steps"""
+    committed_per_expected: dict[bool, _DecayedRatio] = field(default_factory=dict)
+    """plain / drafted -> committed over expected tokens per row, a long window"""
     since_plain: int = 0
     """drafted steps since the last plain one"""
     since_drafted: int = 0
     """plain steps since the last drafted one"""
 
-    def add(self, plain: bool, step_ms: float, tokens: float, decay: float) -> None:
-        """One timed step of a mode; its earlier steps' weights shrink by `decay`."""
-        self.ms[plain] = decay * self.ms.get(plain, 0.0) + step_ms
-        self.tokens[plain] = decay * self.tokens.get(plain, 0.0) + tokens
-        self.count[plain] = decay * self.count.get(plain, 0.0) + 1.0
-        mm, mt, tt, w2 = self.moments.get(plain, (0.0, 0.0, 0.0, 0.0))
-        self.moments[plain] = (decay * mm + step_ms * step_ms, decay * mt + step_ms * tokens, decay * tt + tokens * tokens, decay * decay * w2 + 1.0)
+    def add(self, plain: bool, step_ms: float, tokens: float, decay: float, expected: float | None = None, long_decay: float = 0.995) -> None:
+        """One timed step of a mode that committed `tokens` per row (the policy expected
+        `expected`; None: no expectation, the committed tokens stand in); the mode's earlier
+        steps' weights shrink by `decay` (`long_decay` for the committed-per-expected factor)."""
+        x = tokens if expected is None or expected <= 0 else expected
+        self.per_expected.setdefault(plain, _DecayedRatio()).add(step_ms, x, decay)
+        self.committed_per_expected.setdefault(plain, _DecayedRatio()).add(tokens, x, long_decay)
+
+    def mean_ms(self, plain: bool) -> float | None:
+        """The mode's decayed mean step ms (None until timed)."""
+        r = self.per_expected.get(plain)
+        return r.mean_y if r is not None and r.weight > 0 else None
 
     def ms_per_token(self, plain: bool) -> float | None:
         """None until the mode has been timed."""
-        return self.ms[plain] / self.tokens[plain] if plain in self.ms else None
+        recent, factor = self.per_expected.get(plain), self.committed_per_expected.get(plain)
+        if recent is None or factor is None or recent.ratio is None or not factor.ratio:
+            return None
+        return recent.ratio / factor.ratio
 
     def standard_error(self, plain: bool) -> float | None:
-        """The standard error of `ms_per_token(plain)` (a ratio estimator R = sum ms / sum tokens:
-        its residuals ms - R * tokens, weighted, over the effective number of steps the decayed
-        weights hold), or None with fewer than `MIN_NOISE_STEPS` effective steps (no estimate)."""
+        """The standard error of `ms_per_token(plain)`: the two ratios' relative errors in
+        quadrature (they are estimated from different noise: the step's ms, the acceptance)."""
         rate = self.ms_per_token(plain)
         if rate is None:
             return None
-        mm, mt, tt, w2 = self.moments[plain]
-        w, t = self.count[plain], self.tokens[plain]
-        n_eff = w * w / w2
-        if n_eff < MIN_NOISE_STEPS or t <= 0:
+        recent, factor = self.per_expected[plain], self.committed_per_expected[plain]
+        se_recent, se_factor = recent.standard_error(), factor.standard_error()
+        if se_recent is None or se_factor is None or recent.ratio is None or factor.ratio is None:
             return None
-        residual = max(0.0, mm - 2.0 * rate * mt + rate * rate * tt)  # sum of w * (ms - R * tokens)^2
-        return math.sqrt(residual / w * n_eff / (n_eff - 1.0)) * w / (t * math.sqrt(n_eff))
+        return rate * math.hypot(se_recent / recent.ratio, se_factor / factor.ratio)
 
     @property
     def drafted(self) -> float | None:
@@ -532,6 +586,9 @@ class PlainDecodingCheck:
     decay: float = 0.95
     """per timed step of a mode: its older steps' weight (about the last 20 count, so the slow
     first drafted steps are soon forgotten)"""
+    long_decay: float = 0.995
+    """per timed step of a mode: the weight of its older steps in how many tokens a step
+    commits per expected token (about the last 400 count: `_ModeTimes`)"""
     warm_up: int = 16
     _buckets: dict[int, _ModeTimes] = field(default_factory=dict, repr=False)
     _discard_next: bool = field(default=False, repr=False)
@@ -577,8 +634,9 @@ class PlainDecodingCheck:
         lead = drafted - plain
         return lead > plain * self.margin and lead > self.z * math.hypot(se_drafted, se_plain)
 
-    def observe(self, batch: int, plain: bool, step_ms: float, tokens_per_row: float) -> None:
-        """One step's wall time (ms) and the tokens it committed per active row."""
+    def observe(self, batch: int, plain: bool, step_ms: float, tokens_per_row: float, expected_tokens: float | None = None) -> None:
+        """One step's wall time (ms) and the tokens it committed per active row (and expected to
+        commit, when the policy says: `_ModeTimes`)."""
         t = self.times(batch)
         if plain:
             t.since_drafted += 1
@@ -592,9 +650,10 @@ class PlainDecodingCheck:
                 return
         if step_ms <= 0 or tokens_per_row <= 0:
             return
-        if plain in t.ms:
-            step_ms = min(step_ms, 3.0 * t.ms[plain] / t.count[plain])
-        t.add(plain, step_ms, tokens_per_row, self.decay)
+        mean_ms = t.mean_ms(plain)
+        if mean_ms is not None:
+            step_ms = min(step_ms, 3.0 * mean_ms)
+        t.add(plain, step_ms, tokens_per_row, self.decay, expected_tokens, self.long_decay)
 
     def state(self) -> dict[int, dict[str, float | None]]:
         """Per batch bucket: ms per committed token of drafted and plain steps."""
@@ -747,6 +806,8 @@ class CastPolicy:
     _loaded: CostTable | None = field(default=None, init=False, repr=False)
     plain_check: PlainDecodingCheck = field(default_factory=PlainDecodingCheck, init=False, repr=False)
     """drafted against plain steps, timed (`plain_steps`)"""
+    _expected_tokens: float | None = field(default=None, init=False, repr=False)
+    """tokens per active row the step just drafted was expected to commit (`_verify_count`), for the plain check"""
     _step_plain: bool | None = field(default=None, init=False, repr=False)
     """whether the step just drafted was plain (None: not timed, e.g. a row's last token)"""
     _owed: bool = field(default=False, init=False, repr=False)
@@ -870,6 +931,7 @@ class CastPolicy:
         self.last_verified = 0
         self._last_tree = None
         self._step_plain = None
+        self._expected_tokens = None
         if self._plain_steps_on:
             plain = self.plain_check.plain_next(b, lambda: self._predicted_plain_ms(b, ctx))
             if (plain or depth == 0) and source.defer(roots):  # no draft forward at all
@@ -1132,6 +1194,7 @@ class CastPolicy:
     def _verify_count(self, st: _Step, pool: list[float], drafted_ms: float) -> int:
         """Draft tokens per row to verify: dynamic reranking over the pool's cumulative
         utilities, or `total_tokens` when it is off."""
+        self._expected_tokens = None
         if not self.dynamic_rerank:
             self.last_verified = self.total_tokens
         elif self.rerank_rule == "break-even":
@@ -1141,6 +1204,8 @@ class CastPolicy:
             t_ms = st.table.target_costs(st.b, st.n0, n + 1)  # f_T(n0, tokens) for tokens = 0..N+1
             cost = [t_ms[j + 1] / max(t_ms[1], 1e-9) for j in range(n + 1)]  # c_0..c_N
             self.last_verified = rerank_count(pool, cost, st.c3) if n else 0
+        verified = min(self.last_verified, len(pool))
+        self._expected_tokens = 1.0 + (pool[verified - 1] if verified else 0.0)  # per active row: the bonus token and the verified nodes' utility
         return self.last_verified
 
     def _add(
@@ -1220,7 +1285,8 @@ class CastPolicy:
             active = sum(record.active)
             if active:
                 tokens = sum(c for c, a in zip(record.committed, record.active, strict=True) if a) / active
-                self.plain_check.observe(len(record.active), self._step_plain, record.step_s * 1e3 + self._feedback_ms, tokens)
+                expected = None if self._step_plain else self._expected_tokens
+                self.plain_check.observe(len(record.active), self._step_plain, record.step_s * 1e3 + self._feedback_ms, tokens, expected)
             self._step_plain = None
         if self._catching_up:  # this step's draft forwarded the tokens owed by plain steps: not a drafting overhead
             self.overheads.skip()
