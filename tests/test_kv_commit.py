@@ -330,3 +330,24 @@ def test_deferred_steps_with_other_draft_sources(source_kind):
             assert source.history[0] == committed
         else:  # the views' draft, row 0 = the pass-through view: its cache is the committed tokens minus the owed ones
             assert_draft_cache_is_committed_minus_pending(source.inner, draft, committed)
+
+
+def test_draft_root_forward_runs_its_lm_head_on_the_root_alone():
+    """The draft's forward of the owed tokens and the root reads the root's logits only, so its LM
+    head sees one position per row, after one pending token or a catch-up of several (a small
+    draft's head can cost more than its layers); greedy output is still the target's own."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=0))
+    head_positions: list[int] = []
+    draft.get_output_embeddings().register_forward_hook(lambda module, args, out: head_positions.append(args[0].shape[1]))
+    source = ModelDraftSource(draft)
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 4]]
+    engine = SpeculativeEngine(target, _Deferring(ChainPolicy(k=1), lambda s: s % 4 != 3), GreedyRule(), source, eos_token_ids=[])
+    from specdec.drafting.policies import ARPolicy
+
+    ar = SpeculativeEngine(target, ARPolicy(), GreedyRule(), None, eos_token_ids=[]).generate(prompts, 16)
+    head_positions.clear()
+    out = engine.generate(prompts, 16)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    # chain k=1 drafts no level below the root: every head call is a root forward (prefill keeps one too)
+    assert head_positions and set(head_positions) == {1}
