@@ -33,7 +33,7 @@ from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources import ModelDraftSource
 from specdec.sources.lookup import LookupDraftSource
 from specdec.verification import MarsRule, SamplingRule, Verdict
-from specdec.verification.sampling import ChainTests, SiblingTests, TreeTests
+from specdec.verification.sampling import BlockChainTests, ChainTests, SiblingTests, TreeTests
 
 V = 6
 PROMPT = [1, 4, 2, 5]
@@ -148,6 +148,14 @@ def test_sampling_rule_is_lossless(case, walk, pair, joints):
     assert 0 < accepted < drafted
 
 
+@pytest.mark.parametrize("case", ["chain", "chain-top-k"])
+def test_token_by_token_chain_rule_is_lossless(case, pair, joints):
+    """The chain rule before block verification (`chains="token"`), kept selectable."""
+    method, options, params = CASES[case]
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(chains="token"), params)
+    assert pvalue > P_PASS, f"{case} (token by token): chi-square p = {pvalue:.2e}"
+
+
 @pytest.mark.parametrize("method", ["chain", *TREES])
 def test_lookup_drafts_are_lossless_when_sampling(method, pair, joints):
     """n-gram lookup proposes a point mass where the context's tail repeats and nothing (a row of
@@ -225,6 +233,14 @@ class ChainNoResidual(ChainTests):
         return target_probs
 
 
+class BlockUnweightedResidual(BlockChainTests):
+    """Broken block verification (on the device): the bonus after the accepted prefix is drawn
+    from the token-by-token residual, ignoring the prefix's weight."""
+
+    def weighted_residual(self, target_probs, weight, draft_probs, token, sampled):
+        return super().weighted_residual(target_probs, torch.ones_like(weight), draft_probs, token, sampled)
+
+
 class TreeNoResidual(TreeTests):
     """Broken device tests: after a rejection the next sibling (and the bonus) are tested against
     the unchanged target distribution."""
@@ -271,6 +287,7 @@ BROKEN = {
     "no-residual-update": (lambda: make_policy("static", **TREES["static"][1]), lambda: SamplingRule(tests=NoResidual()), "peaked", "t0.7"),
     "ranked-by-own-logq": (lambda: RankedByOwnLogq("logq"), SamplingRule, "mild", "t1"),
     "chain-no-residual": (lambda: make_policy("chain", k=3), lambda: SamplingRule(chain_tests=ChainNoResidual()), "peaked", "t0.7"),
+    "chain-block-unweighted-residual": (lambda: make_policy("chain", k=3), lambda: SamplingRule(chain_tests=BlockUnweightedResidual()), "peaked", "t0.7"),
     "device-keeps-earlier-siblings": (
         lambda: make_policy("static", **TREES["static"][1]),
         lambda: SamplingRule(tree_tests=TreeKeepsEarlierSiblings(), walk="device"),

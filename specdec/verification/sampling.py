@@ -43,8 +43,10 @@ Where the tests run (`SamplingRule(walk=...)`):
 
 Both run the same tests with different uniforms, so a seed gives different (equally
 distributed) outputs on the two. A chain (`TokenTree.chain`: one child per node) needs no walk:
-`ChainTests` runs the same tests for every position and row at once on the device (Leviathan et
-al.'s rule), with no host read.
+it is verified for every position and row at once on the device, with no host read, by block
+verification (`BlockChainTests`, Sun et al. 2025: the default), which keeps a longer prefix
+whenever the chain's joint mass allows, or token by token (`ChainTests`, Leviathan et al.'s rule,
+the same tests as above with one child per node; `SamplingRule(chains="token")`).
 """
 
 from __future__ import annotations
@@ -308,8 +310,103 @@ class ChainTests:
         return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
 
 
-EXACT_CHAIN = ChainTests()
-"""the lossless chain tests"""
+TOKEN_CHAIN = ChainTests()
+"""the lossless chain tests, token by token (Leviathan et al.)"""
+
+
+class BlockChainTests(ChainTests):
+    """Block verification of a chain (Sun et al., "Block Verification Accelerates Speculative
+    Decoding", ICLR 2025, Algorithm 2), every position and row at once, on the device (no host
+    read). Lossless like the token-by-token tests, never accepting fewer tokens in expectation
+    and optimal among verifiers that see only the chain's conditionals.
+
+    With p_i, q_i the target's and the proposal's probabilities of node i's token at node i - 1
+    (q_i = 1 for a deterministic node), P_i, Q_i the target's and the proposal's distributions
+    at node i over its child (the proposal: the draft's distribution for a sampled child, a point
+    mass on the token for a deterministic one), and gamma the row's drafted nodes:
+
+    - weights w_0 = 1, w_i = min(1, w_{i-1} p_i / q_i): the share of the path's target mass the
+      draft has not yet over-proposed;
+    - R_i = max(0, w_i P_i - Q_i) (unnormalised), r_i = sum(R_i);
+    - h_i = r_i / (r_i + 1 - w_i) for i < gamma, h_gamma = w_gamma;
+    - tau = the largest i in 1..gamma with eta_i <= h_i (eta_i independent uniforms), else 0:
+      nodes 1..tau are accepted;
+    - the bonus is drawn from P_tau when tau = gamma, else from R_tau normalised.
+
+    Where token-by-token tests stop at the first rejection, this keeps a longer prefix whenever
+    its joint mass allows, and the residual at tau accounts for what the accepted prefix already
+    took. With gamma = 1 it is exactly the token-by-token rule. The weights come from one cumsum
+    and one cummax: log w_i = s_i - max(0, max_{j <= i} s_j), s_i = sum_{l <= i} log(p_l / q_l).
+    `weighted_residual` is where the maths lives (the distribution tests break it).
+    """
+
+    def weighted_residual(self, target_probs: torch.Tensor, weight: torch.Tensor, draft_probs: torch.Tensor | None, token: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """[B, M, V] max(0, weight P - Q), unnormalised: target_probs P [B, M, V], weight [B, M],
+        Q the proposal of each node's child (token [B, M]): draft_probs [B, M, V] where
+        `sampled` [B, M], else a point mass on the token (whose entry is then max(0, w P(x) - 1) = 0)."""
+        weighted = target_probs * weight[:, :, None]
+        point = weighted.scatter(2, token[:, :, None], 0.0)
+        if draft_probs is None:
+            return point
+        return torch.where(sampled[:, :, None], (weighted - draft_probs).clamp_(min=0.0), point)
+
+    def thresholds(self, tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's tests, before any draw. target_probs, draft_probs: [B, N, V] each node's
+        target and draft distribution over its child (draft_probs None: no node is sampled).
+
+        Returns h [B, K] (node i is the accepted prefix's end when eta_i <= h_i and no later node's
+        test passes; 0 past the row's last drafted node), gamma [B] (drafted nodes per row) and
+        the unnormalised residuals R [B, K, V] at nodes 0..K-1 (the bonus's distribution when the
+        prefix ends there before gamma)."""
+        b, n = tree.tokens.shape
+        k = n - 1
+        child = tree.tokens[:, 1:]  # [B, K] node i's token, child of node i - 1
+        sampled = tree.sampled[:, 1:] if draft_probs is not None else torch.zeros_like(child, dtype=torch.bool)  # [B, K]
+        drafted = tree.valid[:, 1:]  # [B, K], leading: a chain's invalid nodes end it
+        gamma = drafted.sum(dim=1)  # [B]
+        log_ratio = target_probs[:, :k].gather(2, child[:, :, None]).squeeze(2).log()  # [B, K]: log p_i (-inf where p_i = 0)
+        if draft_probs is not None:
+            q = draft_probs[:, :k].gather(2, child[:, :, None]).squeeze(2).clamp_(min=_EPS)
+            log_ratio = log_ratio - torch.where(sampled, q.log(), 0.0)  # log(p_i / q_i)
+        cum = log_ratio.masked_fill_(~drafted, 0.0).cumsum(dim=1)  # [B, K] s_i
+        weight = (cum - cum.cummax(dim=1).values.clamp_(min=0.0)).exp()  # [B, K] w_1..w_K
+        weights = torch.nn.functional.pad(weight, (1, 0), value=1.0)  # [B, N] w_0 = 1 .. w_K
+        # R_i at nodes 0..K-1 (each has a child that may be rejected); node K never needs one
+        residual = self.weighted_residual(target_probs[:, :k], weights[:, :k], None if draft_probs is None else draft_probs[:, :k], child, sampled)  # [B, K, V]
+        mass = residual.sum(dim=2)  # [B, K] r_0..r_{K-1}
+        denominator = mass[:, 1:] + 1.0 - weight[:, : k - 1]  # [B, K - 1] for nodes 1..K-1
+        h_inner = torch.where(denominator > _EPS, mass[:, 1:] / denominator.clamp(min=_EPS), 1.0)  # r = 0 and w = 1: P equals Q there
+        h = torch.cat([h_inner, weight[:, k - 1 :]], dim=1)  # [B, K] (node K: w_K; each row's last node: below)
+        cols = constants.arange(n, target_probs.device)[1:]  # [K] node indices 1..K
+        h = torch.where(cols[None, :] == gamma[:, None], weight, h).masked_fill_(cols[None, :] > gamma[:, None], 0.0)
+        return h, gamma, residual
+
+    def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
+        b, n = tree.tokens.shape
+        k = n - 1
+        dev = target_logits.device
+        target_probs = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]
+        draft_probs = None if tree.draft_logprobs is None else tree.draft_logprobs.exp()  # [B, N, V]
+        h, gamma, residual = self.thresholds(tree, target_probs, draft_probs)
+        cols = constants.arange(n, dev)[1:]  # [K] node indices 1..K
+        eta = torch.rand(b, k, generator=generator, device=dev)
+        accepted_len = ((eta < h) * cols[None, :]).amax(dim=1)  # [B] tau: the last node whose test passes (h = 0 past gamma)
+        path = torch.where(cols[None, :] <= accepted_len[:, None], cols[None, :], 0)  # [B, K], padding 0
+        at = accepted_len[:, None]  # [B, 1]
+        probs = target_probs.gather(1, at[:, :, None].expand(b, 1, target_probs.shape[2])).squeeze(1)  # [B, V] P_tau
+        res = residual.gather(1, at.clamp(max=k - 1)[:, :, None].expand(b, 1, residual.shape[2])).squeeze(1)  # [B, V] R_tau
+        use_residual = (accepted_len < gamma).logical_and_(res.sum(dim=1) > _EPS)  # [B]
+        probs = torch.where(use_residual[:, None], res, probs)
+        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs (exponential race)
+        zeros = constants.full((b,), 0, torch.long, dev)
+        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
+
+
+BLOCK_CHAIN = BlockChainTests()
+"""the lossless chain tests, the block at once (Sun et al.): the default"""
+
+CHAIN_RULES = ("block", "token")
+"""how `SamplingRule` verifies chains: 'block' (`BlockChainTests`) or 'token' (`ChainTests`)"""
 
 
 class TreeTests:
@@ -465,6 +562,13 @@ def check_walk(walk: object, rule: str) -> str:
     return str(walk)
 
 
+def check_chains(chains: object, rule: str) -> str:
+    """`chains` if it is one of `CHAIN_RULES`, else a SpecDecError naming it and the choices."""
+    if chains not in CHAIN_RULES:
+        raise SpecDecError(f"{rule} chains={chains!r} must be one of {', '.join(CHAIN_RULES)} (how chains are verified: 'block' the whole block at once, the default; 'token' token by token)")
+    return str(chains)
+
+
 def walks_on_device(walk: str, device: torch.device) -> bool:
     """Whether trees of a `device` are tested there under the `walk` setting."""
     return walk == "device" or (walk == "auto" and device.type != "cpu")
@@ -473,16 +577,21 @@ def walks_on_device(walk: str, device: torch.device) -> bool:
 class SamplingRule:
     """Lossless speculative sampling (see the module docstring).
 
-    tests: the per-node tests of the host walk (`EXACT`); chain_tests: those of chains on the
-    device (`EXACT_CHAIN`). The distribution tests pass deliberately wrong ones.
+    chains: how chains are verified, 'block' (`BlockChainTests`, the default) or 'token'
+    (`ChainTests`, token by token, kept for comparison). tests: the per-node tests of the host
+    walk (`EXACT`); chain_tests: those of chains on the device, overriding `chains` (the
+    distribution tests pass deliberately wrong ones).
     """
 
     name = "sampling"
 
-    def __init__(self, tests: SiblingTests = EXACT, chain_tests: ChainTests = EXACT_CHAIN, tree_tests: TreeTests = EXACT_TREE, walk: str = "auto") -> None:
+    def __init__(
+        self, tests: SiblingTests = EXACT, chain_tests: ChainTests | None = None, tree_tests: TreeTests = EXACT_TREE, walk: str = "auto", chains: str = "block"
+    ) -> None:
         self.walk = check_walk(walk, "sampling")
+        self.chains = check_chains(chains, "sampling")
         self.tests = tests
-        self.chain_tests = chain_tests
+        self.chain_tests = chain_tests if chain_tests is not None else (BLOCK_CHAIN if chains == "block" else TOKEN_CHAIN)
         self.tree_tests = tree_tests
 
     def walks_on_device(self, device: torch.device) -> bool:

@@ -1,0 +1,177 @@
+"""Block verification of chains (`BlockChainTests`, Sun et al. 2024): exact, by enumeration.
+
+Every drafted chain of a 3-token vocabulary is one row of a batch; the rule's tests
+(`thresholds`: the acceptance thresholds h and the residuals) give each row's exact
+distribution over the accepted prefix and the bonus token, with no random draw. Completing
+each output with the target's own samples to K + 1 tokens must give exactly the target's
+joint distribution of K + 1 tokens (float32 arithmetic: within 1e-5). The distributions
+depend on the whole prefix (a random table per prefix), and the chains are drawn from the
+draft, chosen deterministically (point-mass proposals), or a mix of both, and end early
+in some rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.tree import TokenTree
+from specdec.verification.sampling import BlockChainTests, ChainTests
+
+V, K = 3, 3
+
+
+class Tables:
+    """A target and a draft distribution for every prefix of up to K + 1 tokens (random, seeded)."""
+
+    def __init__(self, seed: int, target_shape: float = 0.7, draft_shape: float = 0.5, identical_at: tuple[int, ...] | None = None) -> None:
+        rng = np.random.default_rng(seed)
+        self.target: dict[tuple[int, ...], np.ndarray] = {}
+        self.draft: dict[tuple[int, ...], np.ndarray] = {}
+        for length in range(K + 2):
+            for prefix in itertools.product(range(V), repeat=length):
+                t, d = rng.gamma(target_shape, size=V), rng.gamma(draft_shape, size=V)
+                self.target[prefix] = t / t.sum()
+                self.draft[prefix] = self.target[prefix] if prefix == identical_at else d / d.sum()
+
+    def target_joint(self, length: int) -> dict[tuple[int, ...], float]:
+        out = {}
+        for seq in itertools.product(range(V), repeat=length):
+            out[seq] = float(np.prod([self.target[seq[:j]][seq[j]] for j in range(length)]))
+        return out
+
+    def complete(self, prefix: tuple[int, ...], weight: float, length: int, into: dict[tuple[int, ...], float]) -> None:
+        """Adds `weight` x P(prefix completed by target samples) for every completion to `length` tokens."""
+        for rest in itertools.product(range(V), repeat=length - len(prefix)):
+            seq = prefix + rest
+            into[seq] = into.get(seq, 0.0) + weight * float(np.prod([self.target[seq[:j]][seq[j]] for j in range(len(prefix), length)]))
+
+
+def chains(tables: Tables, sampled: tuple[bool, ...], gamma: int) -> tuple[list[tuple[int, ...]], list[float]]:
+    """Every chain of K tokens the draft can propose (its first `gamma` drafted, the rest padding
+    with token 0): sampled positions drawn from the draft, the others its most likely token.
+    Returns the chains and their probabilities."""
+    out, probs = [], []
+    for chain in itertools.product(range(V), repeat=gamma):
+        prob = 1.0
+        for i, tok in enumerate(chain):
+            dist = tables.draft[chain[:i]]
+            prob *= dist[tok] if sampled[i] else float(tok == int(dist.argmax()))
+        if prob > 0:
+            out.append(chain + (0,) * (K - gamma))
+            probs.append(prob)
+    return out, probs
+
+
+def tree_of(tables: Tables, rows: list[tuple[int, ...]], sampled: tuple[bool, ...], gamma: int) -> tuple[TokenTree, torch.Tensor, torch.Tensor]:
+    """The chains as a TokenTree (root token 0) with each node's target and draft distributions.
+    Draft rows of nodes whose child is not sampled hold a uniform distribution the tests must not read."""
+    b, n = len(rows), K + 1
+    tokens = torch.tensor([(0, *r) for r in rows])
+    valid = torch.tensor([[True] * (1 + gamma) + [False] * (K - gamma)] * b)
+    flags = torch.tensor([[False, *sampled]] * b) & valid
+    parents = torch.where(valid, torch.arange(n) - 1, -1).expand(b, n)
+    zeros = torch.zeros(b, n)
+    tree = TokenTree(tokens=tokens, parents=parents, depths=torch.arange(n).expand(b, n), logq=zeros, cum_logq=zeros, valid=valid, sampled=flags, chain=True)
+    target = torch.tensor(np.array([[tables.target[r[:i]] for i in range(n)] for r in rows]), dtype=torch.float32)
+    uniform = np.full(V, 1.0 / V)
+    draft = np.array([[tables.draft[r[:i]] if i < K and i < gamma and sampled[i] else uniform for i in range(n)] for r in rows])
+    return tree, target, torch.tensor(draft, dtype=torch.float32)
+
+
+def output_joint(tests: BlockChainTests, tables: Tables, sampled: tuple[bool, ...], gamma: int) -> tuple[dict[tuple[int, ...], float], float]:
+    """The exact joint of gamma + 1 tokens the rule's output gives (completed by target samples),
+    and the expected accepted tokens."""
+    rows, probs = chains(tables, sampled, gamma)
+    tree, target, draft = tree_of(tables, rows, sampled, gamma)
+    h, gam, residual = tests.thresholds(tree, target, draft if any(sampled) else None)
+    h, residual = h.double().numpy(), residual.double().numpy()
+    assert gam.tolist() == [gamma] * len(rows)
+    joint: dict[tuple[int, ...], float] = {}
+    expected = 0.0
+    for r, (chain, prob) in enumerate(zip(rows, probs, strict=True)):
+        for tau in range(gamma + 1):
+            p_tau = (h[r, tau - 1] if tau else 1.0) * float(np.prod([1.0 - h[r, j - 1] for j in range(tau + 1, gamma + 1)]))
+            if tau < gamma and residual[r, tau].sum() <= 1e-12:  # an empty residual: such an end has no probability
+                assert p_tau < 1e-5
+                continue
+            bonus = tables.target[chain[:tau]] if tau == gamma else residual[r, tau] / residual[r, tau].sum()
+            expected += prob * p_tau * tau
+            for y in range(V):
+                tables.complete(chain[:tau] + (y,), prob * p_tau * bonus[y], gamma + 1, joint)
+    return joint, expected
+
+
+def token_expected(tables: Tables, sampled: tuple[bool, ...], gamma: int) -> float:
+    """Expected accepted tokens of the token-by-token tests on the same drafts."""
+    rows, probs = chains(tables, sampled, gamma)
+    total = 0.0
+    for chain, prob in zip(rows, probs, strict=True):
+        accept = [min(1.0, tables.target[chain[:i]][chain[i]] / (tables.draft[chain[:i]][chain[i]] if sampled[i] else 1.0)) for i in range(gamma)]
+        total += prob * float(np.cumprod(accept).sum())
+    return total
+
+
+CASES = {
+    "drawn": ((True, True, True), 3, {}),
+    "drawn-shorter-row": ((True, True, True), 2, {}),
+    "one-node": ((True, True, True), 1, {}),
+    "point-masses": ((False, False, False), 3, {}),
+    "mixed": ((True, False, True), 3, {}),
+    "peaked-draft": ((True, True, True), 3, {"draft_shape": 0.2}),
+    # the draft equals the target after the first token 1: weights stay 1 and residuals vanish there
+    "identical-node": ((True, True, True), 3, {"identical_at": (1,)}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_block_verification_outputs_the_target_joint_exactly(case, seed):
+    sampled, gamma, shape = CASES[case]
+    tables = Tables(seed, **shape)
+    joint, _ = output_joint(BlockChainTests(), tables, sampled, gamma)
+    exact = tables.target_joint(gamma + 1)
+    assert abs(sum(joint.values()) - 1.0) < 1e-5
+    assert max(abs(joint.get(seq, 0.0) - p) for seq, p in exact.items()) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_verification_accepts_at_least_what_token_tests_accept(seed):
+    """In expectation over the drafts (the paper's optimality), on every seed; and strictly more
+    somewhere (else the rule would be the token-by-token one)."""
+    tables = Tables(seed)
+    sampled = (True, True, True)
+    _, block = output_joint(BlockChainTests(), tables, sampled, 3)
+    token = token_expected(tables, sampled, 3)
+    assert block >= token - 1e-6
+    assert block > token + 1e-3, f"block {block:.4f} vs token {token:.4f}"
+
+
+class UnweightedResidual(BlockChainTests):
+    """Broken: the residual after the accepted prefix ignores the prefix's weight (the
+    token-by-token residual with the block's acceptance)."""
+
+    def weighted_residual(self, target_probs, weight, draft_probs, token, sampled):
+        return super().weighted_residual(target_probs, torch.ones_like(weight), draft_probs, token, sampled)
+
+
+def test_an_unweighted_residual_is_not_exact():
+    tables = Tables(0)
+    joint, _ = output_joint(UnweightedResidual(), tables, (True, True, True), 3)
+    exact = tables.target_joint(4)
+    assert max(abs(joint.get(seq, 0.0) - p) for seq, p in exact.items()) > 1e-3
+
+
+def test_one_drafted_node_is_the_token_rule():
+    """With one drafted node the block rule's threshold is min(1, p / q), the token rule's."""
+    tables = Tables(3)
+    rows, _ = chains(tables, (True, True, True), 1)
+    tree, target, draft = tree_of(tables, rows, (True, True, True), 1)
+    h, _, _ = BlockChainTests().thresholds(tree, target, draft)
+    x = tree.tokens[:, 1]
+    ratio = (target[:, 0].gather(1, x[:, None]) / draft[:, 0].gather(1, x[:, None])).clamp(max=1.0).squeeze(1)
+    assert torch.allclose(h[:, 0], ratio, atol=1e-6)
+    assert isinstance(BlockChainTests(), ChainTests)
