@@ -1,7 +1,8 @@
 """Paired comparison of the two chain rules: on every drafted chain of a sampled run, the expected
 accepted tokens under token-by-token verification and under block verification (exact
-expectations from each rule's acceptance probabilities, so the coin flips add no noise and both
-rules are scored on the same drafts).
+expectations from each rule's acceptance probabilities: min(1, p / q) per node for the token
+rule, the rule's own thresholds `BlockChainTests.thresholds` for the block, so the coin flips add
+no noise and both rules are scored on the same drafts).
 
     python benchmarks/sampling-trees/block-chains/expected_tau.py TEMPERATURE NUM_PROMPTS
 
@@ -16,6 +17,7 @@ from specdec.api import SpeculativeDecoder
 from specdec.bench.prompts import load_prompts, resolve_prompt_source
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.verification import SamplingRule
+from specdec.verification.sampling import BLOCK_CHAIN
 
 temperature, num_prompts = float(sys.argv[1]), int(sys.argv[2])
 prompts = [p.turns[0] for p in load_prompts(resolve_prompt_source("stdlib-heldout"), num_prompts)]
@@ -27,27 +29,17 @@ verify = engine.rule.verify
 
 
 def scored_verify(tree, logits, params, generator):
-    target = logits_to_logprobs(logits, params).exp().double().numpy()  # [B, N, V]
-    draft = tree.draft_logprobs.exp().double().numpy()
-    tokens, valid = tree.tokens.numpy(), tree.valid.numpy()
-    for r in range(tokens.shape[0]):
-        gamma = int(valid[r, 1:].sum())
-        if gamma == 0:
+    target = logits_to_logprobs(logits, params).exp()  # [B, N, V]
+    draft = tree.draft_logprobs.exp()
+    h, gamma, _ = BLOCK_CHAIN.thresholds(tree, target, draft)  # the rule's own thresholds [B, K]
+    x = tree.tokens[:, 1:, None]
+    accept = (target[:, :-1].gather(2, x) / draft[:, :-1].gather(2, x)).clamp(max=1.0).squeeze(2).double().numpy()  # [B, K] min(1, p / q)
+    h, gamma = h.double().numpy(), gamma.tolist()
+    for r, g in enumerate(gamma):
+        if g == 0:
             continue
-        x = tokens[r, 1 : gamma + 1]
-        p = np.array([target[r, i, x[i]] for i in range(gamma)])
-        q = np.array([draft[r, i, x[i]] for i in range(gamma)])
-        totals["token"] += np.cumprod(np.minimum(1.0, p / q)).sum()  # sum_i P(first i accepted)
-        w, h = 1.0, []
-        for i in range(1, gamma + 1):
-            w = min(1.0, w * p[i - 1] / q[i - 1])
-            if i < gamma:
-                mass = np.maximum(w * target[r, i] - draft[r, i], 0.0).sum()
-                h.append(mass / (mass + 1.0 - w) if mass + 1.0 - w > 1e-12 else 1.0)
-            else:
-                h.append(w)
-        h = np.array(h)
-        totals["block"] += sum(1.0 - np.prod(1.0 - h[i:]) for i in range(gamma))  # sum_i P(tau >= i + 1)
+        totals["token"] += np.cumprod(accept[r, :g]).sum()  # sum_i P(the first i accepted)
+        totals["block"] += sum(1.0 - np.prod(1.0 - h[r, i:g]) for i in range(g))  # sum_i P(tau >= i + 1): some test at or past i + 1 passes
         totals["steps"] += 1
     return verify(tree, logits, params, generator)
 
