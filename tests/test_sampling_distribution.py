@@ -33,7 +33,7 @@ from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources import ModelDraftSource
 from specdec.sources.lookup import LookupDraftSource
 from specdec.verification import MarsRule, SamplingRule, Verdict
-from specdec.verification.sampling import BlockChainTests, ChainTests, SiblingTests, TreeTests
+from specdec.verification.sampling import BlockChainTests, BlockSiblingTests, ChainTests, SiblingTests, TreeTests
 
 V = 6
 PROMPT = [1, 4, 2, 5]
@@ -241,6 +241,14 @@ class BlockUnweightedResidual(BlockChainTests):
         return super().weighted_residual(target_probs, torch.ones_like(weight), draft_probs, token, sampled)
 
 
+class HostBlockUnweightedResidual(BlockSiblingTests):
+    """Broken host walk: a tree's chain segments are verified as blocks, but the bonus after a
+    partly accepted segment is drawn from the unweighted residual."""
+
+    def weighted_residual(self, target_probs, weight, proposal, token):
+        return super().weighted_residual(target_probs, 1.0, proposal, token)
+
+
 class TreeNoResidual(TreeTests):
     """Broken device tests: after a rejection the next sibling (and the bonus) are tested against
     the unchanged target distribution."""
@@ -288,6 +296,14 @@ BROKEN = {
     "ranked-by-own-logq": (lambda: RankedByOwnLogq("logq"), SamplingRule, "mild", "t1"),
     "chain-no-residual": (lambda: make_policy("chain", k=3), lambda: SamplingRule(chain_tests=ChainNoResidual()), "peaked", "t0.7"),
     "chain-block-unweighted-residual": (lambda: make_policy("chain", k=3), lambda: SamplingRule(chain_tests=BlockUnweightedResidual()), "peaked", "t0.7"),
+    # DynaTree's budget leaves chain segments under branching nodes (the static, EAGLE-2 and CAST
+    # cases here branch at every level, so their segments are one node long and the variant passes)
+    "host-block-unweighted-residual": (
+        lambda: make_policy("dynatree", **TREES["dynatree"][1]),
+        lambda: SamplingRule(tests=HostBlockUnweightedResidual(), walk="host"),
+        "peaked",
+        "t0.7",
+    ),
     "device-keeps-earlier-siblings": (
         lambda: make_policy("static", **TREES["static"][1]),
         lambda: SamplingRule(tree_tests=TreeKeepsEarlierSiblings(), walk="device"),

@@ -169,7 +169,141 @@ class SiblingTests:
 
 
 EXACT = SiblingTests()
-"""the lossless tests"""
+"""the lossless tests, child by child"""
+
+
+@dataclass
+class WalkStep:
+    """What `BlockSiblingTests.run_segments` decided at one node."""
+
+    accepted: list[int]
+    """nodes accepted below the node, in path order (empty: every child rejected)"""
+    probs: np.ndarray | None
+    """[V] the bonus token's distribution when the walk stops here; None when it goes on"""
+
+
+class BlockSiblingTests(SiblingTests):
+    """The host walk's tests with chain segments verified as a block (the default).
+
+    At a node, children are tried in tree order as in `SiblingTests`. A child that starts a
+    *chain segment* (the child, its only child, that one's only child, ..., down to a leaf or a
+    node with several children) is tested together with its segment by block verification
+    (`BlockChainTests`' maths, Sun et al. 2025): the node's current target distribution (its
+    residual after earlier siblings) and the child's proposal take the place of the chain's first
+    position. The accepted prefix ends at the last segment node whose threshold test passes:
+
+    - the whole segment: the walk goes on at its last node (its children, or the bonus there);
+    - part of it: the bonus is drawn from the weighted residual at the prefix's end;
+    - none: the child is rejected and the node's target becomes the residual max(0, P - Q)
+      normalised, exactly as child by child; the next sibling is tried.
+
+    Why it stays exact: block verification outputs the segment's first-position target followed
+    by the target's own continuation, given only that the segment's tokens follow their
+    proposals; "goes on at the last node" and "next sibling" replace a bonus draw from that
+    node's target or residual by an exact sampler of it (the walk below, or the remaining
+    siblings' tests, which depend on the rejected child only through its removed token). A
+    one-node segment is the child-by-child test. `weighted_residual` is where the maths lives.
+    """
+
+    def weighted_residual(self, target_probs: np.ndarray, weight: float, proposal: np.ndarray | None, token: int) -> np.ndarray:
+        """[V] max(0, weight x target_probs - proposal), unnormalised; proposal None: a point mass
+        on `token` (max(0, w P(x) - 1) = 0 there)."""
+        if proposal is None:
+            res = weight * target_probs
+            res[token] = 0.0
+            return res
+        return np.maximum(weight * target_probs - proposal, 0.0)
+
+    def segment(self, row: RowTree, kid: int) -> list[int]:
+        """The chain segment that starts at `kid`: it, then each node's only child while there is one."""
+        seg = [kid]
+        while len(row.children[seg[-1]]) == 1:
+            seg.append(row.children[seg[-1]][0])
+        return seg
+
+    def run_segments(
+        self,
+        kids: list[int],
+        row: RowTree,
+        target_probs: np.ndarray,
+        draft_probs: np.ndarray | None,
+        uniforms: Uniforms,
+        all_target: np.ndarray,
+        all_draft: np.ndarray | None,
+    ) -> WalkStep:
+        """kids, target_probs, draft_probs: as `run`; all_target, all_draft: [N, V] the row's
+        target and draft distributions at every node (the segments' inner nodes)."""
+        removed: list[int] = []
+        for kid in kids:
+            tok = row.tokens[kid]
+            proposal = None
+            if row.sampled[kid]:
+                if draft_probs is None:
+                    raise ValueError("a sampled tree node needs its parent's draft distribution (TokenTree.draft_logprobs)")
+                proposal = self.proposal(draft_probs, removed)
+                removed.append(tok)
+            seg = self.segment(row, kid)
+            tau, left = self._block(seg, row, target_probs, proposal, all_target, all_draft, uniforms)
+            if tau == len(seg):
+                return WalkStep(seg, None)
+            if tau > 0:
+                return WalkStep(seg[:tau], left)
+            target_probs = left
+        return WalkStep([], target_probs)
+
+    def _block(
+        self,
+        seg: list[int],
+        row: RowTree,
+        first_target: np.ndarray,
+        first_proposal: np.ndarray | None,
+        all_target: np.ndarray,
+        all_draft: np.ndarray | None,
+        uniforms: Uniforms,
+    ) -> tuple[int, np.ndarray]:
+        """Block verification of `seg` under a node with target first_target and proposal
+        first_proposal for seg[0] (None: a point mass). Returns tau (segment nodes accepted) and,
+        when tau < len(seg), the normalised residual at the prefix's end (the node's target where
+        nothing is left)."""
+        g = len(seg)
+        target, proposal, weight = first_target, first_proposal, 1.0
+        residuals: list[np.ndarray] = []  # R_0 .. R_{g-1}: at the parent of seg[i], weight w_i
+        targets: list[np.ndarray] = []
+        thresholds: list[float] = []  # h_1 .. h_g
+        for i, node in enumerate(seg):
+            tok = row.tokens[node]
+            res = self.weighted_residual(target, weight, proposal, tok)
+            residuals.append(res)
+            targets.append(target)
+            if i > 0:  # h_i = r_i / (r_i + 1 - w_i) at seg[i - 1]
+                mass = float(res.sum())
+                denominator = mass + 1.0 - weight
+                thresholds.append(mass / denominator if denominator > _EPS else 1.0)
+            q = 1.0 if proposal is None else float(proposal[tok])
+            weight = min(1.0, weight * float(target[tok]) / max(q, _EPS))
+            if i + 1 < g:
+                child = seg[i + 1]
+                target = all_target[node].astype(np.float64)
+                proposal = None
+                if row.sampled[child]:
+                    if all_draft is None:
+                        raise ValueError("a sampled tree node needs its parent's draft distribution (TokenTree.draft_logprobs)")
+                    proposal = all_draft[node].astype(np.float64)
+                    proposal = proposal / max(proposal.sum(), _EPS)
+        thresholds.append(weight)  # h_g = w_g
+        tau = 0
+        for i, h in enumerate(thresholds, start=1):
+            if uniforms.next() < h:
+                tau = i
+        if tau == g:
+            return tau, targets[-1]
+        res = residuals[tau]
+        total = res.sum()
+        return tau, res / total if total > _EPS else targets[tau]
+
+
+EXACT_BLOCKS = BlockSiblingTests()
+"""the lossless host-walk tests with chain segments verified as blocks (the default)"""
 
 RelaxHook = Callable[[int, list[int]], tuple[int | None, bool]]
 """relax(node, children) -> (child accepted outright or None, fell_back)"""
@@ -219,6 +353,14 @@ def rejection_walk(
                 walk.path.append(chosen)
                 node = chosen
                 continue
+        if isinstance(tests, BlockSiblingTests) and kids:
+            step = tests.run_segments(kids, row, probs, node_draft, uniforms, target_probs, draft_probs)
+            walk.path.extend(step.accepted)
+            if step.probs is not None or not step.accepted:
+                walk.bonus = sample_index(step.probs if step.probs is not None else probs, uniforms.next())
+                return walk
+            node = step.accepted[-1]
+            continue
         accepted_child, probs = tests.run(kids, row, probs, node_draft, uniforms)
         if accepted_child is None:
             walk.bonus = sample_index(probs, uniforms.next())
@@ -574,29 +716,38 @@ def walks_on_device(walk: str, device: torch.device) -> bool:
     return walk == "device" or (walk == "auto" and device.type != "cpu")
 
 
+_EXACT_HOST_TESTS = (SiblingTests, BlockSiblingTests)
+
+
 class SamplingRule:
     """Lossless speculative sampling (see the module docstring).
 
-    chains: how chains are verified, 'block' (`BlockChainTests`, the default) or 'token'
-    (`ChainTests`, token by token, kept for comparison). tests: the per-node tests of the host
-    walk (`EXACT`); chain_tests: those of chains on the device, overriding `chains` (the
+    chains: how chains, and the chain segments of trees walked on the host, are verified:
+    'block' (`BlockChainTests` and `BlockSiblingTests`, the default) or 'token' (`ChainTests`
+    and `SiblingTests`, token by token, kept for comparison). tests: the per-node tests of the
+    host walk; chain_tests: those of chains on the device; both override `chains` (the
     distribution tests pass deliberately wrong ones).
     """
 
     name = "sampling"
 
     def __init__(
-        self, tests: SiblingTests = EXACT, chain_tests: ChainTests | None = None, tree_tests: TreeTests = EXACT_TREE, walk: str = "auto", chains: str = "block"
+        self,
+        tests: SiblingTests | None = None,
+        chain_tests: ChainTests | None = None,
+        tree_tests: TreeTests = EXACT_TREE,
+        walk: str = "auto",
+        chains: str = "block",
     ) -> None:
         self.walk = check_walk(walk, "sampling")
         self.chains = check_chains(chains, "sampling")
-        self.tests = tests
+        self.tests = tests if tests is not None else (EXACT_BLOCKS if chains == "block" else EXACT)
         self.chain_tests = chain_tests if chain_tests is not None else (BLOCK_CHAIN if chains == "block" else TOKEN_CHAIN)
         self.tree_tests = tree_tests
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Whether trees on `device` are tested there (`TreeTests`) rather than walked on the host."""
-        if type(self.tests) is not SiblingTests:  # deliberately wrong host tests keep the host walk
+        if type(self.tests) not in _EXACT_HOST_TESTS:  # deliberately wrong host tests keep the host walk
             return False
         return walks_on_device(self.walk, device)
 
@@ -605,7 +756,7 @@ class SamplingRule:
             from specdec.verification.greedy import GreedyRule
 
             return GreedyRule().verify(tree, target_logits, params, generator)
-        if tree.chain and tree.num_nodes > 1 and type(self.tests) is SiblingTests:  # (a deliberately wrong walk keeps the walk)
+        if tree.chain and tree.num_nodes > 1 and type(self.tests) in _EXACT_HOST_TESTS:  # (a deliberately wrong walk keeps the walk)
             return self.chain_tests.verify(tree, target_logits, params, generator)
         if self.walks_on_device(target_logits.device):
             return self.tree_tests.verify(tree, target_logits, params, generator)
