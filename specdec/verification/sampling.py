@@ -328,7 +328,8 @@ def rejection_walk(
     relax: RelaxHook | None = None,
     tests: SiblingTests = EXACT,
 ) -> RowWalk:
-    """Walk one row's tree with recursive rejection sampling.
+    """Walk one row's tree with recursive rejection sampling (with `BlockSiblingTests`, the
+    default, each child's chain segment is tested as one block).
 
     target_probs: [N, V] float32 target distribution at each node of this row (host).
     draft_probs:  [N, V] float32 draft distribution over each node's children (rows of nodes
