@@ -148,11 +148,12 @@ def test_sampling_rule_is_lossless(case, walk, pair, joints):
     assert 0 < accepted < drafted
 
 
-@pytest.mark.parametrize("case", ["chain", "chain-top-k"])
-def test_token_by_token_chain_rule_is_lossless(case, pair, joints):
-    """The chain rule before block verification (`chains="token"`), kept selectable."""
+@pytest.mark.parametrize("case", ["chain", "chain-top-k", "dynatree-sampled-t1", "static-sampled-t0.7-top-p"])
+def test_token_by_token_rule_is_lossless(case, pair, joints):
+    """The rules before block verification (`chains="token"`), kept selectable: chains token by
+    token and trees walked on the host child by child."""
     method, options, params = CASES[case]
-    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(chains="token"), params)
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(chains="token", walk="host"), params)
     assert pvalue > P_PASS, f"{case} (token by token): chi-square p = {pvalue:.2e}"
 
 

@@ -244,7 +244,7 @@ class BlockSiblingTests(SiblingTests):
                 removed.append(tok)
             seg = self.segment(row, kid)
             tau, left = self._block(seg, row, target_probs, proposal, all_target, all_draft, uniforms)
-            if tau == len(seg):
+            if left is None:  # the whole segment
                 return WalkStep(seg, None)
             if tau > 0:
                 return WalkStep(seg[:tau], left)
@@ -260,22 +260,26 @@ class BlockSiblingTests(SiblingTests):
         all_target: np.ndarray,
         all_draft: np.ndarray | None,
         uniforms: Uniforms,
-    ) -> tuple[int, np.ndarray]:
+    ) -> tuple[int, np.ndarray | None]:
         """Block verification of `seg` under a node with target first_target and proposal
         first_proposal for seg[0] (None: a point mass). Returns tau (segment nodes accepted) and,
         when tau < len(seg), the normalised residual at the prefix's end (the node's target where
-        nothing is left)."""
+        nothing is left); None when the whole segment is accepted (the walk goes on there).
+
+        R_0, the residual at the segment's parent, enters no threshold: it is computed only when
+        the segment is rejected whole, so a one-node segment costs what the child-by-child test
+        costs (a residual on rejection only)."""
         g = len(seg)
         target, proposal, weight = first_target, first_proposal, 1.0
-        residuals: list[np.ndarray] = []  # R_0 .. R_{g-1}: at the parent of seg[i], weight w_i
+        residuals: list[np.ndarray | None] = [None]  # R_0 .. R_{g-1}: at the parent of seg[i], weight w_i (R_0 on demand)
         targets: list[np.ndarray] = []
         thresholds: list[float] = []  # h_1 .. h_g
         for i, node in enumerate(seg):
             tok = row.tokens[node]
-            res = self.weighted_residual(target, weight, proposal, tok)
-            residuals.append(res)
             targets.append(target)
             if i > 0:  # h_i = r_i / (r_i + 1 - w_i) at seg[i - 1]
+                res = self.weighted_residual(target, weight, proposal, tok)
+                residuals.append(res)
                 mass = float(res.sum())
                 denominator = mass + 1.0 - weight
                 thresholds.append(mass / denominator if denominator > _EPS else 1.0)
@@ -296,8 +300,10 @@ class BlockSiblingTests(SiblingTests):
             if uniforms.next() < h:
                 tau = i
         if tau == g:
-            return tau, targets[-1]
+            return tau, None
         res = residuals[tau]
+        if res is None:  # R_0 (weight w_0 = 1)
+            res = self.weighted_residual(first_target, 1.0, first_proposal, row.tokens[seg[0]])
         total = res.sum()
         return tau, res / total if total > _EPS else targets[tau]
 
