@@ -1,4 +1,7 @@
-"""Block verification of chains (`BlockChainTests`, Sun et al. 2024): exact, by enumeration.
+"""Block verification of chains (`BlockChainTests`, Sun et al. 2024): exact, by enumeration;
+and of trees' chain segments on the device (`BlockTreeTests`): the same outcomes in distribution
+as the host walk's (`BlockSiblingTests`, exact by the chi-square tests of
+test_sampling_distribution.py) and as the chain rule's on a chain.
 
 Every drafted chain of a 3-token vocabulary is one row of a batch; the rule's tests
 (`thresholds`: the acceptance thresholds h and the residuals) give each row's exact
@@ -12,14 +15,17 @@ in some rows.
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import numpy as np
 import pytest
 import torch
+from scipy.stats import chi2_contingency
 
+from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
-from specdec.verification.sampling import BlockChainTests, ChainTests
+from specdec.verification.sampling import BLOCK_CHAIN, BlockChainTests, BlockTreeTests, ChainTests, SamplingRule
 
 V, K = 3, 3
 
@@ -175,3 +181,96 @@ def test_one_drafted_node_is_the_token_rule():
     ratio = (target[:, 0].gather(1, x[:, None]) / draft[:, 0].gather(1, x[:, None])).clamp(max=1.0).squeeze(1)
     assert torch.allclose(h[:, 0], ratio, atol=1e-6)
     assert isinstance(BlockChainTests(), ChainTests)
+
+
+# ----- trees on the device -----------------------------------------------------------------
+
+TREE_V = 5
+SHAPES = {
+    # root: two drawn children and a point mass; segments [1, 4, 6] (drawn, drawn, point mass),
+    # [2, 5] ending at a node with two drawn children [7], [8], and [3]
+    "branching": ([-1, 0, 0, 0, 1, 2, 4, 5, 5], [False, True, True, False, True, True, False, True, True]),
+    # one segment of three drawn nodes, in a tree not flagged as a chain
+    "chain": ([-1, 0, 1, 2], [False, True, True, True]),
+}
+
+
+def tree_with_distributions(shape: str, rows: int, seed: int) -> tuple[TokenTree, torch.Tensor]:
+    """One tree of `shape` repeated over `rows` rows, its random target and draft distributions
+    (seeded); drawn children drawn from their parent's draft (siblings without replacement),
+    point-mass children the draft's most likely token not drawn by a sibling. Returns the tree
+    and the target logits [rows, N, V]."""
+    parents, sampled = SHAPES[shape]
+    rng = np.random.default_rng(seed)
+    n = len(parents)
+    target = rng.gamma(0.6, size=(n, TREE_V))
+    draft = rng.gamma(0.6, size=(n, TREE_V))
+    target, draft = target / target.sum(1, keepdims=True), draft / draft.sum(1, keepdims=True)
+    tokens = [0] * n
+    for node in range(n):
+        kids = [c for c in range(n) if parents[c] == node]
+        left = draft[node].copy()
+        for c in kids:
+            tokens[c] = int(rng.choice(TREE_V, p=left / left.sum())) if sampled[c] else int(np.argmax(left))
+            left[tokens[c]] = 0.0
+    depths = [0] * n
+    for node in range(1, n):
+        depths[node] = depths[parents[node]] + 1
+    zeros = torch.zeros(rows, n)
+
+    def fill(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).expand(rows, n)
+
+    tree = TokenTree(
+        tokens=fill(tokens, torch.long), parents=fill(parents, torch.long), depths=fill(depths, torch.long), logq=zeros, cum_logq=zeros,
+        valid=fill([True] * n, torch.bool), sampled=fill(sampled, torch.bool),
+        draft_logprobs=torch.tensor(draft, dtype=torch.float32).log().expand(rows, n, TREE_V).clone(),
+    )
+    return tree, torch.tensor(target, dtype=torch.float32).log().expand(rows, n, TREE_V)
+
+
+def verdicts(rule, shape: str, tree_seed: int, rows: int = 40000, seed: int = 0) -> collections.Counter:
+    """How often each outcome (accepted nodes, bonus token) occurs over `rows` rows."""
+    tree, logits = tree_with_distributions(shape, rows, tree_seed)
+    verdict = rule.verify(tree, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(seed))
+    lengths, paths, bonus = verdict.accepted_len.tolist(), verdict.path.tolist(), verdict.bonus_tokens.tolist()
+    return collections.Counter((tuple(paths[r][: lengths[r]]), bonus[r]) for r in range(rows))
+
+
+def same_distribution_pvalue(a: collections.Counter, b: collections.Counter) -> float:
+    """Two-sample chi-square (a contingency table over the outcomes either saw)."""
+    keys = sorted(set(a) | set(b))
+    return float(chi2_contingency(np.array([[a[k] for k in keys], [b[k] for k in keys]], dtype=float))[1])
+
+
+class TreeUnweightedResidual(BlockTreeTests):
+    """Broken device tests: the bonus after a partly accepted segment comes from the unweighted residual."""
+
+    def weighted_residual(self, target_probs, weight, draft_probs, token, sampled):
+        return super().weighted_residual(target_probs, torch.ones_like(weight), draft_probs, token, sampled)
+
+
+@pytest.mark.parametrize("tree_seed", [1, 2, 3])
+def test_device_block_segments_match_the_host_walk(tree_seed):
+    """Not just lossless: the device's accepted paths and bonus tokens follow the host walk's
+    distribution (the same algorithm), and the broken residual does not (seeds 1 and 3: trees
+    where a segment is partly accepted often enough to show it)."""
+    host = verdicts(SamplingRule(walk="host", segments="block"), "branching", tree_seed, seed=1)
+    device = verdicts(SamplingRule(walk="device", segments="block"), "branching", tree_seed, seed=2)
+    assert isinstance(SamplingRule(walk="device", segments="block").tree_tests, BlockTreeTests)
+    pvalue = same_distribution_pvalue(host, device)
+    assert pvalue > 1e-3, f"device vs host: p = {pvalue:.2e}"
+    assert any(len(path) == 3 for path, _ in device)  # the three-node segment is accepted whole, sometimes
+    if tree_seed != 2:
+        broken = verdicts(SamplingRule(walk="device", tree_tests=TreeUnweightedResidual()), "branching", tree_seed, seed=2)
+        pvalue = same_distribution_pvalue(host, broken)
+        assert pvalue < 1e-6, f"the broken residual passed: p = {pvalue:.2e}"
+
+
+@pytest.mark.parametrize("tree_seed", [0, 1])
+def test_device_block_segments_on_a_chain_are_block_verification(tree_seed):
+    """A chain-shaped tree (not flagged as a chain) gets the chain rule's outcomes."""
+    device = verdicts(BlockTreeTests(), "chain", tree_seed, seed=4)
+    chain = verdicts(BLOCK_CHAIN, "chain", tree_seed, seed=5)
+    pvalue = same_distribution_pvalue(device, chain)
+    assert pvalue > 1e-3, f"device tree vs chain rule: p = {pvalue:.2e}"

@@ -224,9 +224,10 @@ def test_sampled_dynatree_reads_once_per_level():
 
 def test_sampled_trees_tested_on_the_device_copy_nothing_large():
     """At T > 0 the host walk copies every node's target and draft distribution each step
-    (2 x 4 x N x V bytes a row); the device tests copy only the verdict."""
-    target = tiny_model("llama", seed=0)
-    draft = tiny_model("llama", seed=1, layers=1)
+    (2 x 4 x N x V bytes a row); the device tests copy only the verdict (a vocabulary of 1024, so
+    that one distribution, 4 KB, is far more than the verdict's few hundred bytes a step)."""
+    target = tiny_model("llama", seed=0, vocab=1024)
+    draft = tiny_model("llama", seed=1, layers=1, vocab=1024)
     vocab = target.config.vocab_size
     per_step = {}
     for walk in ("host", "device"):

@@ -33,7 +33,7 @@ from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources import ModelDraftSource
 from specdec.sources.lookup import LookupDraftSource
 from specdec.verification import MarsRule, SamplingRule, Verdict
-from specdec.verification.sampling import BlockChainTests, BlockSiblingTests, ChainTests, SiblingTests, TreeTests
+from specdec.verification.sampling import BlockChainTests, BlockSiblingTests, BlockTreeTests, ChainTests, SiblingTests, TreeTests
 
 V = 6
 PROMPT = [1, 4, 2, 5]
@@ -150,11 +150,23 @@ def test_sampling_rule_is_lossless(case, walk, pair, joints):
 
 @pytest.mark.parametrize("case", ["chain", "chain-top-k", "dynatree-sampled-t1", "static-sampled-t0.7-top-p"])
 def test_token_by_token_rule_is_lossless(case, pair, joints):
-    """The rules before block verification (`chains="token"`), kept selectable: chains token by
-    token and trees walked on the host child by child."""
+    """The chain rule before block verification (`chains="token"`), kept selectable, with trees
+    walked on the host child by child."""
     method, options, params = CASES[case]
     pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(chains="token", walk="host"), params)
     assert pvalue > P_PASS, f"{case} (token by token): chi-square p = {pvalue:.2e}"
+
+
+SEGMENT_CASES = [(case, walk) for case in ("dynatree-sampled-t1", "dynatree-sampled-t0.7-top-p", "dynatree-free-t1", "eagle2-sampled-t1", "static-topk-t1") for walk in ("host", "device")]
+
+
+@pytest.mark.parametrize(("case", "walk"), SEGMENT_CASES, ids=[f"{c}-{w}" for c, w in SEGMENT_CASES])
+def test_block_segments_are_lossless(case, walk, pair, joints):
+    """Trees whose chain segments are verified as blocks (`segments="block"`) on either walk:
+    DynaTree's trees have segments of several nodes under branching nodes."""
+    method, options, params = CASES[case]
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(walk=walk, segments="block"), params)
+    assert pvalue > P_PASS, f"{case} ({walk} walk, block segments): chi-square p = {pvalue:.2e}"
 
 
 @pytest.mark.parametrize("method", ["chain", *TREES])
@@ -250,6 +262,14 @@ class HostBlockUnweightedResidual(BlockSiblingTests):
         return super().weighted_residual(target_probs, 1.0, proposal, token)
 
 
+class DeviceBlockUnweightedResidual(BlockTreeTests):
+    """Broken device tests: a tree's chain segments are verified as blocks, but the bonus after a
+    partly accepted segment is drawn from the unweighted residual."""
+
+    def weighted_residual(self, target_probs, weight, draft_probs, token, sampled):
+        return super().weighted_residual(target_probs, torch.ones_like(weight), draft_probs, token, sampled)
+
+
 class TreeNoResidual(TreeTests):
     """Broken device tests: after a rejection the next sibling (and the bonus) are tested against
     the unchanged target distribution."""
@@ -302,6 +322,12 @@ BROKEN = {
     "host-block-unweighted-residual": (
         lambda: make_policy("dynatree", **TREES["dynatree"][1]),
         lambda: SamplingRule(tests=HostBlockUnweightedResidual(), walk="host"),
+        "peaked",
+        "t0.7",
+    ),
+    "device-block-unweighted-residual": (
+        lambda: make_policy("dynatree", **TREES["dynatree"][1]),
+        lambda: SamplingRule(tree_tests=DeviceBlockUnweightedResidual(), walk="device"),
         "peaked",
         "t0.7",
     ),

@@ -9,16 +9,17 @@ from specdec.verification.sampling import SamplingRule
 
 __all__ = ["RULE_OPTIONS", "RULE_OPTION_DEFAULTS", "AcceptRule", "GreedyRule", "MarsRule", "SamplingRule", "Verdict", "make_rule"]
 
-RULE_OPTIONS: dict[str, tuple[str, ...]] = {"greedy": (), "sampling": ("walk", "chains"), "mars": ("theta", "walk")}
+RULE_OPTIONS: dict[str, tuple[str, ...]] = {"greedy": (), "sampling": ("walk", "chains", "segments"), "mars": ("theta", "walk")}
 """every `--verify` name and the options its rule takes"""
 
-RULE_OPTION_DEFAULTS: dict[str, Any] = {"walk": "auto", "theta": 0.9, "chains": "block"}
+RULE_OPTION_DEFAULTS: dict[str, Any] = {"walk": "auto", "theta": 0.9, "chains": "block", "segments": "token"}
 """each rule option's default (its type types the option's text in `--methods` items)"""
 
 
 def make_rule(name: str, **options: Any) -> AcceptRule:
     """Accept rule by name: 'greedy', 'sampling' (options: walk, where trees are tested: 'auto',
-    'device' or 'host'; chains, how chains are verified: 'block', the default, or 'token') or
+    'device' or 'host'; chains, how chains are verified: 'block', the default, or 'token';
+    segments, how branching trees' chain segments are verified: 'token', the default, or 'block') or
     'mars' (options: theta, default 0.9, and walk).
 
     An option the rule does not take is an error, e.g. make_rule("greedy", theta=0.9).

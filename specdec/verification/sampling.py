@@ -183,7 +183,7 @@ class WalkStep:
 
 
 class BlockSiblingTests(SiblingTests):
-    """The host walk's tests with chain segments verified as a block (the default).
+    """The host walk's tests with chain segments verified as a block (`SamplingRule(segments="block")`).
 
     At a node, children are tried in tree order as in `SiblingTests`. A child that starts a
     *chain segment* (the child, its only child, that one's only child, ..., down to a leaf or a
@@ -309,7 +309,7 @@ class BlockSiblingTests(SiblingTests):
 
 
 EXACT_BLOCKS = BlockSiblingTests()
-"""the lossless host-walk tests with chain segments verified as blocks (the default)"""
+"""the lossless host-walk tests with chain segments verified as blocks (`segments="block"`)"""
 
 RelaxHook = Callable[[int, list[int]], tuple[int | None, bool]]
 """relax(node, children) -> (child accepted outright or None, fell_back)"""
@@ -413,6 +413,18 @@ def verdict_of(walks: list[RowWalk], device: torch.device) -> Verdict:
     return Verdict.from_lists([w.path for w in walks], [w.bonus for w in walks], [w.relaxed for w in walks], [w.fallbacks for w in walks], device)
 
 
+def weighted_residual(target_probs: torch.Tensor, weight: torch.Tensor, draft_probs: torch.Tensor | None, token: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """[B, M, V] max(0, weight P - Q), unnormalised: block verification's residual at a node whose
+    prefix has weight [B, M]. target_probs P [B, M, V]; Q the proposal of each node's child (token
+    [B, M]): draft_probs [B, M, V] where `sampled` [B, M], else a point mass on the token (whose
+    entry is then max(0, w P(x) - 1) = 0)."""
+    weighted = target_probs * weight[:, :, None]
+    point = weighted.scatter(2, token[:, :, None], 0.0)
+    if draft_probs is None:
+        return point
+    return torch.where(sampled[:, :, None], (weighted - draft_probs).clamp_(min=0.0), point)
+
+
 class ChainTests:
     """The exact tests of a chain, every position and row at once, on the device (no host read).
 
@@ -490,14 +502,8 @@ class BlockChainTests(ChainTests):
     """
 
     def weighted_residual(self, target_probs: torch.Tensor, weight: torch.Tensor, draft_probs: torch.Tensor | None, token: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-        """[B, M, V] max(0, weight P - Q), unnormalised: target_probs P [B, M, V], weight [B, M],
-        Q the proposal of each node's child (token [B, M]): draft_probs [B, M, V] where
-        `sampled` [B, M], else a point mass on the token (whose entry is then max(0, w P(x) - 1) = 0)."""
-        weighted = target_probs * weight[:, :, None]
-        point = weighted.scatter(2, token[:, :, None], 0.0)
-        if draft_probs is None:
-            return point
-        return torch.where(sampled[:, :, None], (weighted - draft_probs).clamp_(min=0.0), point)
+        """`weighted_residual` (the distribution tests override this method to break it)."""
+        return weighted_residual(target_probs, weight, draft_probs, token, sampled)
 
     def thresholds(self, tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block's tests, before any draw. target_probs, draft_probs: [B, N, V] each node's
@@ -557,6 +563,40 @@ BLOCK_CHAIN = BlockChainTests()
 CHAIN_RULES = ("block", "token")
 """how `SamplingRule` verifies chains: 'block' (`BlockChainTests`) or 'token' (`ChainTests`)"""
 
+SEGMENT_RULES = ("token", "block")
+"""how `SamplingRule` verifies the chain segments of branching trees: 'token' child by child
+(`SiblingTests`, `TreeTests`: the default) or 'block' (`BlockSiblingTests`, `BlockTreeTests`)"""
+
+
+@dataclass
+class ChildTable:
+    """Each node's children by sibling rank: [B, N, K] each, K = `TokenTree.children_bound`."""
+
+    nodes: torch.Tensor
+    """the child's node index (N where the node has no child of that rank)"""
+    tokens: torch.Tensor
+    drawn: torch.Tensor
+    """bool: drawn from the draft distribution (else a point-mass proposal)"""
+    has: torch.Tensor
+    """bool: the child exists"""
+
+    @property
+    def k(self) -> int:
+        return self.nodes.shape[2]
+
+    @classmethod
+    def of(cls, tree: TokenTree) -> ChildTable:
+        b, n = tree.tokens.shape
+        dev = tree.tokens.device
+        ranks = tree.sibling_ranks()  # [B, N]
+        k = tree.children_bound(ranks)
+        slot = torch.where(ranks >= 0, tree.parents.clamp(min=0) * k + ranks.clamp(max=max(k - 1, 0)), n * k)  # [B, N]
+        kids = torch.full((b, n * k + 1), n, dtype=torch.long, device=dev).scatter_(1, slot, constants.arange(n, dev).expand(b, n))[:, : n * k]
+        fields = torch.stack([tree.tokens, tree.sampled & tree.valid], dim=1)  # [B, 2, N] int64
+        fields = torch.nn.functional.pad(fields, (0, 1)).gather(2, kids[:, None, :].expand(b, 2, n * k)).view(b, 2, n, k)
+        nodes = kids.view(b, n, k)
+        return cls(nodes=nodes, tokens=fields[:, 0], drawn=fields[:, 1].bool(), has=nodes < n)
+
 
 class TreeTests:
     """The exact tests of whole trees, every node and row at once, on the device (no host read).
@@ -604,16 +644,8 @@ class TreeTests:
         dev = target_logits.device
         target = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]: each node's target, then its residual
         draft_left = None if tree.draft_logprobs is None else tree.draft_logprobs.exp()  # [B, N, V] q, earlier sampled children removed
-        ranks = tree.sibling_ranks()  # [B, N]
-        k = tree.children_bound(ranks)
-        # each node's children by rank, [B, N, K]: node index (n where there is none), token, drawn or not, uniform
-        slot = torch.where(ranks >= 0, tree.parents.clamp(min=0) * k + ranks.clamp(max=max(k - 1, 0)), n * k)  # [B, N]
-        kids = torch.full((b, n * k + 1), n, dtype=torch.long, device=dev).scatter_(1, slot, constants.arange(n, dev).expand(b, n))[:, : n * k]
-        fields = torch.stack([tree.tokens, tree.sampled & tree.valid], dim=1)  # [B, 2, N] int64
-        fields = torch.nn.functional.pad(fields, (0, 1)).gather(2, kids[:, None, :].expand(b, 2, n * k)).view(b, 2, n, k)
-        tokens, drawn = fields[:, 0], fields[:, 1].bool()  # [B, N, K] each
-        kid_nodes = kids.view(b, n, k)
-        has = kid_nodes < n  # [B, N, K]
+        table = ChildTable.of(tree)
+        k, kid_nodes, tokens, drawn, has = table.k, table.nodes, table.tokens, table.drawn, table.has
         point = ~drawn  # [B, N, K]: a point-mass proposal (a deterministic child)
         one, zero = constants.full((), 1.0, target.dtype, dev), constants.full((), 0.0, target.dtype, dev)
         uniform = torch.rand(b, n * k, generator=generator, device=dev).view(b, n, k)  # one per test
@@ -645,20 +677,27 @@ class TreeTests:
             relaxed = forced & ~strict
         ok_nodes[:, 0] = True
         deepest, on_path, path, accepted_len = deepest_path(tree, ok_nodes)
-        # the bonus: drawn from the deepest node's residual after all its children (all rejected)
-        at = deepest[:, None]  # [B, 1]
-        probs = target.gather(1, at[:, :, None].expand(b, 1, target.shape[2]))  # [B, 1, V]
-        if k > 0:
-            last = k - 1
-            left = None if draft_left is None else draft_left.gather(1, at[:, :, None].expand_as(probs))
-            mass = None if left is None else self.proposal_mass(left)
-            x, s, pt = tokens[:, :, last].gather(1, at), drawn[:, :, last].gather(1, at), point[:, :, last].gather(1, at)
-            self._advance(probs, left, mass, x, s, pt, has[:, :, last].gather(1, at), zero)
-        bonus = (probs[:, 0] / torch.empty_like(probs[:, 0]).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs
+        probs = self.final_residual(target, draft_left, table, deepest, zero)  # [B, V]
+        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs
         zeros = constants.full((b,), 0, torch.long, dev)
         relaxed_count = zeros if relaxed is None else (relaxed & on_path).sum(dim=1)
         fallback_count = zeros if fallback is None or k == 0 else (fallback & has[:, :, 0] & on_path).sum(dim=1)
         return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=relaxed_count, fallback_count=fallback_count)
+
+    def final_residual(self, target: torch.Tensor, draft_left: torch.Tensor | None, table: ChildTable, at: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """[B, V] the bonus's distribution at node `at` [B] when every child of it was rejected (or
+        it has none): its residual after its last child. target, draft_left: [B, N, V] after the
+        sibling rounds, which advance every node's state up to (not past) its child of rank K - 2."""
+        b = target.shape[0]
+        col = at[:, None]  # [B, 1]
+        probs = target.gather(1, col[:, :, None].expand(b, 1, target.shape[2]))  # [B, 1, V]
+        if table.k > 0:
+            last = table.k - 1
+            left = None if draft_left is None else draft_left.gather(1, col[:, :, None].expand_as(probs))
+            mass = None if left is None else self.proposal_mass(left)
+            x, s = table.tokens[:, :, last].gather(1, col), table.drawn[:, :, last].gather(1, col)
+            self._advance(probs, left, mass, x, s, ~s, table.has[:, :, last].gather(1, col), zero)
+        return probs[:, 0]
 
     def _advance(
         self,
@@ -699,6 +738,127 @@ class TreeTests:
 EXACT_TREE = TreeTests()
 """the lossless tree tests on the device"""
 
+class BlockTreeTests(TreeTests):
+    """The device tests with a tree's chain segments verified as blocks (`SamplingRule(segments="block")`).
+
+    The device counterpart of `BlockSiblingTests`, with the same outcomes in distribution. A
+    *tester* is the root or a node with two or more children; each child of a tester starts a
+    chain segment (the child, its only child, ..., down to a leaf or the next tester), and every
+    non-root node lies on exactly one segment. A segment under tester u, started by u's child of
+    rank i, is one block (`BlockChainTests`' maths): its first position's target and proposal are
+    u's residual and the child's proposal after u's children of ranks < i were rejected, its
+    later positions the segment nodes' own target and draft distributions (a node with one child
+    never has a sibling rejected, so those are fixed). Outcomes, as on the host:
+
+    - the whole segment accepted: the path goes on at its last node (a tester or a leaf);
+    - a prefix of it: the path stops at the prefix's last node, the bonus drawn from the weighted
+      residual max(0, w P - Q) there;
+    - none: the child is rejected, u's state becomes the ordinary residual, the next sibling's
+      segment is tried; after the last, the bonus comes from u's residual.
+
+    Arranged for tensors, no host read: the sibling rounds advance every tester's state as if
+    each child were rejected (a later sibling is only tested after that) and record each segment's
+    first log ratio log(p_1 / q_1); then every segment's weights come from path sums and maxima
+    over its nodes (the ancestor mask restricted to the segment), its thresholds from one
+    `[B, N, V]` residual pass, and its accepted prefix from independent uniforms, one per node.
+    A tester accepts its first child (by rank) whose segment keeps a prefix. Relaxed rules (MARS's
+    outright choices) test child by child (`TreeTests`). `weighted_residual` is where the maths
+    lives (the distribution tests break it).
+    """
+
+    def weighted_residual(self, target_probs: torch.Tensor, weight: torch.Tensor, draft_probs: torch.Tensor | None, token: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """`weighted_residual` (the distribution tests override this method to break it)."""
+        return weighted_residual(target_probs, weight, draft_probs, token, sampled)
+
+    def verify(
+        self,
+        tree: TokenTree,
+        target_logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        outright: torch.Tensor | None = None,
+        fallback: torch.Tensor | None = None,
+    ) -> Verdict:
+        if outright is not None:  # a relaxed rule's outright choices: child by child
+            return super().verify(tree, target_logits, params, generator, outright, fallback)
+        table = ChildTable.of(tree)
+        k = table.k
+        if k == 0:  # a root-only tree: the bonus alone
+            return super().verify(tree, target_logits, params, generator)
+        b, n = tree.tokens.shape
+        dev = target_logits.device
+        target = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]: each node's target, testers' then their residual
+        vocab = target.shape[2]
+        draft_left = None if tree.draft_logprobs is None else tree.draft_logprobs.exp()  # [B, N, V] q, testers' earlier drawn children removed
+        one, zero = constants.full((), 1.0, target.dtype, dev), constants.full((), 0.0, target.dtype, dev)
+        cols = constants.arange(n, dev)  # [N]
+        children = table.has.sum(dim=2)  # [B, N]
+        tester = (children >= 2) | (cols[None, :] == 0)  # [B, N]: the root, and nodes whose children start segments
+        parent = tree.parents.clamp(min=0)  # [B, N]
+        non_root = tree.valid & (cols[None, :] > 0)  # [B, N]
+        head = non_root & tester.gather(1, parent)  # [B, N]: the first node of a segment
+        inner = non_root & (children == 1)  # [B, N]: a segment node whose only child is the segment's next node
+        # the sibling rounds: each head's first log ratio against its tester's state after the earlier siblings' rejection
+        first_ratio = torch.zeros(b, n + 1, dtype=target.dtype, device=dev)  # [B, N + 1] by node (column n: none)
+        for i in range(k):
+            x, s = table.tokens[:, :, i], table.drawn[:, :, i]  # [B, N] each
+            log_ratio = target.gather(2, x[:, :, None]).squeeze(2).log()  # [B, N] log p (-inf where p = 0)
+            mass = None
+            if draft_left is not None:
+                mass = self.proposal_mass(draft_left)  # [B, N]
+                q_x = torch.where(s, draft_left.gather(2, x[:, :, None]).squeeze(2).div_(mass), one)  # [B, N]: 1 for a point mass
+                log_ratio = log_ratio - q_x.clamp_(min=_EPS).log()
+            first_ratio.scatter_(1, table.nodes[:, :, i], log_ratio)  # nodes without an i-th child write column n
+            if i < k - 1:  # as if the child were rejected: the next sibling is only tested then (the last residual: at the path's end)
+                self._advance(target, draft_left, mass, x, s, ~s, table.has[:, :, i] & tester, zero)
+        # later positions: log(p / q) of each node's token at its parent, whose distributions no round touched (not a tester)
+        at_parent = parent * vocab + tree.tokens  # [B, N] flat index of (parent, token)
+        log_ratio = target.reshape(b, n * vocab).gather(1, at_parent).log()  # [B, N]
+        proposal = None
+        if draft_left is not None:
+            proposal = draft_left / self.proposal_mass(draft_left)[:, :, None]  # [B, N, V] the draft at inner nodes (untouched), normalised
+            q = proposal.reshape(b, n * vocab).gather(1, at_parent)
+            log_ratio = log_ratio - torch.where(tree.sampled, q.clamp_(min=_EPS).log(), zero)
+        log_ratio = torch.where(head, first_ratio[:, :n], log_ratio)  # [B, N] log(p_j / q_j) at each segment position
+        # segments: [b, v, a] a lies on v's segment at or above v (a is v or an ancestor no shallower than v's head)
+        anc = tree.ancestor_mask()  # [B, N, N]
+        depths = tree.depths
+        head_depth = torch.where(anc & head[:, None, :], depths[:, None, :], -1).amax(dim=2)  # [B, N] (-1: the root, padding)
+        on_segment = anc & (depths[:, None, :] >= head_depth[:, :, None]) & (head_depth >= 1)[:, :, None]  # [B, N, N]
+        # weights w = min(1, w_prev p / q) along each segment: log w_v = s_v - max(0, max over the segment down to v of s), s the path sums
+        path_sum = torch.where(on_segment, log_ratio[:, None, :], zero).sum(dim=2)  # [B, N] s_v
+        path_max = torch.where(on_segment, path_sum[:, None, :], float("-inf")).amax(dim=2)  # [B, N]
+        weight = (path_sum - path_max.clamp(min=0.0)).exp()  # [B, N] w_v
+        # thresholds: h = r / (r + 1 - w) at a node whose segment goes on (r: the weighted residual's mass), w at a segment's end
+        residual = self.weighted_residual(target, weight, proposal, table.tokens[:, :, 0], table.drawn[:, :, 0])  # [B, N, V] (used at inner nodes)
+        r = residual.sum(dim=2)  # [B, N]
+        denominator = r + 1.0 - weight
+        h = torch.where(inner, torch.where(denominator > _EPS, r / denominator.clamp(min=_EPS), one), weight)  # [B, N]
+        eta = torch.rand(b, n, generator=generator, device=dev)  # [B, N] one per segment position
+        passes = (eta < h).logical_and_(non_root)  # [B, N]
+        # a segment node is accepted when some node of its segment at or below it passes (the prefix ends at the last such node)
+        kept = (on_segment & passes[:, :, None]).any(dim=1)  # [B, N]
+        # a tester accepts its first child by rank whose segment keeps a prefix
+        head_kept = torch.nn.functional.pad(kept & head, (0, 1)).gather(1, table.nodes.view(b, n * k)).view(b, n, k) & tester[:, :, None]  # [B, N, K]
+        first = head_kept & (head_kept.cumsum(dim=2) == 1)
+        chosen = torch.zeros(b, n + 1, dtype=torch.bool, device=dev).scatter_(1, table.nodes.view(b, n * k), first.view(b, n * k))[:, :n]
+        ok_nodes = torch.where(head, chosen, kept)
+        ok_nodes[:, 0] = True
+        deepest, _, path, accepted_len = deepest_path(tree, ok_nodes)
+        # the bonus: at a prefix's end inside a segment, the weighted residual there; else the node's residual after all its children
+        probs = self.final_residual(target, draft_left, table, deepest, zero)  # [B, V]
+        at = deepest[:, None, None].expand(b, 1, vocab)
+        stop = residual.gather(1, at).squeeze(1)  # [B, V] unnormalised (the draw below needs no normalising)
+        mid = inner.gather(1, deepest[:, None]).squeeze(1) & (stop.sum(dim=1) > _EPS)  # [B]; nothing left: the node's target
+        probs = torch.where(mid[:, None], stop, torch.where(inner.gather(1, deepest[:, None]), target.gather(1, at).squeeze(1), probs))
+        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs
+        zeros = constants.full((b,), 0, torch.long, dev)
+        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
+
+
+BLOCK_TREE = BlockTreeTests()
+"""the lossless tree tests on the device with chain segments as blocks (`segments="block"`)"""
+
 WALKS = ("auto", "device", "host")
 """where `SamplingRule` tests trees: 'device' (`TreeTests`), 'host' (`rejection_walk`), 'auto' the
 device on accelerators and the host on the CPU"""
@@ -718,6 +878,16 @@ def check_chains(chains: object, rule: str) -> str:
     return str(chains)
 
 
+def check_segments(segments: object, rule: str) -> str:
+    """`segments` if it is one of `SEGMENT_RULES`, else a SpecDecError naming it and the choices."""
+    if segments not in SEGMENT_RULES:
+        raise SpecDecError(
+            f"{rule} segments={segments!r} must be one of {', '.join(SEGMENT_RULES)} (how a tree's chain segments are verified: "
+            "'token' child by child, the default; 'block' each segment as a block)"
+        )
+    return str(segments)
+
+
 def walks_on_device(walk: str, device: torch.device) -> bool:
     """Whether trees of a `device` are tested there under the `walk` setting."""
     return walk == "device" or (walk == "auto" and device.type != "cpu")
@@ -729,11 +899,13 @@ _EXACT_HOST_TESTS = (SiblingTests, BlockSiblingTests)
 class SamplingRule:
     """Lossless speculative sampling (see the module docstring).
 
-    chains: how chains, and the chain segments of trees walked on the host, are verified:
-    'block' (`BlockChainTests` and `BlockSiblingTests`, the default) or 'token' (`ChainTests`
-    and `SiblingTests`, token by token, kept for comparison). tests: the per-node tests of the
-    host walk; chain_tests: those of chains on the device; both override `chains` (the
-    distribution tests pass deliberately wrong ones).
+    chains: how chains are verified: 'block' (`BlockChainTests`, the default) or 'token'
+    (`ChainTests`, token by token, kept for comparison). segments: how the chain segments of
+    branching trees are verified: 'token' (child by child: `SiblingTests` on the host walk,
+    `TreeTests` on the device, the default) or 'block' (`BlockSiblingTests`, `BlockTreeTests`;
+    on the same trees it accepted about as much as child by child, docs/ARCHITECTURE.md).
+    tests, chain_tests, tree_tests: the host walk's, the chains' and the device walk's tests,
+    overriding `chains` and `segments` (the distribution tests pass deliberately wrong ones).
     """
 
     name = "sampling"
@@ -742,15 +914,17 @@ class SamplingRule:
         self,
         tests: SiblingTests | None = None,
         chain_tests: ChainTests | None = None,
-        tree_tests: TreeTests = EXACT_TREE,
+        tree_tests: TreeTests | None = None,
         walk: str = "auto",
         chains: str = "block",
+        segments: str = "token",
     ) -> None:
         self.walk = check_walk(walk, "sampling")
         self.chains = check_chains(chains, "sampling")
-        self.tests = tests if tests is not None else (EXACT_BLOCKS if chains == "block" else EXACT)
+        self.segments = check_segments(segments, "sampling")
+        self.tests = tests if tests is not None else (EXACT_BLOCKS if segments == "block" else EXACT)
         self.chain_tests = chain_tests if chain_tests is not None else (BLOCK_CHAIN if chains == "block" else TOKEN_CHAIN)
-        self.tree_tests = tree_tests
+        self.tree_tests = tree_tests if tree_tests is not None else (BLOCK_TREE if segments == "block" else EXACT_TREE)
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Whether trees on `device` are tested there (`TreeTests`) rather than walked on the host."""
