@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -531,6 +531,8 @@ class SpeculativeDecoder:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         verify = resolve_verify(self.verify, temperature)
         stops = stop_strings(stop)
+        check_callback(stream, "stream", "(index, token_ids)")
+        check_callback(stream_text, "stream_text", "(index, text)")
         ids: list[Sequence[int]]
         if messages is not None:
             if prompt is not None:
@@ -544,6 +546,10 @@ class SpeculativeDecoder:
                 raise SpecDecError("give a prompt (text to continue) or messages (a chat for an instruct model)")
             if system is not None:
                 raise SpecDecError("system= goes with messages= (a chat); with a plain prompt put the instructions in the prompt text")
+            if isinstance(prompt, bytes | bytearray):
+                raise SpecDecError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}; decode it first, e.g. prompt.decode('utf-8')")
+            if not isinstance(prompt, str | Iterable):
+                raise SpecDecError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}")
             single = isinstance(prompt, str)
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             if images is None:
@@ -580,6 +586,7 @@ class SpeculativeDecoder:
         """Token-level entry point (benchmarks use it); `seed` as in `generate`; `stop(index,
         tokens)` returning True ends that prompt (`SpeculativeEngine.generate`)."""
         check_seed(seed)
+        check_callback(stream, "stream", "(index, token_ids)")
         verify = resolve_verify(verify or self.verify, params.temperature)
         return self.engine(verify).generate(
             prompt_ids, max_new_tokens, params, seed=seed, stream=stream, keep_steps=keep_steps, batch_size=batch_size, stop=stop
@@ -588,6 +595,12 @@ class SpeculativeDecoder:
     def _result(self, out: EngineOutput) -> GenerationResult:
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return GenerationResult(text=text, token_ids=out.token_ids, finish_reason=out.finish_reason, stats=out.stats)
+
+
+def check_callback(callback: object, name: str, arguments: str) -> None:
+    """A SpecDecError unless `callback` is None or callable."""
+    if callback is not None and not callable(callback):
+        raise SpecDecError(f"{name}={callback!r} must be a function called with {arguments}, or None")
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from specdec.extras import require
 from specdec.method_flags import method_flags
 from specdec.names import METHOD_NAMES
 from specdec.parsing import check_seed, parse_int_list
+from specdec.paths import folder_write_problem
 
 if TYPE_CHECKING:
     from specdec.api import SpeculativeDecoder
@@ -180,17 +182,32 @@ def read_prompt_file(name: str) -> str:
 
 
 def check_out_dir(out: str, flag: str = "--out") -> None:
-    """An output folder: may exist (files in it are replaced), must not be a file. Checked before any work."""
+    """An output folder: may exist (files in it are replaced), must not be a file, and must be
+    one that can be created and written to. Checked before any work."""
+    if not out.strip():
+        raise SpecDecError(f"{flag} is empty; give an output folder, e.g. {flag} runs/out")
     path = Path(out).expanduser()
     if path.exists() and not path.is_dir():
         raise SpecDecError(f"{flag} {out!r} is an existing file, but it names an output folder; give a folder path")
+    existed = path.is_dir()
+    problem = folder_write_problem(path)
+    if problem is not None:
+        raise SpecDecError(f"{flag} {out!r}: cannot {'write in' if existed else 'create'} the folder ({problem}); give a writable folder")
 
 
-def check_out_file(out: str, flag: str = "--out") -> None:
-    """An output file: must not be a folder. Checked before any work."""
+def check_out_file(out: str, flag: str = "--out", example: str = "cost_profile.json") -> None:
+    """An output file: must not be a folder, and its folder must be one that can be created
+    and written to. Checked before any work."""
+    if not out.strip():
+        raise SpecDecError(f"{flag} is empty; give an output file path such as {example}")
     path = Path(out).expanduser()
     if path.is_dir():
-        raise SpecDecError(f"{flag} {out!r} is a directory, but it names an output file; give a file path such as {Path(out) / 'cost_profile.json'}")
+        raise SpecDecError(f"{flag} {out!r} is a directory, but it names an output file; give a file path such as {Path(out) / example}")
+    problem = folder_write_problem(path.parent)
+    if problem is not None:
+        raise SpecDecError(f"{flag} {out!r}: cannot create the file there ({problem}); give a path in a writable folder")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise SpecDecError(f"{flag} {out!r} exists and cannot be written (permission denied); give another path or make it writable")
 
 
 def ensemble_options(args: argparse.Namespace) -> dict:
@@ -930,6 +947,8 @@ def _cmd_train_evaluate_lvlm(args: argparse.Namespace) -> int:
 
     if args.per_task < 1:
         raise SpecDecError(f"--per-task={args.per_task} must be a positive integer")
+    if args.out is not None:
+        check_out_file(args.out, example="figures.json")
     target, draft = args.target or bundled_lvlm_target(), args.draft or (None if args.target else bundled_lvlm_draft())
     decoder = SpeculativeDecoder.from_pretrained(target, draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
     if not decoder.multimodal or decoder.draft is None:
@@ -952,8 +971,10 @@ def _cmd_train_bundle(args: argparse.Namespace) -> int:
 
 def _cmd_train_evaluate(args: argparse.Namespace) -> int:
     from specdec.api import SpeculativeDecoder
-    from specdec.training.evaluate import evaluate_pair
+    from specdec.training.evaluate import evaluate_pair, heldout_texts
 
+    if args.out is not None:
+        check_out_file(args.out, example="figures.json")
     if args.max_tokens <= 0 or args.loop_tokens <= 0:
         raise SpecDecError(f"--max-tokens={args.max_tokens} and --loop-tokens={args.loop_tokens} must be positive integers")
     if args.threads < 0:
@@ -967,8 +988,10 @@ def _cmd_train_evaluate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    corpus = [Path(c) for c in args.corpus] or None
+    texts = heldout_texts(corpus)  # a corpus with nothing to score fails before loading
     decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
-    figures = evaluate_pair(decoder.target, decoder.draft, decoder.tokenizer, [Path(c) for c in args.corpus] or None, args.max_tokens, latency=not args.no_latency)
+    figures = evaluate_pair(decoder.target, decoder.draft, decoder.tokenizer, corpus, args.max_tokens, latency=not args.no_latency, texts=texts)
     if args.loops:
         from specdec.bench.prompts import load_prompts, resolve_prompt_source
         from specdec.training.evaluate import greedy_loop_share

@@ -149,6 +149,16 @@ class StepResult:
         )
 
 
+def _embedding_rows(model: PreTrainedModel) -> int | None:
+    """Rows of the model's input embedding (the token ids it can read), or None when it has none to ask."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
+
+
 class SpeculativeEngine:
     """Target model + tree policy + draft source + accept rule.
 
@@ -181,6 +191,8 @@ class SpeculativeEngine:
         self.max_context = max_context
         self.device = self.target.device
         self.multimodal = is_multimodal(target)
+        self.vocab_size = _embedding_rows(target)
+        """rows of the target's input embedding: prompt token ids must be below it (None: unknown)"""
 
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -193,7 +205,7 @@ class SpeculativeEngine:
 
     def check_prompt(self, prompt: Sequence[int], max_new_tokens: int, name: str = "the prompt") -> None:
         """A SpecDecError naming `name` when the prompt cannot be decoded (empty, images for a
-        text-only target, longer than the context with max_new_tokens)."""
+        text-only target, longer than the context with max_new_tokens, token ids outside the vocabulary)."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise SpecDecError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
         if isinstance(prompt, MultimodalPrompt) and prompt.model_inputs and not self.multimodal:
@@ -210,6 +222,21 @@ class SpeculativeEngine:
                 f"{name} ({len(prompt)} tokens) + max_new_tokens={max_new_tokens} exceeds the model's context of "
                 f"{self.max_context} tokens; lower max_new_tokens to at most {self.max_context - len(prompt)}"
             )
+        if not isinstance(prompt, MultimodalPrompt):  # a processor's ids: image tokens may lie past the text vocabulary
+            self._check_token_ids(prompt, name)
+
+    def _check_token_ids(self, prompt: Sequence[int], name: str) -> None:
+        """A SpecDecError naming `name` when a token id is not one of the target's (negative, or
+        past its input embedding), instead of an IndexError inside the model."""
+        try:
+            low, high = min(prompt), max(prompt)
+        except TypeError:
+            raise SpecDecError(f"{name} must be a list of integer token ids") from None
+        top = self.vocab_size
+        for bad in (low, high):
+            if bad < 0 or (top is not None and bad >= top):
+                span = f"0..{top - 1}" if top is not None else "0 and up"
+                raise SpecDecError(f"{name}: token id {bad} is outside the vocabulary ({span}); give ids from the target's tokenizer")
 
     def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         if not prompts:

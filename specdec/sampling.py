@@ -6,11 +6,15 @@ Both models' distributions go through `logits_to_logprobs` with the same
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from specdec.errors import SpecDecError
+
+TINY_TEMPERATURE = 1e-3
+"""temperatures below this are applied after subtracting each row's max logit (`logits_to_logprobs`)"""
 
 
 @dataclass(frozen=True)
@@ -27,8 +31,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):  # also refuses nan
             raise SpecDecError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise SpecDecError(f"top_p={self.top_p!r} must be in (0, 1]; use 1.0 to disable nucleus sampling")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1:
+            raise SpecDecError(f"top_p={self.top_p!r} must be a number in (0, 1]; use 1.0 to disable nucleus sampling")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise SpecDecError(f"top_k={self.top_k!r} must be an integer >= 0 (the number of most likely tokens kept); use 0 to disable top-k filtering")
         if self.top_k < 0:
             raise SpecDecError(f"top_k={self.top_k!r} must be >= 0; use 0 to disable top-k filtering")
 
@@ -47,7 +53,15 @@ def logits_to_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     logits = logits.float()
     if params.greedy:
         return torch.log_softmax(logits, dim=-1)
-    logits = logits / params.temperature
+    if params.temperature < TINY_TEMPERATURE:
+        # logits / T could overflow to inf (then inf - inf = nan): each row's max first, so the max
+        # entry becomes 0 and the others large negative or -inf (the argmax distribution); T is kept
+        # >= float32's smallest normal, below which it would round to 0. Above TINY_TEMPERATURE no
+        # float32 logit under 1e35 overflows, and the hot path skips the extra passes
+        top = logits.amax(dim=-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # a row of all -inf stays -inf
+        logits = (logits - top).div_(max(params.temperature, torch.finfo(torch.float32).tiny))
+    else:
+        logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

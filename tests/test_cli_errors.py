@@ -142,3 +142,179 @@ def test_serve_free_port_passes_the_check():
         port = probe.getsockname()[1]
     cli.check_port_free("127.0.0.1", port)
     cli.check_port_free("127.0.0.1", 0)
+
+
+# ----- output locations that cannot be created ----------------------------------------------
+def _blocked(tmp_path: Path) -> Path:
+    """A path whose parent is a file: no folder or file can be made there."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    return blocker / "out"
+
+
+@pytest.mark.parametrize("command", [["bench", "--methods", "chain", "--num-prompts", "1", "--repeats", "1"], ["sweep"], ["scenes"]])
+def test_out_folder_cannot_be_created(capsys, tmp_path, tiny_pair_dir, no_loading, command):
+    out = _blocked(tmp_path)
+    extra = [] if command[0] == "scenes" else pair_args(tiny_pair_dir)
+    code, err = run_cli(capsys, *command, *extra, "--out", str(out))
+    assert code == 2 and f"--out '{out}': cannot create the folder ({out.parent} is a file); give a writable folder" in err
+
+
+def test_profile_out_file_cannot_be_created(capsys, tmp_path, tiny_pair_dir, no_loading):
+    out = _blocked(tmp_path) / "p.json"
+    code, err = run_cli(capsys, "profile", *pair_args(tiny_pair_dir), "--out", str(out))
+    assert code == 2 and f"--out '{out}': cannot create the file there ({out.parent.parent} is a file)" in err
+
+
+@pytest.mark.parametrize("command", [["bench", "--methods", "chain"], ["scenes"], ["profile"]])
+def test_empty_out_refused(capsys, tmp_path, tiny_pair_dir, no_loading, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)  # nothing may land in the current folder
+    extra = [] if command[0] == "scenes" else pair_args(tiny_pair_dir)
+    code, err = run_cli(capsys, *command, *extra, "--out", "")
+    assert code == 2 and "--out is empty" in err and list(tmp_path.iterdir()) == []
+
+
+def test_out_folder_check_leaves_no_trace(tmp_path, monkeypatch):
+    from specdec import paths
+
+    assert paths.folder_write_problem(tmp_path / "new" / "deeper") is None
+    assert list(tmp_path.iterdir()) == []  # the folders made to check are gone again
+
+    def refuse(*args, **kwargs):  # root ignores permission bits: refuse the write itself
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(paths.tempfile, "mkstemp", refuse)
+    assert paths.folder_write_problem(tmp_path / "new") == f"no file can be written in {tmp_path / 'new'}: Permission denied"
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----- cost profiles ----------------------------------------------------------------------
+@pytest.fixture
+def no_model_files(monkeypatch):
+    """from_pretrained may check its options, but reading a tokenizer or model fails the test."""
+
+    def refuse(*args, **kwargs):
+        pytest.fail("a tokenizer or model was loaded before the bad value was reported")
+
+    import specdec.api
+
+    monkeypatch.setattr(specdec.api, "load_tokenizer", refuse)
+    monkeypatch.setattr(specdec.api, "load_model", refuse)
+
+
+def test_cost_profile_is_a_directory(capsys, tmp_path, tiny_pair_dir, no_model_files):
+    code, err = run_cli(capsys, "generate", *pair_args(tiny_pair_dir), "--method", "cast", "--cost-profile", str(tmp_path), "--prompt", "x")
+    assert code == 2 and f"cost profile '{tmp_path}' (--cost-profile) is a directory; give a JSON file path" in err
+    assert "does not exist" not in err
+    code, err = run_cli(capsys, "generate", *pair_args(tiny_pair_dir), "--method", "cast", "--cost-profile", "", "--prompt", "x")
+    assert code == 2 and "(--cost-profile) is empty" in err
+
+
+def test_cost_profile_directory_in_the_api(tmp_path):
+    from specdec.cost import CostTable
+    from specdec.errors import SpecDecError
+    from specdec.methods import make_policy
+
+    with pytest.raises(SpecDecError, match="is a directory; give a JSON file path"):
+        make_policy("cast", cost_profile=str(tmp_path))  # from_pretrained builds the policy before loading
+    with pytest.raises(SpecDecError, match="is a directory"):
+        CostTable.load(tmp_path)
+
+
+# ----- tree sizes -------------------------------------------------------------------------
+@pytest.mark.parametrize(("flag", "value", "named"), [("--expand-top-k", "100000", "top_k=100000"), ("--depth", "100000", "depth=100000")])
+def test_eagle2_tree_too_large(capsys, tiny_pair_dir, no_model_files, flag, value, named):
+    code, err = run_cli(capsys, "generate", *pair_args(tiny_pair_dir), "--method", "eagle2", flag, value, "--prompt", "x")
+    assert code == 2 and named in err and "candidate nodes, more than the 16,384" in err and "lower --depth or --expand-top-k" in err
+
+
+def test_tree_size_limit_keeps_the_used_configurations():
+    from specdec.errors import SpecDecError
+    from specdec.methods import make_policy
+
+    make_policy("eagle2")
+    make_policy("eagle2", depth=13, top_k=16, total_tokens=256)  # well past the largest the tests and benchmarks use
+    make_policy("static", depth=8, branching=4, max_nodes=4096)
+    with pytest.raises(SpecDecError, match="static max_nodes=100000000: .* lower --max-nodes"):
+        make_policy("static", max_nodes=10**8)
+
+
+# ----- sampling numerics ------------------------------------------------------------------
+def test_tiny_temperature_is_the_argmax_distribution():
+    import torch
+
+    from specdec.sampling import SamplingParams, logits_to_logprobs
+
+    logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, -1.0, 5.0 - 1e-6], [float("-inf"), 0.0, float("-inf")]])
+    for t in (1e-300, 1e-30, 1e-45):
+        probs = logits_to_logprobs(logits, SamplingParams(temperature=t)).exp()
+        assert not probs.isnan().any()
+        assert probs.argmax(dim=-1).tolist() == [1, 0, 1] and probs.max(dim=-1).values.min() > 0.49
+        assert torch.allclose(probs.sum(dim=-1), torch.ones(3))
+    normal = logits_to_logprobs(logits, SamplingParams(temperature=0.7, top_k=2, top_p=0.9))
+    assert torch.allclose(normal[0].exp(), torch.softmax(torch.tensor([float("-inf"), 3.0, 2.0]) / 0.7, dim=-1))
+
+
+def test_tiny_temperature_generates_the_greedy_text(capsys, tiny_pair_dir):
+    import json
+
+    outputs = []
+    for temperature in ("0", "1e-300"):
+        args = ["generate", *pair_args(tiny_pair_dir), "--prompt", "def add", "--temperature", temperature, "--seed", "1", "--max-new-tokens", "8", "--json"]
+        assert main(args) == 0
+        captured = capsys.readouterr()
+        assert "Traceback" not in captured.err
+        outputs.append(json.loads(captured.out))
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
+
+
+# ----- train evaluate -----------------------------------------------------------------------
+@pytest.mark.parametrize("content", [b"", bytes(range(256)) * 2])
+def test_train_evaluate_corpus_without_tokens(capsys, tmp_path, no_loading, content):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(content)
+    code, err = run_cli(capsys, "train", "evaluate", "--no-latency", "--corpus", str(corpus))
+    assert code == 2 and f"--corpus '{corpus}' yields no tokens to score" in err and "no UTF-8 text" in err
+
+
+def test_train_evaluate_out_is_a_directory(capsys, tmp_path, no_loading):
+    code, err = run_cli(capsys, "train", "evaluate", "--no-latency", "--max-tokens", "64", "--out", str(tmp_path))
+    assert code == 2 and f"--out '{tmp_path}' is a directory" in err
+
+
+# ----- Python API types -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def decoder(tiny_pair_dir):
+    from specdec.api import SpeculativeDecoder
+
+    return SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": "def", "temperature": 1, "top_k": 1.5}, "top_k=1.5 must be an integer >= 0"),
+        ({"prompt": "def", "temperature": 1, "top_p": "0.5"}, "top_p='0.5' must be a number in (0, 1]"),
+        ({"prompt": 5}, "prompt must be a string or a list of strings, got int"),
+        ({"prompt": b"def"}, "prompt must be a string or a list of strings, got bytes; decode it first"),
+        ({"prompt": "def", "stream": 5}, "stream=5 must be a function called with (index, token_ids), or None"),
+        ({"prompt": "def", "stream_text": 5}, "stream_text=5 must be a function called with (index, text), or None"),
+    ],
+)
+def test_api_generate_argument_types(decoder, kwargs, message):
+    from specdec.errors import SpecDecError
+
+    with pytest.raises(SpecDecError) as caught:
+        decoder.generate(max_new_tokens=4, **kwargs)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("ids", [[10**7], [-1, 5]])
+def test_api_token_ids_outside_the_vocabulary(decoder, ids):
+    from specdec.errors import SpecDecError
+    from specdec.sampling import SamplingParams
+
+    vocab = decoder.target.get_input_embeddings().num_embeddings
+    bad = ids[0]
+    with pytest.raises(SpecDecError, match=rf"prompt 0: token id {bad} is outside the vocabulary \(0\.\.{vocab - 1}\)"):
+        decoder.generate_ids([ids], 4, SamplingParams())

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import transformers
 
-from specdec.cost.table import CostTable, FieldDiff, device_identity, model_identity
+from specdec.cost.table import CostTable, FieldDiff, check_cost_profile_path, device_identity, model_identity
 from specdec.errors import SpecDecError
 from specdec.models.loading import BUNDLED_PAIR, context_length
 from specdec.models.runner import ModelRunner
@@ -481,6 +481,8 @@ class CostTableResolver:
     # ----- loading, measuring, saving ------------------------------------------------------
     def _load(self) -> CostTable | None:
         source = Path(self.path).expanduser() if self.path else SHIPPED_PROFILE
+        if self.path is not None:
+            check_cost_profile_path(self.path)
         if not source.is_file():
             if self.path is not None:
                 LOG.warning("CAST: cost profile %s does not exist", source)

@@ -63,6 +63,17 @@ _VOLATILE_CONFIG_KEYS = frozenset(
 """config entries that do not change a model's cost (left out of the config hash)"""
 
 
+def check_cost_profile_path(path: str) -> None:
+    """A cost profile path (cost_profile=, --cost-profile): a JSON file that exists, or that a
+    measured table may be written to; a SpecDecError for an empty one or a directory."""
+    if not path.strip():
+        raise SpecDecError("cost_profile (--cost-profile) is empty; give a JSON file path from `specdec profile`, or leave it out")
+    if Path(path).expanduser().is_dir():
+        raise SpecDecError(
+            f"cost profile {path!r} (--cost-profile) is a directory; give a JSON file path, e.g. {Path(path) / 'cost_profile.json'} (`specdec profile --out FILE` writes one)"
+        )
+
+
 def select_context(c: int, step: int, buckets: int) -> int:
     """CAST's select(c) = (min(floor(c / L), M - 1) + 1) * L: the context bucket of `c`.
 
@@ -394,6 +405,7 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
         path = Path(path)
+        check_cost_profile_path(str(path))
         if not path.is_file():
             raise SpecDecError(f"cost profile {str(path)!r} does not exist; create it with `specdec profile --out {path}`")
         try:

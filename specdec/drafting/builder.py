@@ -25,6 +25,21 @@ without replacement from the draft distribution (`TreeBuilder.sample_children`; 
 kept for comparison). Greedy decoding always takes the top-k, whatever the option."""
 
 
+MAX_TREE_NODES = 16384
+"""the most candidate nodes one step's draft tree may be sized for: the builder keeps a
+[B, N, N] ancestor matrix, 256 MiB per row at this size (the defaults need a few hundred)"""
+
+
+def check_tree_nodes(nodes: int, options: str, fix: str) -> None:
+    """SpecDecError when a policy's options size a draft tree beyond MAX_TREE_NODES nodes.
+    options: the settings that give `nodes`, e.g. "eagle2 depth=6, top_k=8"; fix: the flags to lower."""
+    if nodes > MAX_TREE_NODES:
+        raise SpecDecError(
+            f"{options}: a step's draft tree would hold {nodes:,} candidate nodes, more than the {MAX_TREE_NODES:,} "
+            f"a step can hold (the tree's buffers grow with the square of that); lower {fix}"
+        )
+
+
 def check_tree_sampling(value: object) -> None:
     """SpecDecError unless `value` is one of TREE_SAMPLING."""
     if value not in TREE_SAMPLING:

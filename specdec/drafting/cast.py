@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from specdec import constants
-from specdec.cost.table import CostTable
+from specdec.cost.table import CostTable, check_cost_profile_path
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling, root_only_draft
 from specdec.drafting.calibration import AcceptanceCalibrator, collision_log_mass
 from specdec.errors import SpecDecError
@@ -849,6 +849,8 @@ class CastPolicy:
             )
         if self.cost_profile is not None and not isinstance(self.cost_profile, str):
             raise SpecDecError(f"cost_profile={self.cost_profile!r} must be a file path")
+        if self.cost_profile is not None:
+            check_cost_profile_path(self.cost_profile)
         if self.cost_table is not None and self.cost_profile is not None:
             raise SpecDecError("give either cost_table or cost_profile, not both")
         check_tree_sampling(self.tree_sampling)

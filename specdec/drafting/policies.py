@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling, root_only_draft
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling, root_only_draft
 from specdec.drafting.ranks import RankAcceptance
 from specdec.errors import SpecDecError
 from specdec.sampling import sample_from_probs
@@ -97,6 +97,7 @@ class StaticTreePolicy(_Stateless):
     def __post_init__(self) -> None:
         for name in ("depth", "branching", "max_nodes"):
             _positive(name, getattr(self, name))
+        check_tree_nodes(1 + self.max_nodes, f"static max_nodes={self.max_nodes}", "--max-nodes")
         check_tree_sampling(self.tree_sampling)
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
@@ -166,7 +167,13 @@ class Eagle2Policy:
     def __post_init__(self) -> None:
         for name in ("depth", "top_k", "total_tokens"):
             _positive(name, getattr(self, name))
+        check_tree_nodes(self.capacity, f"eagle2 depth={self.depth}, top_k={self.top_k} (1 + top_k + (depth - 1) x top_k^2 nodes)", "--depth or --expand-top-k")
         check_tree_sampling(self.tree_sampling)
+
+    @property
+    def capacity(self) -> int:
+        """candidate nodes of a step's tree: top_k at the first level, top_k^2 at each further one, and the root"""
+        return 1 + self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
     def feedback(self, record: StepRecord) -> None:
         """Sampled trees: every verified node whose parent was reached is one observation of
@@ -179,7 +186,7 @@ class Eagle2Policy:
         k = self.top_k
         sampled = ctx.samples_children(self.tree_sampling)
         self._drew_tree = False
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + k + (self.depth - 1) * k * k)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.capacity)
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)
         if depth == 0:

@@ -11,15 +11,37 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specdec.errors import SpecDecError
 from specdec.models.runner import ModelRunner
 from specdec.training.corpus import iter_texts, list_sources, split_sources
 from specdec.training.pair import tokenize_corpus
 
 
-def heldout_stream(tokenizer, corpus: list[Path] | None = None) -> np.ndarray:
-    """Token stream of the held-out split (same split as training)."""
-    _, heldout = split_sources(list_sources(corpus))
-    return tokenize_corpus(tokenizer, list(iter_texts(heldout)))
+def heldout_texts(corpus: list[Path] | None = None) -> list[str]:
+    """The texts of the held-out split (same split as training); a SpecDecError naming the
+    corpus when there are none (no files, only empty or binary ones, or none held out)."""
+    files = list_sources(corpus)
+    _, heldout = split_sources(files)
+    texts = list(iter_texts(heldout))
+    if texts:
+        return texts
+    named = "--corpus " + " ".join(repr(str(p)) for p in corpus) if corpus else "the standard library"
+    if not files:
+        why = "it holds no .py files"
+    elif not any(True for _ in iter_texts(files)):
+        why = f"its {len(files)} file(s) hold no UTF-8 text (empty or binary)"
+    else:
+        why = (
+            f"its held-out split (a hash-chosen share of its {len(files)} file(s), the same as in training) holds no text; "
+            "a corpus needs at least two files with text"
+        )
+    raise SpecDecError(f"{named} yields no tokens to score: {why}; give the corpus the pair was trained on")
+
+
+def heldout_stream(tokenizer, corpus: list[Path] | None = None, texts: list[str] | None = None) -> np.ndarray:
+    """Token stream of the held-out split (same split as training); `texts`: that split's
+    texts when already read (`heldout_texts`)."""
+    return tokenize_corpus(tokenizer, texts if texts is not None else heldout_texts(corpus))
 
 
 @torch.inference_mode()
@@ -98,10 +120,12 @@ def evaluate_pair(
     window: int = 512,
     latency_context: int = 512,
     latency: bool = True,
+    texts: list[str] | None = None,
 ) -> dict:
     """Model-card figures: held-out perplexity of both models, top-1 agreement, forward latency
-    after `latency_context` tokens of context (1-, 16- and 64-token forwards; not with `latency=False`)."""
-    stream = heldout_stream(tokenizer, corpus)
+    after `latency_context` tokens of context (1-, 16- and 64-token forwards; not with `latency=False`).
+    texts: the corpus's held-out texts when already read (`heldout_texts`)."""
+    stream = heldout_stream(tokenizer, corpus, texts)
     quality = perplexity_and_agreement(target, draft, stream, window=window, max_tokens=max_tokens)
     if not latency:
         return {"target_params": sum(p.numel() for p in target.parameters()), "draft_params": sum(p.numel() for p in draft.parameters()), **quality}
