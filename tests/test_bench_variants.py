@@ -119,7 +119,7 @@ def test_mars_thetas_expand_every_engine_method():
         ("chain@mars:theta=-1", "item 'chain@mars:theta=-1': MARS theta=-1"),
         ("chain@sampling:chains=nope", "item 'chain@sampling:chains=nope': sampling chains='nope' must be one of block, token"),
         ("chain@mars:chains=token", "chains is an option of the accept rule sampling; write chain@sampling:chains=token"),
-        ("dynatree@sampling:segments=blocks", "item 'dynatree@sampling:segments=blocks': sampling segments='blocks' must be one of token, block"),
+        ("dynatree@sampling:segments=blocks", "item 'dynatree@sampling:segments=blocks': sampling segments='blocks' must be one of auto, block, token"),
         ("dynatree:phase=7", "item 'dynatree:phase=7': dynatree phase=7"),
         ("ar:k=3", "ar is the AR baseline and takes no options"),
         ("hf-assisted@mars", "hf-assisted is a Hugging Face peer"),

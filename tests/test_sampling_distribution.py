@@ -150,10 +150,10 @@ def test_sampling_rule_is_lossless(case, walk, pair, joints):
 
 @pytest.mark.parametrize("case", ["chain", "chain-top-k", "dynatree-sampled-t1", "static-sampled-t0.7-top-p"])
 def test_token_by_token_rule_is_lossless(case, pair, joints):
-    """The chain rule before block verification (`chains="token"`), kept selectable, with trees
-    walked on the host child by child."""
+    """The rules before block verification, kept selectable: chains token by token
+    (`chains="token"`) and trees walked on the host child by child (`segments="token"`)."""
     method, options, params = CASES[case]
-    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(chains="token", walk="host"), params)
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(chains="token", segments="token", walk="host"), params)
     assert pvalue > P_PASS, f"{case} (token by token): chi-square p = {pvalue:.2e}"
 
 

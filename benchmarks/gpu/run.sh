@@ -55,7 +55,7 @@ case "$stage" in
   sampling)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods ar,hf,chain,chain@sampling:chains=token,eagle2,eagle2@sampling:walk=host,eagle2@mars,dynatree,dynatree:calibrate=off,cast --temperature 1 --seed 0 --num-prompts 12 \
+      --methods ar,hf,chain,chain@sampling:chains=token,eagle2,eagle2@sampling:walk=host,dynatree@sampling:segments=block,eagle2@mars,dynatree,dynatree:calibrate=off,cast --temperature 1 --seed 0 --num-prompts 12 \
       --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/sampling" 2>&1 | tee "$OUT/sampling.log"
     tar -czf "$OUT/sampling.tar.gz" -C "$OUT" sampling && rm -rf "$OUT/sampling"
     ;;

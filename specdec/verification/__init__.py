@@ -12,14 +12,15 @@ __all__ = ["RULE_OPTIONS", "RULE_OPTION_DEFAULTS", "AcceptRule", "GreedyRule", "
 RULE_OPTIONS: dict[str, tuple[str, ...]] = {"greedy": (), "sampling": ("walk", "chains", "segments"), "mars": ("theta", "walk")}
 """every `--verify` name and the options its rule takes"""
 
-RULE_OPTION_DEFAULTS: dict[str, Any] = {"walk": "auto", "theta": 0.9, "chains": "block", "segments": "token"}
+RULE_OPTION_DEFAULTS: dict[str, Any] = {"walk": "auto", "theta": 0.9, "chains": "block", "segments": "auto"}
 """each rule option's default (its type types the option's text in `--methods` items)"""
 
 
 def make_rule(name: str, **options: Any) -> AcceptRule:
     """Accept rule by name: 'greedy', 'sampling' (options: walk, where trees are tested: 'auto',
     'device' or 'host'; chains, how chains are verified: 'block', the default, or 'token';
-    segments, how branching trees' chain segments are verified: 'token', the default, or 'block') or
+    segments, how branching trees' chain segments are verified: 'auto', the default, blocks on the
+    host walk and child by child on the device, 'block' or 'token') or
     'mars' (options: theta, default 0.9, and walk).
 
     An option the rule does not take is an error, e.g. make_rule("greedy", theta=0.9).
