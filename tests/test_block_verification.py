@@ -25,7 +25,18 @@ from scipy.stats import chi2_contingency
 
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
-from specdec.verification.sampling import BLOCK_CHAIN, BlockChainTests, BlockTreeTests, ChainTests, SamplingRule
+from specdec.verification.sampling import (
+    BLOCK_CHAIN,
+    BLOCK_TREE,
+    EXACT,
+    EXACT_BLOCKS,
+    EXACT_TREE,
+    TOKEN_CHAIN,
+    BlockChainTests,
+    BlockTreeTests,
+    ChainTests,
+    SamplingRule,
+)
 
 V, K = 3, 3
 
@@ -274,3 +285,11 @@ def test_device_block_segments_on_a_chain_are_block_verification(tree_seed):
     chain = verdicts(BLOCK_CHAIN, "chain", tree_seed, seed=5)
     pvalue = same_distribution_pvalue(device, chain)
     assert pvalue > 1e-3, f"device tree vs chain rule: p = {pvalue:.2e}"
+
+
+def test_which_tests_each_setting_picks():
+    """segments='auto' (the default): blocks on the host walk, child by child on the device;
+    'block' and 'token' the same on both; chains chosen apart from segments."""
+    picks = {seg: (r.tests, r.tree_tests) for seg, r in ((seg, SamplingRule(segments=seg)) for seg in ("auto", "block", "token"))}
+    assert picks == {"auto": (EXACT_BLOCKS, EXACT_TREE), "block": (EXACT_BLOCKS, BLOCK_TREE), "token": (EXACT, EXACT_TREE)}
+    assert SamplingRule().chain_tests is BLOCK_CHAIN and SamplingRule(chains="token", segments="block").chain_tests is TOKEN_CHAIN
