@@ -271,6 +271,9 @@ class SpeculativeDecoder:
         target_load, draft_load = pair_load_options(
             device_map, quantization, draft_quantization, attn_implementation, revision, draft_revision, trust_remote_code
         )
+        for role, name in (("target", target), ("draft", draft)):
+            if isinstance(name, str) and not name.strip():
+                raise SpecDecError(f"{role}={name!r} is empty; give a model folder or hub id, or None (--{role} left out) for the bundled pair's {role}")
         if target is None:
             target = bundled_target()
             draft = draft or bundled_draft()

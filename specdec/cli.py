@@ -34,10 +34,21 @@ class _Parser(argparse.ArgumentParser):
     """argparse's own errors already exit with status 2 and no traceback; kept as a hook."""
 
 
+def _model_name(flag: str) -> Callable[[str], str]:
+    """argparse type of --target/--draft: an empty name is an error (not the bundled model)."""
+
+    def parse(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(f"{flag} is empty; give a model folder or hub id, or leave {flag} out for the bundled pair's model")
+        return value
+
+    return parse
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--target/--draft/--device/--dtype (the bundled pair by default) and the loading options."""
-    p.add_argument("--target", default=None, help="target model: local folder or hub id (default: the bundled pair's target)")
-    p.add_argument("--draft", default=None, help="draft model sharing the target's tokenizer (default: the bundled pair's draft)")
+    p.add_argument("--target", default=None, type=_model_name("--target"), help="target model: local folder or hub id (default: the bundled pair's target)")
+    p.add_argument("--draft", default=None, type=_model_name("--draft"), help="draft model sharing the target's tokenizer (default: the bundled pair's draft)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto (float32 on CPU, bfloat16 on CUDA)")
     g = p.add_argument_group("loading (from_pretrained options)")
@@ -124,17 +135,40 @@ def add_method_args(
         "--draft-source", default="model",
         help="model (the draft model, default), lookup (n-gram prompt lookup: no draft model) or tabed (an adaptive ensemble of --views of the draft)",
     )
-    p.add_argument("--lookup-ngram", type=int, default=3, help="lookup: longest n-gram matched (3)")
-    p.add_argument("--views", default="M,T", help="tabed: drafting views, from M (image+text), T (text only), C (caption), P (pooled image), tailN (last N tokens); default M,T")
-    p.add_argument("--tabed-policy", default="grid", help="tabed: weight policy grid (default), softmax, static, random or fixed")
-    p.add_argument("--tabed-distance", default="kl", help="tabed: kl (default), tv or hard")
-    p.add_argument("--tabed-window", default="all", help="tabed: past positions scored (a positive integer, or all)")
-    p.add_argument("--tabed-prior", type=_on_off, default=True, metavar="on|off", help="tabed: start each prompt from earlier prompts' evidence (on)")
+    # defaults None: `apply_draft_source_flags` fills in DRAFT_SOURCE_FLAGS' defaults and rejects a flag set for another source
+    p.add_argument("--lookup-ngram", type=int, default=None, help="lookup: longest n-gram matched (3)")
+    p.add_argument("--views", default=None, help="tabed: drafting views, from M (image+text), T (text only), C (caption), P (pooled image), tailN (last N tokens); default M,T")
+    p.add_argument("--tabed-policy", default=None, help="tabed: weight policy grid (default), softmax, static, random or fixed")
+    p.add_argument("--tabed-distance", default=None, help="tabed: kl (default), tv or hard")
+    p.add_argument("--tabed-window", default=None, help="tabed: past positions scored (a positive integer, or all)")
+    p.add_argument("--tabed-prior", type=_on_off, default=None, metavar="on|off", help="tabed: start each prompt from earlier prompts' evidence (on)")
     g = p.add_argument_group("method options (defaults: each method's own)")
     for spec in method_flags():
         kind = {"int": int, "float": float, "str": str, "bool": _on_off}[spec.type]
         extra = {"metavar": "on|off"} if spec.type == "bool" else {}
         g.add_argument(spec.flag, dest=spec.dest, type=kind, default=None, help=spec.help(), **extra)
+
+
+DRAFT_SOURCE_FLAGS: dict[str, tuple[str, object]] = {
+    "lookup_ngram": ("lookup", 3),
+    "views": ("tabed", "M,T"),
+    "tabed_policy": ("tabed", "grid"),
+    "tabed_distance": ("tabed", "kl"),
+    "tabed_window": ("tabed", "all"),
+    "tabed_prior": ("tabed", True),
+}
+"""argparse dest -> (the --draft-source it configures, its default)"""
+
+
+def apply_draft_source_flags(args: argparse.Namespace) -> None:
+    """Fill in the draft-source flags' defaults; a flag set for another --draft-source is an
+    error (it would be silently ignored)."""
+    for dest, (source, default) in DRAFT_SOURCE_FLAGS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        elif args.draft_source != source:
+            flag = "--" + dest.replace("_", "-")
+            raise SpecDecError(f"{flag} applies only to --draft-source {source} (got --draft-source {args.draft_source}); drop {flag} or add --draft-source {source}")
 
 
 def collect_method_options(args: argparse.Namespace, method: str, strict: bool = True) -> dict:
@@ -166,6 +200,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def note_greedy_filters(args: argparse.Namespace) -> None:
+    """A note on stderr when --top-k/--top-p are set at --temperature 0, where decoding is greedy
+    and they change nothing (not an error: greedy is their limit, as in transformers' generate)."""
+    if args.temperature != 0:
+        return
+    unused = [f"--top-k {args.top_k}"] if args.top_k else []
+    unused += [f"--top-p {args.top_p}"] if args.top_p != 1.0 else []
+    if unused:
+        print(f"specdec: note: {' and '.join(unused)} only filter sampling; at --temperature 0 decoding is greedy and ignores them", file=sys.stderr)
+
+
 def read_prompt_file(name: str) -> str:
     """A --prompt-file's text (UTF-8), with one-line errors for what can go wrong."""
     path = Path(name).expanduser()
@@ -174,11 +219,14 @@ def read_prompt_file(name: str) -> str:
     if not path.exists():
         raise SpecDecError(f"--prompt-file {name!r} does not exist")
     try:
-        return path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise SpecDecError(f"--prompt-file {name!r} is not UTF-8 text (byte {err.start}: {err.reason}); convert it, e.g. iconv -t UTF-8 {name}") from None
     except OSError as err:
         raise SpecDecError(f"--prompt-file {name!r} cannot be read ({err.strerror or err}); check its permissions") from None
+    if not text.strip():
+        raise SpecDecError(f"--prompt-file {name!r} is empty; give a file with the text to continue")
+    return text
 
 
 def check_out_dir(out: str, flag: str = "--out") -> None:
@@ -1238,6 +1286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         quiet_transformers()
+        if hasattr(args, "draft_source"):
+            apply_draft_source_flags(args)
+        if hasattr(args, "top_k") and hasattr(args, "temperature"):
+            note_greedy_filters(args)
         return func(args)
     except (SpecDecError, FileNotFoundError) as err:
         print(f"specdec: error: {err}", file=sys.stderr)

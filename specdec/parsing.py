@@ -46,8 +46,9 @@ def parse_float_list(text: str, flag: str, check: Callable[[float], float] | Non
     return values
 
 
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-"""the seeds torch.Generator.manual_seed takes (64 bits)"""
+SEED_MIN, SEED_MAX = 0, 2**64 - 1
+"""the seeds specdec takes: torch.Generator.manual_seed's unsigned 64 bits (it also takes negative
+ones, as aliases of large ones: -1 seeds as 2**64 - 1, so they are refused rather than silently mapped)"""
 
 
 def check_seed(seed: object, flag: str = "--seed") -> None:
@@ -56,5 +57,7 @@ def check_seed(seed: object, flag: str = "--seed") -> None:
         return
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise SpecDecError(f"{flag} {seed!r} must be an integer")
-    if not SEED_MIN <= seed <= SEED_MAX:
+    if seed < SEED_MIN:
+        raise SpecDecError(f"{flag} {seed} must be at least 0; give an integer from 0 to {SEED_MAX}")
+    if seed > SEED_MAX:
         raise SpecDecError(f"{flag} {seed} does not fit in 64 bits; give an integer from 0 to {SEED_MAX}")

@@ -72,16 +72,95 @@ def test_prompt_file_unreadable(capsys, monkeypatch, tmp_path, tiny_pair_dir, no
     assert code == 2 and "cannot be read (Permission denied)" in err
 
 
+@pytest.mark.parametrize("content", ["", " \n\n"])
+def test_prompt_file_empty(capsys, tmp_path, tiny_pair_dir, no_loading, content):
+    path = tmp_path / "empty.txt"
+    path.write_text(content)
+    code, err = run_cli(capsys, "generate", *pair_args(tiny_pair_dir), "--prompt-file", str(path))
+    assert code == 2 and f"--prompt-file '{path}' is empty" in err
+
+
 def test_prompt_file_is_a_directory(capsys, tmp_path, tiny_pair_dir, no_loading):
     code, err = run_cli(capsys, "generate", *pair_args(tiny_pair_dir), "--prompt-file", str(tmp_path))
     assert code == 2 and "is a directory" in err and "does not exist" not in err
 
 
 # ----- values ------------------------------------------------------------------------------
-@pytest.mark.parametrize("seed", [str(2**64), str(2**70), str(-(2**63) - 1)])
+@pytest.mark.parametrize("seed", [str(2**64), str(2**70)])
 def test_seed_beyond_64_bits(capsys, tiny_pair_dir, seed):
     code, err = run_cli(capsys, "generate", *pair_args(tiny_pair_dir), "--prompt", "x", "--temperature", "1", "--seed", seed)
     assert code == 2 and f"--seed {seed} does not fit in 64 bits" in err
+
+
+@pytest.mark.parametrize("seed", ["-1", str(-(2**63) - 1)])
+def test_negative_seed(capsys, tiny_pair_dir, no_loading, seed):
+    """torch takes -1 as an alias of 2**64 - 1: refused, not silently mapped."""
+    code, err = run_cli(capsys, "generate", *pair_args(tiny_pair_dir), "--prompt", "x", "--temperature", "1", "--seed", seed)
+    assert code == 2 and f"--seed {seed} must be at least 0" in err
+
+
+def test_negative_seed_in_the_api():
+    from specdec.errors import SpecDecError
+    from specdec.parsing import check_seed
+
+    check_seed(0)
+    with pytest.raises(SpecDecError, match="must be at least 0"):
+        check_seed(-1)
+
+
+@pytest.mark.parametrize("flag", ["--draft", "--target"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_empty_model_name(capsys, no_loading, flag, value):
+    """An empty name is an error, not the bundled model."""
+    code, err = run_cli(capsys, "generate", flag, value, "--prompt", "x")
+    assert code == 2 and f"{flag} is empty" in err and f"leave {flag} out" in err
+
+
+def test_empty_model_name_in_the_api(monkeypatch):
+    import specdec.api
+    from specdec.api import SpeculativeDecoder
+    from specdec.errors import SpecDecError
+
+    monkeypatch.setattr(specdec.api, "load_tokenizer", lambda *a, **k: pytest.fail("loaded a tokenizer"))
+    with pytest.raises(SpecDecError, match="draft='' is empty"):
+        SpeculativeDecoder.from_pretrained(draft="")
+    with pytest.raises(SpecDecError, match="target=' ' is empty"):
+        SpeculativeDecoder.from_pretrained(" ", "draft")
+
+
+# ----- flags that would be ignored --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "flag", "source"),
+    [
+        (["--views", "M"], "--views", "tabed"),
+        (["--tabed-window", "4"], "--tabed-window", "tabed"),
+        (["--draft-source", "lookup", "--tabed-prior", "off"], "--tabed-prior", "tabed"),
+        (["--lookup-ngram", "2"], "--lookup-ngram", "lookup"),
+        (["--draft-source", "tabed", "--lookup-ngram", "2"], "--lookup-ngram", "lookup"),
+    ],
+)
+def test_draft_source_flag_for_another_source(capsys, tiny_pair_dir, no_loading, args, flag, source):
+    code, err = run_cli(capsys, "generate", *pair_args(tiny_pair_dir), "--prompt", "x", *args)
+    assert code == 2 and f"{flag} applies only to --draft-source {source}" in err
+
+
+def test_draft_source_flags_defaults():
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--draft-source", "lookup", "--lookup-ngram", "2"])
+    cli.apply_draft_source_flags(args)
+    assert args.lookup_ngram == 2 and args.views == "M,T" and args.tabed_window == "all" and args.tabed_prior is True
+    args = parser.parse_args(["bench", "--out", "unused", "--draft-source", "tabed", "--views", "M,C"])
+    cli.apply_draft_source_flags(args)
+    assert args.views == "M,C" and args.lookup_ngram == 3 and cli.ensemble_options(args)["policy"] == "grid"
+
+
+def test_top_k_at_temperature_zero_is_noted(capsys):
+    parser = cli.build_parser()
+    cli.note_greedy_filters(parser.parse_args(["generate", "--prompt", "x", "--top-k", "5", "--top-p", "0.5"]))
+    assert "--top-k 5 and --top-p 0.5 only filter sampling; at --temperature 0 decoding is greedy" in capsys.readouterr().err
+    cli.note_greedy_filters(parser.parse_args(["generate", "--prompt", "x", "--top-k", "5", "--temperature", "1"]))
+    cli.note_greedy_filters(parser.parse_args(["generate", "--prompt", "x"]))
+    assert capsys.readouterr().err == ""
 
 
 def test_largest_seed_works(capsys, tiny_pair_dir):
@@ -237,6 +316,38 @@ def test_tree_size_limit_keeps_the_used_configurations():
     make_policy("static", depth=8, branching=4, max_nodes=4096)
     with pytest.raises(SpecDecError, match="static max_nodes=100000000: .* lower --max-nodes"):
         make_policy("static", max_nodes=10**8)
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "named"),
+    [
+        ("chain", {"k": 10**9}, "chain k=1000000000: .* lower --k"),
+        ("dynatree", {"b_max": 10**5}, "dynatree b_max=100000, .* lower --b-max, --d-max or --max-nodes"),
+        ("dynatree", {"phase": 1, "prune_tau": 0.0, "max_nodes": 10**6, "b_max": 4}, "dynatree b_max=4, .*max_nodes=1000000"),
+        ("cast", {"total_tokens": 10**8}, "cast total_tokens=100000000 .* lower --total-tokens"),
+    ],
+)
+def test_other_trees_too_large(method, options, named):
+    """Before: a chain with k = 10**9 was killed for memory (24 GB) sizing its buffers, a DynaTree
+    with b_max = 10**5 asked for 31 TB, CAST with total_tokens = 10**8 ran at 0.2 tok/s in 9 GB."""
+    from specdec.errors import SpecDecError
+    from specdec.methods import make_policy
+
+    with pytest.raises(SpecDecError, match=named):
+        make_policy(method, **options)
+
+
+def test_other_tree_limits_keep_the_used_configurations():
+    from specdec.methods import make_policy
+
+    for method in ("chain", "dynatree", "cast"):
+        make_policy(method)
+    make_policy("chain", k=64)
+    make_policy("dynatree", b_max=8, d_max=12, max_nodes=256, prune_tau=0.0)  # pruned by rho_stop from depth 1
+    make_policy("dynatree", phase=1, b_max=4, d0=6, prune_tau=0.0, max_nodes=512)
+    make_policy("dynatree", free_tokens=256, b_max=8)
+    make_policy("cast", total_tokens=1024, top_k=64)
+    assert make_policy("cast", top_k=10**5, total_tokens=72).children_per_node == 72  # more children than it verifies could never be kept
 
 
 # ----- sampling numerics ------------------------------------------------------------------

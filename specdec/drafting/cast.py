@@ -51,7 +51,7 @@ import torch
 
 from specdec import constants
 from specdec.cost.table import CostTable, check_cost_profile_path
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling, root_only_draft
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling, root_only_draft
 from specdec.drafting.calibration import AcceptanceCalibrator, collision_log_mass
 from specdec.errors import SpecDecError
 
@@ -824,6 +824,7 @@ class CastPolicy:
                 raise SpecDecError(f"{name}={value!r} must be a positive integer")
         if self.depth is not None and (isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1):
             raise SpecDecError(f"depth={self.depth!r} must be a positive integer (or None for the batch preset)")
+        check_tree_nodes(1 + self.total_tokens, f"cast total_tokens={self.total_tokens} (draft tokens verified per row)", "--total-tokens")
         for name in ("c1", "c2", "c3"):
             value = getattr(self, name)
             if value is not None and (
@@ -855,9 +856,16 @@ class CastPolicy:
             raise SpecDecError("give either cost_table or cost_profile, not both")
         check_tree_sampling(self.tree_sampling)
         self._buffers = DepthBuffers(self.buffer)
-        self._calibrators = {False: AcceptanceCalibrator.top_k(self.top_k), True: AcceptanceCalibrator.pooled()}
+        self._calibrators = {False: AcceptanceCalibrator.top_k(self.children_per_node), True: AcceptanceCalibrator.pooled()}
 
     # ----- settings ----------------------------------------------------------------------
+    @property
+    def children_per_node(self) -> int:
+        """Children a node proposes: top_k, at most total_tokens (a child ranked below that has
+        total_tokens siblings valued at least as high, values never rising with the rank, so it
+        could never be verified)."""
+        return min(self.top_k, self.total_tokens)
+
     def depth_for(self, batch: int) -> int:
         return self.depth if self.depth is not None else round(batch_preset(batch, BATCH1_DEPTH, BATCH8_DEPTH))
 
@@ -956,7 +964,7 @@ class CastPolicy:
         else:
             lens = ctx.context_len.to(dev)
             n0 = int(lens[rows].max().item()) if lens.numel() == b else 0  # padded context of the batch
-        k = min(self.top_k, builder.root_logprobs.shape[-1])
+        k = min(self.children_per_node, builder.root_logprobs.shape[-1])
         # break-even rules work in ms: the tables' forward costs plus the engine's measured overheads
         t_verify = table.target_costs(b, n0, self.total_tokens + 1)  # f_T(B, n0, n) for n = 0..m+1 (ms)
         forward_ms = table.draft_costs(b, n0 + 1, 1)[1]  # the root's draft forward, as the tables predict it

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec import constants
-from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_sampling
+from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling
 from specdec.drafting.calibration import AcceptanceCalibrator
 from specdec.errors import SpecDecError
 
@@ -339,6 +339,14 @@ class DynaTreePolicy:
         check_tree_sampling(self.tree_sampling)
         if not isinstance(self.calibrate, bool):
             raise SpecDecError(f"dynatree calibrate={self.calibrate!r} must be true or false; fix --calibrate on|off")
+        # the largest tree these options can size: the deepest limit, with and without a free width (at batch 1)
+        deepest = self.d0 if self.phase < 2 else self.d_max
+        free = min(self.free_tokens_on(torch.device("cuda")) - 1, self.max_nodes) if self.phase > 0 else 0
+        check_tree_nodes(
+            max(self.builder_capacity(deepest, 0), self.builder_capacity(deepest, max(free, 0))),
+            f"dynatree b_max={self.b_max}, d_max={self.d_max}, max_nodes={self.max_nodes}, prune_tau={self.prune_tau}",
+            "--b-max, --d-max or --max-nodes (or raise --prune-tau)",
+        )
 
     # ----- adaptive state ----------------------------------------------------------------
     @property
@@ -473,6 +481,21 @@ class DynaTreePolicy:
         n = min(self.free_tokens_on(device) // max(batch, 1) - 1, self.max_nodes)
         return n if n >= 1 and self.phase > 0 else 0
 
+    def level_caps(self, free: int) -> tuple[int, int]:
+        """(candidates a level keeps, nodes a frontier holds) inside a free width of `free` draft
+        tokens per row, or under the paper's rules (free = 0)."""
+        proposed = self.b_mid if self.phase == 0 else self.b_max
+        if free:
+            return free * proposed, free
+        level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
+        return level_cap, _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
+
+    def builder_capacity(self, limit: int, free: int) -> int:
+        """Nodes a step's builder holds for a tree `limit` levels deep: the root and every level's
+        candidates uncompacted (top-k levels add all m * k, invalid ones included)."""
+        proposed = self.b_mid if self.phase == 0 else self.b_max
+        return 1 + proposed * (1 + max(0, limit - 1) * self.level_caps(free)[1])
+
     def depth_limit(self, ctx: DraftContext) -> int:
         """Deepest node depth this step: D_0 (phases 0-1) or D_max (phases 2-3), capped by ctx.max_depth."""
         return max(0, min(self.cur_d0 if self.phase < 2 else self.d_max, ctx.max_depth))
@@ -604,13 +627,8 @@ class DynaTreePolicy:
         free = self.free_width(roots.shape[0], roots.device)
         self._free = bool(free)
         rho_stop = 0.0 if free else self.rho_stop
-        if free:
-            frontier_cap, level_cap = free, free * proposed
-        else:
-            level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
-            frontier_cap = _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
-        # room for every level uncompacted (top-k levels add all m * k candidates, invalid ones included)
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + proposed * (1 + max(0, limit - 1) * frontier_cap))
+        level_cap, frontier_cap = self.level_caps(free)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.builder_capacity(limit, free))
         dev = roots.device
         log_tau = float("-inf") if free else _log(self.prune_tau)
         frontier, frontier_valid = builder.root, builder.root_valid  # [B, m] builder indices to expand (finished rows: nothing grows)

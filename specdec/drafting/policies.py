@@ -52,14 +52,15 @@ class ChainPolicy(_Stateless):
 
     def __post_init__(self) -> None:
         _positive("k", self.k)
+        check_tree_nodes(1 + self.k, f"chain k={self.k}", "--k")
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         sampling = not ctx.params.greedy
         may_be_empty = sampling and not getattr(source, "always_proposes", False)  # rows of all -inf: nothing to draft there
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + self.k)
+        depth = min(self.k, ctx.max_depth)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + depth)
         logprobs = builder.root_logprobs  # [B, V]
         parent = builder.root  # [B, 1]
-        depth = min(self.k, ctx.max_depth)
         for level in range(1, depth + 1):
             if sampling:
                 probs = logprobs.exp()  # [B, V]
