@@ -32,10 +32,13 @@ from specdec.verification.sampling import (
     EXACT_BLOCKS,
     EXACT_TREE,
     TOKEN_CHAIN,
+    TRAVERSAL,
     BlockChainTests,
     BlockTreeTests,
     ChainTests,
+    RowTree,
     SamplingRule,
+    TraversalTests,
 )
 
 V, K = 3, 3
@@ -288,8 +291,157 @@ def test_device_block_segments_on_a_chain_are_block_verification(tree_seed):
 
 
 def test_which_tests_each_setting_picks():
-    """segments='auto' (the default): blocks on the host walk, child by child on the device;
+    """segments='auto' (the default): traversal on the host walk, child by child on the device;
     'block' and 'token' the same on both; chains chosen apart from segments."""
     picks = {seg: (r.tests, r.tree_tests) for seg, r in ((seg, SamplingRule(segments=seg)) for seg in ("auto", "block", "token"))}
-    assert picks == {"auto": (EXACT_BLOCKS, EXACT_TREE), "block": (EXACT_BLOCKS, BLOCK_TREE), "token": (EXACT, EXACT_TREE)}
+    assert picks == {"auto": (TRAVERSAL, EXACT_TREE), "block": (EXACT_BLOCKS, BLOCK_TREE), "token": (EXACT, EXACT_TREE)}
     assert SamplingRule().chain_tests is BLOCK_CHAIN and SamplingRule(chains="token", segments="block").chain_tests is TOKEN_CHAIN
+
+
+# ----- traversal verification of whole trees (host walk), exact by enumeration ---------------
+class Unscripted(Exception):
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+
+
+class ScriptedTraversal(TraversalTests):
+    """`TraversalTests` whose tests follow a script of outcomes; the first test past the script
+    raises `Unscripted` with its acceptance probability, so every outcome can be enumerated."""
+
+    def __init__(self, script: tuple[bool, ...]) -> None:
+        self.script = script
+        self.used = 0
+
+    def accepts(self, weight: float, uniforms) -> bool:
+        if self.used == len(self.script):
+            raise Unscripted(weight)
+        self.used += 1
+        return self.script[self.used - 1]
+
+
+class ScriptedUnweighted(ScriptedTraversal):
+    """Broken: a rejected child leaves its parent recursive rejection sampling's residual max(0, P - Q)."""
+
+    def weighted_residual(self, target_probs, weight, proposal, token):
+        return super().weighted_residual(target_probs, 1.0, proposal, token)
+
+
+Spec = tuple["Spec", ...]
+"""a tree shape: each node's children's shapes (a leaf is ())"""
+
+
+def drawn_trees(tables: Tables, prefix: tuple[int, ...], spec: Spec, sampled: bool) -> list[tuple[list[tuple[int, bool, object]], float]]:
+    """Every tree of shape `spec` below `prefix` with its probability: children drawn without
+    replacement from the draft (sampled) or its top tokens (probability 1). A tree is a list of
+    (token, sampled, subtree)."""
+    if not spec:
+        return [([], 1.0)]
+    q = tables.draft[prefix]
+    k = len(spec)
+    if sampled:
+        draws = []
+        for seq in itertools.permutations(range(V), k):
+            p, left = 1.0, 1.0
+            for t in seq:
+                p, left = p * q[t] / left, left - q[t]
+            draws.append((seq, p))
+    else:
+        draws = [(tuple(int(t) for t in np.argsort(-q, kind="stable")[:k]), 1.0)]
+    out = []
+    for seq, p in draws:
+        subtrees = [drawn_trees(tables, prefix + (t,), sub, sampled) for t, sub in zip(seq, spec, strict=True)]
+        for combo in itertools.product(*subtrees):
+            tree = [(t, sampled, sub[0]) for t, sub in zip(seq, combo, strict=True)]
+            out.append((tree, p * float(np.prod([sub[1] for sub in combo]))))
+    return out
+
+
+def row_of(tables: Tables, tree) -> tuple[RowTree, np.ndarray, np.ndarray, list[tuple[int, ...]]]:
+    """The host walk's view of a tree (BFS order) and each node's prefix."""
+    nodes = [((), -1, -1, False)]  # (prefix, parent, token, sampled)
+    queue = [(0, (), tree)]
+    while queue:
+        index, prefix, kids = queue.pop(0)
+        for tok, sampled, sub in kids:
+            nodes.append((prefix + (tok,), index, tok, sampled))
+            queue.append((len(nodes) - 1, prefix + (tok,), sub))
+    children: list[list[int]] = [[] for _ in nodes]
+    for i, (_, parent, _, _) in enumerate(nodes):
+        if parent >= 0:
+            children[parent].append(i)
+    row = RowTree(tokens=[n[2] for n in nodes], sampled=[n[3] for n in nodes], children=children)
+    prefixes = [n[0] for n in nodes]
+    return row, np.stack([tables.target[p] for p in prefixes]), np.stack([tables.draft[p] for p in prefixes]), prefixes
+
+
+def traversal_outputs(tests: type[ScriptedTraversal], row: RowTree, target: np.ndarray, draft: np.ndarray) -> list[tuple[list[int], np.ndarray, float]]:
+    """Every outcome of the walk: (accepted nodes, bonus distribution, probability)."""
+    out, pending = [], [((), 1.0)]
+    while pending:
+        script, p = pending.pop()
+        try:
+            path, probs = tests(script)._visit(0, 1.0, row, target, draft, None)
+        except Unscripted as test:
+            pending += [(script + (True,), p * test.weight), (script + (False,), p * (1.0 - test.weight))]
+            continue
+        out.append((path, probs, p))
+    return out
+
+
+TRAVERSAL_SHAPES: dict[str, Spec] = {
+    "two-leaves": ((), ()),
+    "chain-of-two": (((),),),
+    "branch-below-a-chain": (((), ()),),
+    "two-chains": (((),), ((),)),
+    "ragged": (((), ()), ((),), ()),
+    "deep": ((((),), ()),),
+}
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["drawn", "top-k"])
+@pytest.mark.parametrize("shape", TRAVERSAL_SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_traversal_outputs_the_target_joint_exactly(shape, sampled, seed):
+    """Every drawn tree of a 3-token vocabulary through the real `TraversalTests` walk (every test
+    outcome enumerated): completed with the target's own samples, the output is the target's
+    joint exactly; recursive rejection sampling's residual in its place is not."""
+    tables = Tables(seed, identical_at=(1,) if seed else None)
+    spec = TRAVERSAL_SHAPES[shape]
+    length = 4  # every shape accepts at most 3 tokens, and a bonus
+    exact, broken = {}, {}
+    for tree, p_tree in drawn_trees(tables, (), spec, sampled):
+        row, target, draft, prefixes = row_of(tables, tree)
+        for tests, into in ((ScriptedTraversal, exact), (ScriptedUnweighted, broken)):
+            for path, probs, p in traversal_outputs(tests, row, target, draft):
+                for t in range(V):
+                    tables.complete(prefixes[path[-1]] + (t,) if path else (t,), p_tree * p * probs[t], length, into)
+    joint = tables.target_joint(length)
+    assert max(abs(exact[s] - joint[s]) for s in joint) < 1e-9
+    if shape not in ("two-leaves",) and sampled:  # weights below 1 under a rejected child change its parent's residual
+        assert max(abs(broken[s] - joint[s]) for s in joint) > 1e-3
+
+
+def test_traversal_of_a_chain_is_block_verification():
+    """On one chain the traversal walk accepts as block verification does (expected accepted tokens)."""
+    tables = Tables(3)
+    for sampled in (True, False):
+        tau = 0.0
+        for tree, p_tree in drawn_trees(tables, (), ((((),),),), sampled):
+            row, target, draft, _ = row_of(tables, tree)
+            tau += p_tree * sum(p * len(path) for path, _, p in traversal_outputs(ScriptedTraversal, row, target, draft))
+        block_tau = output_joint(BLOCK_CHAIN, tables, (sampled,) * K, K)[1]
+        assert tau == pytest.approx(block_tau, abs=1e-6)
+
+
+def test_traversal_setting_walks_on_the_host():
+    """segments='traversal' picks `TraversalTests` and the host walk on any device; asking for the
+    device walk with it is an error naming the fix."""
+    from specdec.errors import SpecDecError
+    from specdec.verification import make_rule
+
+    rule = make_rule("sampling", segments="traversal")
+    assert rule.tests is TRAVERSAL and not rule.walks_on_device(torch.device("cuda")) and not rule.walks_on_device(torch.device("cpu"))
+    with pytest.raises(SpecDecError, match="host walk only; drop walk='device'"):
+        SamplingRule(segments="traversal", walk="device")
+    with pytest.raises(SpecDecError, match="'traversal' the whole tree from the leaves up"):
+        SamplingRule(segments="leaves")

@@ -33,7 +33,15 @@ from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources import ModelDraftSource
 from specdec.sources.lookup import LookupDraftSource
 from specdec.verification import MarsRule, SamplingRule, Verdict
-from specdec.verification.sampling import BlockChainTests, BlockSiblingTests, BlockTreeTests, ChainTests, SiblingTests, TreeTests
+from specdec.verification.sampling import (
+    BlockChainTests,
+    BlockSiblingTests,
+    BlockTreeTests,
+    ChainTests,
+    SiblingTests,
+    TraversalTests,
+    TreeTests,
+)
 
 V = 6
 PROMPT = [1, 4, 2, 5]
@@ -169,6 +177,17 @@ def test_block_segments_are_lossless(case, walk, pair, joints):
     assert pvalue > P_PASS, f"{case} ({walk} walk, block segments): chi-square p = {pvalue:.2e}"
 
 
+TRAVERSAL_CASES = ("dynatree-sampled-t1", "dynatree-sampled-t0.7-top-p", "dynatree-free-t1", "eagle2-sampled-t1", "static-topk-t1", "cast-sampled-t1-top-p")
+
+
+@pytest.mark.parametrize("case", TRAVERSAL_CASES)
+def test_traversal_verification_is_lossless(case, pair, joints):
+    """Whole trees verified from the leaves up (`segments="traversal"`, the host walk)."""
+    method, options, params = CASES[case]
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(segments="traversal"), params)
+    assert pvalue > P_PASS, f"{case} (traversal): chi-square p = {pvalue:.2e}"
+
+
 @pytest.mark.parametrize("method", ["chain", *TREES])
 def test_lookup_drafts_are_lossless_when_sampling(method, pair, joints):
     """n-gram lookup proposes a point mass where the context's tail repeats and nothing (a row of
@@ -270,6 +289,14 @@ class DeviceBlockUnweightedResidual(BlockTreeTests):
         return super().weighted_residual(target_probs, torch.ones_like(weight), draft_probs, token, sampled)
 
 
+class TraversalUnweightedResidual(TraversalTests):
+    """Broken traversal: a rejected child updates its parent's target with the unweighted
+    residual max(0, P - Q) (recursive rejection sampling's), while weights still carry down."""
+
+    def weighted_residual(self, target_probs, weight, proposal, token):
+        return super().weighted_residual(target_probs, 1.0, proposal, token)
+
+
 class TreeNoResidual(TreeTests):
     """Broken device tests: after a rejection the next sibling (and the bonus) are tested against
     the unchanged target distribution."""
@@ -328,6 +355,12 @@ BROKEN = {
     "device-block-unweighted-residual": (
         lambda: make_policy("dynatree", **TREES["dynatree"][1]),
         lambda: SamplingRule(tree_tests=DeviceBlockUnweightedResidual(), walk="device"),
+        "peaked",
+        "t0.7",
+    ),
+    "traversal-unweighted-residual": (
+        lambda: make_policy("dynatree", **TREES["dynatree"][1]),
+        lambda: SamplingRule(tests=TraversalUnweightedResidual(), segments="traversal"),
         "peaked",
         "t0.7",
     ),

@@ -311,6 +311,87 @@ class BlockSiblingTests(SiblingTests):
 EXACT_BLOCKS = BlockSiblingTests()
 """the lossless host-walk tests with chain segments verified as blocks (`segments="block"`)"""
 
+
+class TraversalTests(BlockSiblingTests):
+    """Traversal verification (Weng et al., "Traversal Verification for Speculative Tree
+    Decoding", NeurIPS 2025) on the host walk (`SamplingRule(segments="traversal")`): the whole
+    tree is tested from the leaves up, each node against the joint mass of its path.
+
+    Every node carries a weight w (block verification's, `BlockChainTests`): the root 1, a child
+    min(1, w P(x) / Q(x)) from its parent's current state (w, P, Q): P the parent's target (its
+    residual after earlier children), Q the child's proposal (the draft without earlier drawn
+    siblings, or a point mass). Nodes are visited in post-order, children in tree order: a node
+    is tested only after all its children's subtrees were rejected. Each rejected child updates
+    its parent's state as block verification does at a rejected position:
+
+        R = max(0, w P - Q),  w <- sum R / (sum R + 1 - w),  P <- R / sum R
+
+    (and Q loses the drawn token), so the next sibling's weight and the parent's own test read
+    the updated state. A node is then accepted with probability w (the root always: its w stays
+    1); the path to it is accepted and the bonus is drawn from its P (a leaf's own target, else
+    the residual its children left). The first acceptance in post-order ends the walk.
+
+    On a chain it is block verification (Sun et al. 2025: optimal for one chain); with weights 1
+    at every branching node and no chain segments it is recursive rejection sampling. It differs
+    from `BlockSiblingTests` in carrying a node's weight into its children below a branching
+    node (where blocks restart at 1) and in testing a node whose children were all rejected
+    against its own path mass instead of stopping there. Exact by the same argument as block
+    verification's, node by node: checked by enumerating every drawn tree of small vocabularies
+    (`tests/test_block_verification.py`). At most one uniform per non-root node and one for
+    the bonus (N per row).
+    """
+
+    def walk(self, row: RowTree, all_target: np.ndarray, all_draft: np.ndarray | None, uniforms: Uniforms) -> RowWalk:
+        """all_target, all_draft: [N, V] the row's target and draft distributions at every node."""
+        found = self._visit(0, 1.0, row, all_target, all_draft, uniforms)
+        assert found is not None  # the root's weight stays 1: it is always accepted
+        path, probs = found
+        return RowWalk(path=path, bonus=sample_index(probs, uniforms.next()))
+
+    def _visit(
+        self, node: int, weight: float, row: RowTree, all_target: np.ndarray, all_draft: np.ndarray | None, uniforms: Uniforms
+    ) -> tuple[list[int], np.ndarray] | None:
+        """Test `node`'s subtree (its children's subtrees in order, then the node itself) with the
+        node's weight. Returns (the accepted nodes below `node`, the bonus distribution) when the
+        node is accepted, None when its whole subtree is rejected."""
+        target = all_target[node]  # [V] the node's target, float32 until a rejection leaves a float64 residual
+        left, left_mass = None, 1.0  # [V] the draft without earlier drawn children (unnormalised), its mass
+        for kid in row.children[node]:
+            tok, sampled = row.tokens[kid], row.sampled[kid]
+            q = 1.0  # the child's proposal probability: a point mass, or the draft without earlier draws
+            if sampled:
+                if left is None:
+                    if all_draft is None:
+                        raise ValueError("a sampled tree node needs its parent's draft distribution (TokenTree.draft_logprobs)")
+                    left = all_draft[node].astype(np.float64)
+                    left_mass = float(left.sum())
+                q = float(left[tok]) / max(left_mass, _EPS)
+            found = self._visit(kid, min(1.0, weight * float(target[tok]) / max(q, _EPS)), row, all_target, all_draft, uniforms)
+            if found is not None:
+                return [kid, *found[0]], found[1]
+            # [V] vectors only on a rejection: a leaf's own visit reads two scalars
+            proposal = None if left is None or not sampled else left / max(left_mass, _EPS)
+            res = self.weighted_residual(np.asarray(target, dtype=np.float64), weight, proposal, tok)
+            mass = float(res.sum())
+            denominator = mass + 1.0 - weight
+            weight = mass / denominator if denominator > _EPS else 1.0
+            if mass > _EPS:
+                target = res / mass
+            if sampled and left is not None:
+                left[tok] = 0.0
+                left_mass = float(left.sum())
+        if node == 0 or self.accepts(weight, uniforms):
+            return [], np.asarray(target, dtype=np.float64)
+        return None
+
+    def accepts(self, weight: float, uniforms: Uniforms) -> bool:
+        """One test that passes with probability `weight` (the exact-enumeration test scripts it)."""
+        return uniforms.next() < weight
+
+
+TRAVERSAL = TraversalTests()
+"""the lossless host-walk tests of a whole tree from the leaves up (`segments="traversal"`)"""
+
 RelaxHook = Callable[[int, list[int]], tuple[int | None, bool]]
 """relax(node, children) -> (child accepted outright or None, fell_back)"""
 
@@ -346,6 +427,8 @@ def rejection_walk(
            accepted that same child (the strict rule's counterfactual); their outcome never
            changes the path.
     """
+    if isinstance(tests, TraversalTests) and relax is None:
+        return tests.walk(row, target_probs, draft_probs, uniforms)
     node, walk = 0, RowWalk(path=[], bonus=-1)
     while True:
         kids = row.children[node]
@@ -563,7 +646,7 @@ BLOCK_CHAIN = BlockChainTests()
 CHAIN_RULES = ("block", "token")
 """how `SamplingRule` verifies chains: 'block' (`BlockChainTests`) or 'token' (`ChainTests`)"""
 
-SEGMENT_RULES = ("auto", "block", "token")
+SEGMENT_RULES = ("auto", "block", "token", "traversal")
 """how `SamplingRule` verifies the chain segments of branching trees: 'block' (`BlockSiblingTests`
 on the host walk, `BlockTreeTests` on the device), 'token' child by child (`SiblingTests`,
 `TreeTests`), or 'auto' (the default): blocks on the host walk, where they cost next to nothing,
@@ -885,8 +968,9 @@ def check_segments(segments: object, rule: str) -> str:
     """`segments` if it is one of `SEGMENT_RULES`, else a SpecDecError naming it and the choices."""
     if segments not in SEGMENT_RULES:
         raise SpecDecError(
-            f"{rule} segments={segments!r} must be one of {', '.join(SEGMENT_RULES)} (how a tree's chain segments are verified: "
-            "'block' each segment as a block, 'token' child by child, 'auto' blocks on the host walk and child by child on the device, the default)"
+            f"{rule} segments={segments!r} must be one of {', '.join(SEGMENT_RULES)} (how a branching tree is verified: "
+            "'block' each chain segment as a block, 'token' child by child, 'traversal' the whole tree from the leaves up (host walk), "
+            "'auto' traversal on the host walk and child by child on the device, the default)"
         )
     return str(segments)
 
@@ -896,17 +980,21 @@ def walks_on_device(walk: str, device: torch.device) -> bool:
     return walk == "device" or (walk == "auto" and device.type != "cpu")
 
 
-_EXACT_HOST_TESTS = (SiblingTests, BlockSiblingTests)
+HOST_SEGMENT_TESTS: dict[str, SiblingTests] = {"auto": TRAVERSAL, "block": EXACT_BLOCKS, "token": EXACT, "traversal": TRAVERSAL}
+"""the host walk's tests for each `segments` setting"""
+
+_EXACT_HOST_TESTS = (SiblingTests, BlockSiblingTests, TraversalTests)
 
 
 class SamplingRule:
     """Lossless speculative sampling (see the module docstring).
 
     chains: how chains are verified: 'block' (`BlockChainTests`, the default) or 'token'
-    (`ChainTests`, token by token, kept for comparison). segments: how the chain segments of
-    branching trees are verified (`SEGMENT_RULES`): 'block' (`BlockSiblingTests` on the host walk,
+    (`ChainTests`, token by token, kept for comparison). segments: how branching trees are
+    verified (`SEGMENT_RULES`): 'traversal' (`TraversalTests`, the whole tree from the leaves up;
+    host walk only), 'block' (chain segments as blocks: `BlockSiblingTests` on the host walk,
     `BlockTreeTests` on the device), 'token' (child by child: `SiblingTests`, `TreeTests`), or
-    'auto' (the default): blocks on the host walk, child by child on the device.
+    'auto' (the default): traversal on the host walk, child by child on the device.
     tests, chain_tests, tree_tests: the host walk's, the chains' and the device walk's tests,
     overriding `chains` and `segments` (the distribution tests pass deliberately wrong ones).
     """
@@ -925,13 +1013,17 @@ class SamplingRule:
         self.walk = check_walk(walk, "sampling")
         self.chains = check_chains(chains, "sampling")
         self.segments = check_segments(segments, "sampling")
-        self.tests = tests if tests is not None else (EXACT if segments == "token" else EXACT_BLOCKS)
+        if segments == "traversal" and walk == "device":
+            raise SpecDecError(
+                "sampling segments='traversal' runs on the host walk only; drop walk='device' (or use segments='block' or 'token' on the device)"
+            )
+        self.tests = tests if tests is not None else HOST_SEGMENT_TESTS[segments]
         self.chain_tests = chain_tests if chain_tests is not None else (BLOCK_CHAIN if chains == "block" else TOKEN_CHAIN)
         self.tree_tests = tree_tests if tree_tests is not None else (BLOCK_TREE if segments == "block" else EXACT_TREE)
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Whether trees on `device` are tested there (`TreeTests`) rather than walked on the host."""
-        if type(self.tests) not in _EXACT_HOST_TESTS:  # deliberately wrong host tests keep the host walk
+        if type(self.tests) not in _EXACT_HOST_TESTS or self.segments == "traversal":  # (deliberately wrong host tests keep the host walk)
             return False
         return walks_on_device(self.walk, device)
 
