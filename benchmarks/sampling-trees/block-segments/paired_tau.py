@@ -52,15 +52,23 @@ def pvalue(a: collections.Counter, b: collections.Counter) -> float:
     return float(chi2_contingency(np.array([[a[k] for k in keys], [b[k] for k in keys]], dtype=float))[1])
 
 
-def main() -> None:
+def arguments(temperature: bool = False) -> argparse.Namespace:
+    """The command line both paired scripts take (method, options, --trees, --prompts, --rows, --out)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("method")
     ap.add_argument("options", nargs="*", help="NAME=VALUE policy options")
     ap.add_argument("--trees", type=int, default=40)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--rows", type=int, default=500)
+    if temperature:
+        ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--out")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def capture(args: argparse.Namespace, temperature: float = 1.0, branching_only: bool = False) -> tuple[dict, list[tuple[TokenTree, torch.Tensor, SamplingParams]]]:
+    """(the policy options, every third step's tree with its target logits at batch 1, up to
+    args.trees): the method run on the bundled pair over args.prompts prompts, device walk."""
     torch.set_num_threads(2)
     options = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=") for kv in args.options)}
     decoder = SpeculativeDecoder.from_pretrained(method=args.method, **options)
@@ -71,7 +79,7 @@ def main() -> None:
     verify = engine.rule.verify
 
     def keep(tree, logits, params, generator):
-        if len(caught) < args.trees and tree.batch_size == 1 and steps[0] % 3 == 0 and tree.num_nodes > 1:
+        if len(caught) < args.trees and tree.batch_size == 1 and steps[0] % 3 == 0 and tree.num_nodes > 1 and not (branching_only and tree.chain):
             caught.append((tree, logits.clone(), params))
         steps[0] += 1
         return verify(tree, logits, params, generator)
@@ -79,7 +87,13 @@ def main() -> None:
     engine.rule.verify = keep
     prompts = [p.turns[0] for p in load_prompts(resolve_prompt_source("stdlib-heldout"), args.prompts)]
     for i, prompt in enumerate(prompts):
-        engine.generate([decoder.tokenizer.encode(prompt)], 96, SamplingParams(temperature=1.0), seed=i)
+        engine.generate([decoder.tokenizer.encode(prompt)], 96, SamplingParams(temperature=temperature), seed=i)
+    return options, caught
+
+
+def main() -> None:
+    args = arguments()
+    options, caught = capture(args)
     per_tree = []
     for j, (tree, logits, params) in enumerate(caught):
         big, big_logits = replicate(tree, args.rows), logits.expand(args.rows, *logits.shape[1:]).contiguous()

@@ -14,7 +14,6 @@ tokens per tree and overall.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -22,10 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.api import SpeculativeDecoder
-from specdec.bench.prompts import load_prompts, resolve_prompt_source
-from specdec.sampling import SamplingParams
-from specdec.tree import TokenTree
 from specdec.verification import SamplingRule
 
 _spec = importlib.util.spec_from_file_location("block_paired", Path(__file__).resolve().parents[1] / "block-segments" / "paired_tau.py")
@@ -41,34 +36,8 @@ RULES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("method")
-    ap.add_argument("options", nargs="*", help="NAME=VALUE policy options")
-    ap.add_argument("--trees", type=int, default=40)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=500)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
-    options = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=") for kv in args.options)}
-    decoder = SpeculativeDecoder.from_pretrained(method=args.method, **options)
-    engine = decoder.engine("sampling")
-    engine.rule = SamplingRule(walk="device")
-    caught: list[tuple[TokenTree, torch.Tensor, SamplingParams]] = []
-    steps = [0]
-    verify = engine.rule.verify
-
-    def keep(tree, logits, params, generator):
-        if len(caught) < args.trees and tree.batch_size == 1 and steps[0] % 3 == 0 and tree.num_nodes > 1 and not tree.chain:
-            caught.append((tree, logits.clone(), params))
-        steps[0] += 1
-        return verify(tree, logits, params, generator)
-
-    engine.rule.verify = keep
-    prompts = [p.turns[0] for p in load_prompts(resolve_prompt_source("stdlib-heldout"), args.prompts)]
-    for i, prompt in enumerate(prompts):
-        engine.generate([decoder.tokenizer.encode(prompt)], 96, SamplingParams(temperature=args.temperature), seed=i)
+    args = block_paired.arguments(temperature=True)
+    options, caught = block_paired.capture(args, args.temperature, branching_only=True)
     per_tree = []
     for j, (tree, logits, params) in enumerate(caught):
         big, big_logits = block_paired.replicate(tree, args.rows), logits.expand(args.rows, *logits.shape[1:]).contiguous()
