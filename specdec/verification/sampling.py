@@ -41,8 +41,10 @@ Where the tests run (`SamplingRule(walk=...)`):
   draft distributions, 2 x 4 x B x N x V bytes a step (34 MB at B = 1 for a 33-node tree and a
   128k vocabulary).
 
-Both run the same tests with different uniforms, so a seed gives different (equally
-distributed) outputs on the two. A chain (`TokenTree.chain`: one child per node) needs no walk:
+Both can run the same tests with different uniforms, so a seed gives different (equally
+distributed) outputs on the two. The host walk's default tests are not these child-by-child ones
+but traversal verification (`TraversalTests`, `SamplingRule(segments=...)`): the whole tree from
+the leaves up, each node against its path's joint mass, which accepts more on the same trees. A chain (`TokenTree.chain`: one child per node) needs no walk:
 it is verified for every position and row at once on the device, with no host read, by block
 verification (`BlockChainTests`, Sun et al. 2025: the default), which keeps a longer prefix
 whenever the chain's joint mass allows, or token by token (`ChainTests`, Leviathan et al.'s rule,
