@@ -23,6 +23,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
+from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification.sampling import (
@@ -33,12 +34,15 @@ from specdec.verification.sampling import (
     EXACT_TREE,
     TOKEN_CHAIN,
     TRAVERSAL,
+    TRAVERSAL_TREE,
     BlockChainTests,
     BlockTreeTests,
     ChainTests,
+    ChildTable,
     RowTree,
     SamplingRule,
     TraversalTests,
+    TraversalTreeTests,
 )
 
 V, K = 3, 3
@@ -433,15 +437,107 @@ def test_traversal_of_a_chain_is_block_verification():
         assert tau == pytest.approx(block_tau, abs=1e-6)
 
 
-def test_traversal_setting_walks_on_the_host():
-    """segments='traversal' picks `TraversalTests` and the host walk on any device; asking for the
-    device walk with it is an error naming the fix."""
-    from specdec.errors import SpecDecError
+# ----- traversal verification on the device, exact by enumeration ---------------------------
+
+
+class TreeTraversalUnweighted(TraversalTreeTests):
+    """Broken device traversal: a rejected child leaves its parent the unweighted residual max(0, P - Q)."""
+
+    def weighted_residual(self, target_probs, weight, draft_probs, token, sampled):
+        return super().weighted_residual(target_probs, torch.ones_like(weight), draft_probs, token, sampled)
+
+
+def batch_of(tables: Tables, trees: list) -> tuple[TokenTree, torch.Tensor, torch.Tensor, list[list[tuple[int, ...]]]]:
+    """Drawn trees of one shape as the rows of a TokenTree (BFS order: the same parents in every
+    row), with each node's target and draft distributions [B, N, V] (float64) and prefixes."""
+    rows = [row_of(tables, tree) for tree, _ in trees]
+    first = rows[0][0]
+    n = len(first.tokens)
+    parents = [-1] * n
+    for node, kids in enumerate(first.children):
+        for kid in kids:
+            parents[kid] = node
+    depths = [0] * n
+    for node in range(1, n):
+        depths[node] = depths[parents[node]] + 1
+    b = len(rows)
+    zeros = torch.zeros(b, n)
+    tree = TokenTree(
+        tokens=torch.tensor([[0, *r[0].tokens[1:]] for r in rows]), parents=torch.tensor(parents).expand(b, n),
+        depths=torch.tensor(depths).expand(b, n), logq=zeros, cum_logq=zeros, valid=torch.ones(b, n, dtype=torch.bool),
+        sampled=torch.tensor([r[0].sampled for r in rows]), draft_logprobs=torch.tensor(np.stack([r[2] for r in rows])).log(),
+    )
+    return tree, torch.tensor(np.stack([r[1] for r in rows])), torch.tensor(np.stack([r[2] for r in rows])), [r[3] for r in rows]
+
+
+def device_traversal_joint(tests: TraversalTreeTests, tables: Tables, spec: Spec, sampled: bool, length: int) -> dict[tuple[int, ...], float]:
+    """The exact output joint of the device rule over every drawn tree of `spec` (completed with
+    target samples to `length` tokens): its weights and final distributions from `states`, every
+    pass/fail pattern of the nodes' tests through `accepted_node`, weighted by its probability."""
+    trees = drawn_trees(tables, (), spec, sampled)
+    tree, target, draft, prefixes = batch_of(tables, trees)
+    b, n = tree.tokens.shape
+    table = ChildTable.of(tree)
+    weight = tests.states(tree, table, target, draft.clone())  # target: now each node's final P
+    joint: dict[tuple[int, ...], float] = {}
+    for pattern in itertools.product((True, False), repeat=n - 1):
+        passing = torch.tensor((True, *pattern))
+        at = tests.accepted_node(tree, table, weight, torch.where(passing, 0.0, 1.0).double().expand(b, n)).tolist()
+        p_pattern = torch.where(passing[1:], weight[:, 1:], 1.0 - weight[:, 1:]).prod(dim=1).tolist()  # [B]
+        for r, (_, p_tree) in enumerate(trees):
+            for t in range(V):
+                tables.complete(prefixes[r][at[r]] + (t,), p_tree * p_pattern[r] * float(target[r, at[r], t]), length, joint)
+    return joint
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["drawn", "top-k"])
+@pytest.mark.parametrize("shape", TRAVERSAL_SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_device_traversal_outputs_the_target_joint_exactly(shape, sampled, seed):
+    """`TraversalTreeTests` (states first, draws after) over every drawn tree of a 3-token
+    vocabulary and every outcome of its tests: the target's joint exactly (float64), as the host
+    walk; the unweighted residual is not."""
+    tables = Tables(seed, identical_at=(1,) if seed else None)
+    spec = TRAVERSAL_SHAPES[shape]
+    joint = tables.target_joint(4)
+    exact = device_traversal_joint(TRAVERSAL_TREE, tables, spec, sampled, 4)
+    assert max(abs(exact[s] - joint[s]) for s in joint) < 1e-9
+    if shape != "two-leaves" and sampled:
+        broken = device_traversal_joint(TreeTraversalUnweighted(), tables, spec, sampled, 4)
+        assert max(abs(broken[s] - joint[s]) for s in joint) > 1e-3
+
+
+def test_post_order_positions():
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, -1]])  # a padding node last
+    valid = parents >= 0
+    valid[0, 0] = True
+    depths = torch.tensor([[0, 1, 1, 2, 2, 2, 0]])
+    zeros = torch.zeros(1, 7)
+    tree = TokenTree(tokens=torch.zeros(1, 7, dtype=torch.long), parents=parents, depths=depths, logq=zeros, cum_logq=zeros, valid=valid, sampled=torch.zeros(1, 7, dtype=torch.bool))
+    position = TraversalTreeTests.post_order(tree, ChildTable.of(tree))[0, :6].tolist()
+    assert position == [5, 2, 4, 0, 1, 3]  # post-order: 3, 4, 1, 5, 2, 0
+
+
+@pytest.mark.parametrize("tree_seed", [1, 3])
+def test_device_traversal_matches_the_host_walk(tree_seed):
+    """Sampled outcomes of the device and host traversal (different uniforms) follow one distribution."""
+    host = verdicts(SamplingRule(walk="host", segments="traversal"), "branching", tree_seed, seed=1)
+    device = verdicts(SamplingRule(walk="device", segments="traversal"), "branching", tree_seed, seed=2)
+    pvalue = same_distribution_pvalue(host, device)
+    assert pvalue > 1e-3, f"device vs host traversal: p = {pvalue:.2e}"
+    broken = verdicts(SamplingRule(walk="device", tree_tests=TreeTraversalUnweighted()), "branching", tree_seed, seed=2)
+    pvalue = same_distribution_pvalue(host, broken)
+    assert pvalue < 1e-6, f"the broken device traversal passed: p = {pvalue:.2e}"
+
+
+def test_traversal_setting_walks_where_asked():
+    """segments='traversal' picks `TraversalTests` on the host walk and `TraversalTreeTests` on the
+    device walk; 'auto' walks as every setting does (the device on accelerators)."""
     from specdec.verification import make_rule
 
     rule = make_rule("sampling", segments="traversal")
-    assert rule.tests is TRAVERSAL and not rule.walks_on_device(torch.device("cuda")) and not rule.walks_on_device(torch.device("cpu"))
-    with pytest.raises(SpecDecError, match="host walk only; drop walk='device'"):
-        SamplingRule(segments="traversal", walk="device")
+    assert rule.tests is TRAVERSAL and rule.tree_tests is TRAVERSAL_TREE
+    assert rule.walks_on_device(torch.device("cuda")) and not rule.walks_on_device(torch.device("cpu"))
+    assert SamplingRule(segments="traversal", walk="device").walks_on_device(torch.device("cpu"))
     with pytest.raises(SpecDecError, match="'traversal' the whole tree from the leaves up"):
         SamplingRule(segments="leaves")

@@ -40,6 +40,7 @@ from specdec.verification.sampling import (
     ChainTests,
     SiblingTests,
     TraversalTests,
+    TraversalTreeTests,
     TreeTests,
 )
 
@@ -180,12 +181,14 @@ def test_block_segments_are_lossless(case, walk, pair, joints):
 TRAVERSAL_CASES = ("dynatree-sampled-t1", "dynatree-sampled-t0.7-top-p", "dynatree-free-t1", "eagle2-sampled-t1", "static-topk-t1", "cast-sampled-t1-top-p")
 
 
+@pytest.mark.parametrize("walk", ["host", "device"])
 @pytest.mark.parametrize("case", TRAVERSAL_CASES)
-def test_traversal_verification_is_lossless(case, pair, joints):
-    """Whole trees verified from the leaves up (`segments="traversal"`, the host walk)."""
+def test_traversal_verification_is_lossless(case, walk, pair, joints):
+    """Whole trees verified from the leaves up (`segments="traversal"`), walked on the host
+    (`TraversalTests`) or arranged for tensors on the device (`TraversalTreeTests`)."""
     method, options, params = CASES[case]
-    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(segments="traversal"), params)
-    assert pvalue > P_PASS, f"{case} (traversal): chi-square p = {pvalue:.2e}"
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(segments="traversal", walk=walk), params)
+    assert pvalue > P_PASS, f"{case} (traversal, {walk} walk): chi-square p = {pvalue:.2e}"
 
 
 @pytest.mark.parametrize("method", ["chain", *TREES])
@@ -297,6 +300,13 @@ class TraversalUnweightedResidual(TraversalTests):
         return super().weighted_residual(target_probs, 1.0, proposal, token)
 
 
+class DeviceTraversalUnweightedResidual(TraversalTreeTests):
+    """Broken device traversal: a rejected child leaves its parent the unweighted residual."""
+
+    def weighted_residual(self, target_probs, weight, draft_probs, token, sampled):
+        return super().weighted_residual(target_probs, torch.ones_like(weight), draft_probs, token, sampled)
+
+
 class TreeNoResidual(TreeTests):
     """Broken device tests: after a rejection the next sibling (and the bonus) are tested against
     the unchanged target distribution."""
@@ -361,6 +371,12 @@ BROKEN = {
     "traversal-unweighted-residual": (
         lambda: make_policy("dynatree", **TREES["dynatree"][1]),
         lambda: SamplingRule(tests=TraversalUnweightedResidual(), segments="traversal"),
+        "peaked",
+        "t0.7",
+    ),
+    "device-traversal-unweighted-residual": (
+        lambda: make_policy("dynatree", **TREES["dynatree"][1]),
+        lambda: SamplingRule(tree_tests=DeviceTraversalUnweightedResidual(), segments="traversal", walk="device"),
         "peaked",
         "t0.7",
     ),

@@ -947,6 +947,129 @@ class BlockTreeTests(TreeTests):
 BLOCK_TREE = BlockTreeTests()
 """the lossless tree tests on the device with chain segments as blocks (`segments="block"`)"""
 
+
+class TraversalTreeTests(TreeTests):
+    """Traversal verification (`TraversalTests`' rule, Weng et al. NeurIPS 2025) on the device,
+    every node and row at once, no host read (`SamplingRule(segments="traversal")` on the device walk).
+
+    The host walk visits nodes in post-order and stops at the first accepted one. Arranged for
+    tensors, the states come first and the draws after: a node's state (weight w, target P, draft
+    without its earlier drawn children Q) changes only when one of its children is rejected, by
+    block verification's update from the child's token alone, never from what happened below that
+    child. So every node's state as it would be when tested (all its children rejected) and every
+    child's entry weight min(1, w P(x) / Q(x)) follow from the tree and the distributions, before
+    any draw, level by level from the root: for each depth d (parents at depth d) and each sibling
+    rank i, every depth-d node gives its i-th child its entry weight and then takes the update
+
+        R = max(0, w P - Q),  w <- sum R / (sum R + 1 - w),  P <- R / sum R
+
+    (and Q loses the drawn token). Then one uniform per node: a node passes when u < w (its final
+    weight; the root always). The walk would stop at the first passing node in post-order (a node
+    is tested only if every node before it failed, and whatever it tests is its final state), so
+    the accepted path is the one to that node and the bonus comes from its final P. Post-order
+    positions come from subtree sizes: a node's position is its subtree's other nodes plus the
+    subtrees of the earlier siblings of it and of each of its ancestors.
+
+    Same outcomes in distribution as the host walk (different uniforms: a seed gives different
+    samples on the two); exact by enumeration (`tests/test_block_verification.py`). Cost: one
+    round per (depth level, sibling rank), D x K rounds (EAGLE-2's depth 6 x top-k 8: 48) of
+    about 25 ops, several over [B, N, V], where child by child (`TreeTests`) runs K rounds.
+    Relaxed rules (MARS's outright choices) test child by child. `weighted_residual` is where
+    the maths lives (the distribution tests break it).
+    """
+
+    def weighted_residual(self, target_probs: torch.Tensor, weight: torch.Tensor, draft_probs: torch.Tensor | None, token: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """`weighted_residual` (the distribution tests override this method to break it)."""
+        return weighted_residual(target_probs, weight, draft_probs, token, sampled)
+
+    def states(self, tree: TokenTree, table: ChildTable, target: torch.Tensor, draft_left: torch.Tensor | None) -> torch.Tensor:
+        """In place: target [B, N, V] becomes each node's P after all its children were rejected
+        (the bonus's distribution when the path ends there; a leaf keeps its own), draft_left
+        [B, N, V] (None: no node is sampled) loses each node's drawn children. Returns the weights
+        [B, N]: the probability each node passes its own test (the root 1; padding: anything)."""
+        b, n = tree.tokens.shape
+        dev = target.device
+        weight = torch.ones(b, n + 1, dtype=target.dtype, device=dev)  # [B, N + 1] by node (column n: children that do not exist)
+        one = constants.full((), 1.0, target.dtype, dev)
+        depths = tree.depths.masked_fill(~tree.valid, -1)  # [B, N]
+        for level in range(min(tree.depth_limit(), n - 1)):  # the parents at depth `level`: their states are final once their parents' are
+            here = depths == level  # [B, N]
+            for i in range(table.k):
+                x, s = table.tokens[:, :, i], table.drawn[:, :, i]  # [B, N] each
+                has = table.has[:, :, i] & here  # [B, N]: a depth-level node with an i-th child
+                w = weight[:, :n]  # [B, N] (parents' columns; the scatter below writes their children's only)
+                p_x = target.gather(2, x[:, :, None]).squeeze(2)  # [B, N]
+                proposal, q_x = None, one
+                if draft_left is not None:
+                    proposal = draft_left / self.proposal_mass(draft_left)[:, :, None]  # [B, N, V] the draft without earlier drawn children
+                    q_x = torch.where(s, proposal.gather(2, x[:, :, None]).squeeze(2), one)  # [B, N]: 1 for a point mass
+                entry = (w * p_x / q_x.clamp(min=_EPS)).clamp_(max=1.0)  # [B, N] the i-th child's weight min(1, w p / q)
+                weight.scatter_(1, torch.where(has, table.nodes[:, :, i], n), entry)
+                # as if that child was rejected (the next sibling and the node's own test only happen then)
+                res = self.weighted_residual(target, w, proposal, x, s)  # [B, N, V] unnormalised
+                mass = res.sum(dim=2)  # [B, N]
+                denominator = mass + 1.0 - w
+                updated = torch.where(denominator > _EPS, mass / denominator.clamp(min=_EPS), one)
+                weight[:, :n] = torch.where(has, updated, w)
+                move = (has & (mass > _EPS))[:, :, None]  # nothing left: P stays (the test could not have rejected)
+                torch.where(move, res.div_(mass.clamp(min=_EPS)[:, :, None]), target, out=target)
+                if draft_left is not None:
+                    self.remove_drawn(draft_left, x, has & s)
+        return weight[:, :n]
+
+    @staticmethod
+    def post_order(tree: TokenTree, table: ChildTable) -> torch.Tensor:
+        """[B, N] int64 each valid node's position in post-order (children in tree order before
+        their parent; the root last). Example: parents [-1, 0, 0, 1] -> [3, 1, 2, 0]."""
+        b, n = tree.tokens.shape
+        anc = tree.ancestor_mask()  # [B, N, N]: [b, i, j] j is i or an ancestor of i
+        size = (anc & tree.valid[:, :, None]).sum(dim=1)  # [B, N] each node's subtree, itself included
+        k = table.k
+        if k == 0:
+            return size - 1
+        kid_size = torch.nn.functional.pad(size, (0, 1)).gather(1, table.nodes.view(b, n * k)).view(b, n, k)  # [B, N, K]
+        earlier = (kid_size.cumsum(dim=2) - kid_size).view(b, n * k)  # subtrees of a child's earlier siblings
+        left = torch.zeros(b, n + 1, dtype=size.dtype, device=size.device).scatter_(1, table.nodes.view(b, n * k), earlier)[:, :n]  # [B, N]
+        return size - 1 + (anc * left[:, None, :]).sum(dim=2)
+
+    def verify(
+        self,
+        tree: TokenTree,
+        target_logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        outright: torch.Tensor | None = None,
+        fallback: torch.Tensor | None = None,
+    ) -> Verdict:
+        if outright is not None:  # a relaxed rule's outright choices: child by child
+            return super().verify(tree, target_logits, params, generator, outright, fallback)
+        b, n = tree.tokens.shape
+        dev = target_logits.device
+        target = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]
+        draft_left = None if tree.draft_logprobs is None else tree.draft_logprobs.exp()  # [B, N, V]
+        table = ChildTable.of(tree)
+        weight = self.states(tree, table, target, draft_left)
+        uniform = torch.rand(b, n, generator=generator, device=dev)  # [B, N] one per node's own test
+        at = self.accepted_node(tree, table, weight, uniform)
+        on_path = tree.ancestor_mask().gather(1, at[:, None, None].expand(b, 1, n)).squeeze(1)  # [B, N] root..at
+        _, _, path, accepted_len = deepest_path(tree, on_path)
+        probs = target.gather(1, at[:, None, None].expand(b, 1, target.shape[2])).squeeze(1)  # [B, V] the node's final P
+        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs
+        zeros = constants.full((b,), 0, torch.long, dev)
+        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
+
+    def accepted_node(self, tree: TokenTree, table: ChildTable, weight: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """[B] the first node in post-order whose test passes (uniform < weight, both [B, N]); the
+        root, last in post-order, always passes."""
+        n = tree.tokens.shape[1]
+        cols = constants.arange(n, weight.device)
+        passes = (uniform < weight).logical_and_(tree.valid).logical_or_(cols[None, :] == 0)  # [B, N]
+        return torch.where(passes, self.post_order(tree, table), n).argmin(dim=1)
+
+
+TRAVERSAL_TREE = TraversalTreeTests()
+"""traversal verification on the device (`segments="traversal"`)"""
+
 WALKS = ("auto", "device", "host")
 """where `SamplingRule` tests trees: 'device' (`TreeTests`), 'host' (`rejection_walk`), 'auto' the
 device on accelerators and the host on the CPU"""
@@ -985,6 +1108,9 @@ def walks_on_device(walk: str, device: torch.device) -> bool:
 HOST_SEGMENT_TESTS: dict[str, SiblingTests] = {"auto": TRAVERSAL, "block": EXACT_BLOCKS, "token": EXACT, "traversal": TRAVERSAL}
 """the host walk's tests for each `segments` setting"""
 
+DEVICE_SEGMENT_TESTS: dict[str, TreeTests] = {"auto": EXACT_TREE, "block": BLOCK_TREE, "token": EXACT_TREE, "traversal": TRAVERSAL_TREE}
+"""the device walk's tests for each `segments` setting"""
+
 _EXACT_HOST_TESTS = (SiblingTests, BlockSiblingTests, TraversalTests)
 
 
@@ -1015,17 +1141,13 @@ class SamplingRule:
         self.walk = check_walk(walk, "sampling")
         self.chains = check_chains(chains, "sampling")
         self.segments = check_segments(segments, "sampling")
-        if segments == "traversal" and walk == "device":
-            raise SpecDecError(
-                "sampling segments='traversal' runs on the host walk only; drop walk='device' (or use segments='block' or 'token' on the device)"
-            )
         self.tests = tests if tests is not None else HOST_SEGMENT_TESTS[segments]
         self.chain_tests = chain_tests if chain_tests is not None else (BLOCK_CHAIN if chains == "block" else TOKEN_CHAIN)
-        self.tree_tests = tree_tests if tree_tests is not None else (BLOCK_TREE if segments == "block" else EXACT_TREE)
+        self.tree_tests = tree_tests if tree_tests is not None else DEVICE_SEGMENT_TESTS[segments]
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Whether trees on `device` are tested there (`TreeTests`) rather than walked on the host."""
-        if type(self.tests) not in _EXACT_HOST_TESTS or self.segments == "traversal":  # (deliberately wrong host tests keep the host walk)
+        if type(self.tests) not in _EXACT_HOST_TESTS:  # (deliberately wrong host tests keep the host walk)
             return False
         return walks_on_device(self.walk, device)
 
