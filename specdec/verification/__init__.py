@@ -20,7 +20,7 @@ def make_rule(name: str, **options: Any) -> AcceptRule:
     """Accept rule by name: 'greedy', 'sampling' (options: walk, where trees are tested: 'auto',
     'device' or 'host'; chains, how chains are verified: 'block', the default, or 'token';
     segments, how branching trees are verified: 'auto', the default, traversal on the host walk
-    and child by child on the device, 'traversal' (host walk only), 'block' or 'token') or
+    and child by child on the device, 'traversal' (on either walk), 'block' or 'token') or
     'mars' (options: theta, default 0.9, and walk).
 
     An option the rule does not take is an error, e.g. make_rule("greedy", theta=0.9).
