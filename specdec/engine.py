@@ -452,6 +452,9 @@ class DecodeSession:
         draft = engine.policy.draft(engine.source, self.roots, ctx)
         tree = draft.tree
         t1 = time.perf_counter()
+        prepare = getattr(engine.rule, "prepare", None)
+        if prepare is not None:  # (what a rule reads of the tree on the host, on its way before the forward)
+            prepare(tree, params)
         logits = engine.target.forward(tree.tokens, context_len[:, None] + tree.depths, tree.ancestor_mask())  # [B, N, V]
         verdict = engine.rule.verify(tree, logits, params, self.generator)
         t2 = time.perf_counter()

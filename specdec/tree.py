@@ -23,6 +23,7 @@ Example (one row, root r with children a, b; a has child c):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,6 +74,9 @@ class TokenTree:
     chain: bool = False
     """known on the host: node i > 0 of every row is the only child of node i - 1 (a chain;
     rows may end early with invalid nodes). Lets rules take tensor-only fast paths."""
+    verify_plan: Any = None
+    """what the accept rule prepared from the tree before the verify forward was launched
+    (`SamplingRule.prepare`: traversal's round count on its way to the host), or None"""
 
     @property
     def batch_size(self) -> int:

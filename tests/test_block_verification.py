@@ -295,10 +295,10 @@ def test_device_block_segments_on_a_chain_are_block_verification(tree_seed):
 
 
 def test_which_tests_each_setting_picks():
-    """segments='auto' (the default): traversal on the host walk, child by child on the device;
-    'block' and 'token' the same on both; chains chosen apart from segments."""
+    """segments='auto' (the default): traversal on both walks; 'block' and 'token' the same on
+    both; chains chosen apart from segments."""
     picks = {seg: (r.tests, r.tree_tests) for seg, r in ((seg, SamplingRule(segments=seg)) for seg in ("auto", "block", "token"))}
-    assert picks == {"auto": (TRAVERSAL, EXACT_TREE), "block": (EXACT_BLOCKS, BLOCK_TREE), "token": (EXACT, EXACT_TREE)}
+    assert picks == {"auto": (TRAVERSAL, TRAVERSAL_TREE), "block": (EXACT_BLOCKS, BLOCK_TREE), "token": (EXACT, EXACT_TREE)}
     assert SamplingRule().chain_tests is BLOCK_CHAIN and SamplingRule(chains="token", segments="block").chain_tests is TOKEN_CHAIN
 
 
@@ -532,7 +532,7 @@ def test_device_traversal_matches_the_host_walk(tree_seed):
 
 def test_traversal_setting_walks_where_asked():
     """segments='traversal' picks `TraversalTests` on the host walk and `TraversalTreeTests` on the
-    device walk; 'auto' walks as every setting does (the device on accelerators)."""
+    device walk, which it takes as every setting does (on accelerators)."""
     from specdec.verification import make_rule
 
     rule = make_rule("sampling", segments="traversal")
@@ -541,3 +541,24 @@ def test_traversal_setting_walks_where_asked():
     assert SamplingRule(segments="traversal", walk="device").walks_on_device(torch.device("cpu"))
     with pytest.raises(SpecDecError, match="'traversal' the whole tree from the leaves up"):
         SamplingRule(segments="leaves")
+
+
+def test_prepared_wavefront_gives_the_same_verdicts():
+    """`SamplingRule.prepare` (called before the verify forward) plans traversal's device rounds;
+    verifying with that plan or without one gives identical verdicts for one seed. Other settings
+    and greedy decoding plan nothing."""
+    from specdec.verification.sampling import Wavefront
+
+    tree, logits = tree_with_distributions("branching", 64, 1)
+    params = SamplingParams(temperature=1.0)
+    rule = SamplingRule(walk="device", segments="traversal")
+    plain = rule.verify(tree, logits, params, torch.Generator().manual_seed(7))
+    rule.prepare(tree, params)
+    # rounds: node 5 (child of node 2, rank 1 under the root) starts at 2 + 1 = 3 and has two children
+    assert isinstance(tree.verify_plan, Wavefront) and tree.verify_plan.rounds() == 5
+    planned = rule.verify(tree, logits, params, torch.Generator().manual_seed(7))
+    assert torch.equal(plain.path, planned.path) and torch.equal(plain.bonus_tokens, planned.bonus_tokens)
+    for other, p in ((SamplingRule(walk="device", segments="token"), params), (SamplingRule(walk="host", segments="traversal"), params), (rule, SamplingParams())):
+        fresh, _ = tree_with_distributions("branching", 2, 1)
+        other.prepare(fresh, p)
+        assert fresh.verify_plan is None

@@ -19,8 +19,8 @@ RULE_OPTION_DEFAULTS: dict[str, Any] = {"walk": "auto", "theta": 0.9, "chains": 
 def make_rule(name: str, **options: Any) -> AcceptRule:
     """Accept rule by name: 'greedy', 'sampling' (options: walk, where trees are tested: 'auto',
     'device' or 'host'; chains, how chains are verified: 'block', the default, or 'token';
-    segments, how branching trees are verified: 'auto', the default, traversal on the host walk
-    and child by child on the device, 'traversal' (on either walk), 'block' or 'token') or
+    segments, how branching trees are verified: 'auto', the default, and 'traversal' the whole
+    tree from the leaves up, 'block' chain segments as blocks or 'token' child by child) or
     'mars' (options: theta, default 0.9, and walk).
 
     An option the rule does not take is an error, e.g. make_rule("greedy", theta=0.9).

@@ -44,8 +44,9 @@ Where the tests run (`SamplingRule(walk=...)`):
 Both can run the same tests with different uniforms, so a seed gives different (equally
 distributed) outputs on the two. The host walk's default tests are not these child-by-child ones
 but traversal verification (`TraversalTests`, `SamplingRule(segments=...)`): the whole tree from
-the leaves up, each node against its path's joint mass, which accepts more on the same trees
-(on the device, opt-in: `TraversalTreeTests`, `segments="traversal"`). A chain (`TokenTree.chain`: one child per node) needs no walk:
+the leaves up, each node against its path's joint mass, which accepts more on the same trees;
+the device's default is its tensor form (`TraversalTreeTests`), and `segments="token"` keeps
+these child-by-child tests there. A chain (`TokenTree.chain`: one child per node) needs no walk:
 it is verified for every position and row at once on the device, with no host read, by block
 verification (`BlockChainTests`, Sun et al. 2025: the default), which keeps a longer prefix
 whenever the chain's joint mass allows, or token by token (`ChainTests`, Leviathan et al.'s rule,
@@ -653,10 +654,9 @@ SEGMENT_RULES = ("auto", "block", "token", "traversal")
 """how `SamplingRule` verifies branching trees: 'traversal' the whole tree from the leaves up
 (`TraversalTests` on the host walk, `TraversalTreeTests` on the device), 'block' chain segments as
 blocks (`BlockSiblingTests`, `BlockTreeTests`), 'token' child by child (`SiblingTests`, `TreeTests`),
-or 'auto' (the default): traversal on the host walk, where it costs next to nothing and accepted
-14-17% more on EAGLE-2's and DynaTree's trees in paired runs (CPU), child by child on the device,
-where traversal runs depth x rank rounds (EAGLE-2 at T = 1: 2087 ops a step against 602 on the
-CPU; not measured on a GPU)"""
+or 'auto' (the default): traversal on both walks (it accepted 14-17% more than child by child on
+EAGLE-2's and DynaTree's trees in paired runs, CPU; on the device it costs EAGLE-2 at T = 1 about
+90 more ops and one host read a step, counted on the CPU, GPU time not measured)"""
 
 
 @dataclass
@@ -670,6 +670,8 @@ class ChildTable:
     """bool: drawn from the draft distribution (else a point-mass proposal)"""
     has: torch.Tensor
     """bool: the child exists"""
+    ranks: torch.Tensor
+    """[B, N] each node's own sibling rank (`TokenTree.sibling_ranks`: -1 at the root and padding)"""
 
     @property
     def k(self) -> int:
@@ -686,7 +688,7 @@ class ChildTable:
         fields = torch.stack([tree.tokens, tree.sampled & tree.valid], dim=1)  # [B, 2, N] int64
         fields = torch.nn.functional.pad(fields, (0, 1)).gather(2, kids[:, None, :].expand(b, 2, n * k)).view(b, 2, n, k)
         nodes = kids.view(b, n, k)
-        return cls(nodes=nodes, tokens=fields[:, 0], drawn=fields[:, 1].bool(), has=nodes < n)
+        return cls(nodes=nodes, tokens=fields[:, 0], drawn=fields[:, 1].bool(), has=nodes < n, ranks=ranks)
 
 
 class TreeTests:
@@ -951,9 +953,50 @@ BLOCK_TREE = BlockTreeTests()
 """the lossless tree tests on the device with chain segments as blocks (`segments="block"`)"""
 
 
+@dataclass
+class Wavefront:
+    """Traversal's schedule on the device (`TraversalTreeTests.states`): node v handles its child
+    of rank i in round start(v) + i, where start(v) is the sum of (rank + 1) over v's path (the
+    root 0): a node's state is final one round after its parent handled it. The round count is the
+    tree's longest such chain, read on the host once; `SamplingRule.prepare` starts that copy
+    before the verify forward is launched, so reading it waits for the drafting work only."""
+
+    start: torch.Tensor
+    """[B, N] int64 the round each node handles its first child (0 at padding)"""
+    kids: torch.Tensor
+    """[B, N] int64 each node's valid children (0 at padding)"""
+    count: torch.Tensor
+    """[1] int64 the rounds needed, on the host (pinned memory on CUDA) or on its way there"""
+    copied: torch.cuda.Event | None = None
+    """recorded after the copy was queued (CUDA); None when `count` is already readable"""
+
+    @classmethod
+    def of(cls, tree: TokenTree, ranks: torch.Tensor | None = None) -> Wavefront:
+        """ranks: `tree.sibling_ranks()` when already computed."""
+        b, n = tree.tokens.shape
+        ranks = tree.sibling_ranks() if ranks is None else ranks  # [B, N]
+        child = ranks >= 0  # [B, N] valid non-root nodes
+        kids = torch.zeros(b, n + 1, dtype=torch.long, device=ranks.device).scatter_add_(1, torch.where(child, tree.parents, n), child.long())[:, :n]
+        start = (tree.ancestor_mask() * (ranks + 1).clamp(min=0)[:, None, :]).sum(dim=2)  # [B, N]
+        rounds = (start + kids).masked_fill_(~tree.valid, 0).amax().reshape(1)  # [1]
+        if rounds.device.type != "cuda":
+            return cls(start=start, kids=kids, count=rounds)
+        count = torch.empty(1, dtype=torch.long, pin_memory=True)
+        count.copy_(rounds, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(start=start, kids=kids, count=count, copied=copied)
+
+    def rounds(self) -> int:
+        """The round count (the one host read)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return int(self.count[0])
+
+
 class TraversalTreeTests(TreeTests):
     """Traversal verification (`TraversalTests`' rule, Weng et al. NeurIPS 2025) on the device,
-    every node and row at once, no host read (`SamplingRule(segments="traversal")` on the device walk).
+    every node and row at once (`SamplingRule(segments="traversal")` on the device walk).
 
     The host walk visits nodes in post-order and stops at the first accepted one. Arranged for
     tensors, the states come first and the draws after: a node's state (weight w, target P, draft
@@ -961,8 +1004,8 @@ class TraversalTreeTests(TreeTests):
     block verification's update from the child's token alone, never from what happened below that
     child. So every node's state as it would be when tested (all its children rejected) and every
     child's entry weight min(1, w P(x) / Q(x)) follow from the tree and the distributions, before
-    any draw, level by level from the root: for each depth d (parents at depth d) and each sibling
-    rank i, every depth-d node gives its i-th child its entry weight and then takes the update
+    any draw, from the root down: in each round every node whose own state is final gives its
+    next child (by rank) its entry weight and then takes the update
 
         R = max(0, w P - Q),  w <- sum R / (sum R + 1 - w),  P <- R / sum R
 
@@ -974,11 +1017,12 @@ class TraversalTreeTests(TreeTests):
     subtrees of the earlier siblings of it and of each of its ancestors.
 
     Same outcomes in distribution as the host walk (different uniforms: a seed gives different
-    samples on the two); exact by enumeration (`tests/test_block_verification.py`). Cost: one
-    round per (depth level, sibling rank), D x K rounds (EAGLE-2's depth 6 x top-k 8: 48) of
-    about 25 ops, several over [B, N, V], where child by child (`TreeTests`) runs K rounds.
-    Relaxed rules (MARS's outright choices) test child by child. `weighted_residual` is where
-    the maths lives (the distribution tests break it).
+    samples on the two); exact by enumeration (`tests/test_block_verification.py`). Cost: the
+    tree's `Wavefront` rounds (each node handles one child per round once its state is final:
+    about 7 for EAGLE-2's trees at T = 1, where child by child runs its top-k of 8) of about 35
+    ops, several over [B, N, V], and one host read of the round count (started before the verify
+    forward by `SamplingRule.prepare`). Relaxed rules (MARS's outright choices) test child by
+    child. `weighted_residual` is where the maths lives (the distribution tests break it).
     """
 
     def weighted_residual(self, target_probs: torch.Tensor, weight: torch.Tensor, draft_probs: torch.Tensor | None, token: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
@@ -989,35 +1033,44 @@ class TraversalTreeTests(TreeTests):
         """In place: target [B, N, V] becomes each node's P after all its children were rejected
         (the bonus's distribution when the path ends there; a leaf keeps its own), draft_left
         [B, N, V] (None: no node is sampled) loses each node's drawn children. Returns the weights
-        [B, N]: the probability each node passes its own test (the root 1; padding: anything)."""
+        [B, N]: the probability each node passes its own test (the root 1; padding: anything).
+
+        Rounds by `Wavefront`: every node handles one child per round, once its own state is
+        final; a tree needs its longest chain of (rank + 1) steps (EAGLE-2's trees at T = 1: about
+        7 rounds, against 45 for depth x top-k), one host read (`tree.verify_plan` when
+        `SamplingRule.prepare` started it before the forward)."""
         b, n = tree.tokens.shape
         dev = target.device
         weight = torch.ones(b, n + 1, dtype=target.dtype, device=dev)  # [B, N + 1] by node (column n: children that do not exist)
         one = constants.full((), 1.0, target.dtype, dev)
-        depths = tree.depths.masked_fill(~tree.valid, -1)  # [B, N]
-        for level in range(min(tree.depth_limit(), n - 1)):  # the parents at depth `level`: their states are final once their parents' are
-            here = depths == level  # [B, N]
-            for i in range(table.k):
-                x, s = table.tokens[:, :, i], table.drawn[:, :, i]  # [B, N] each
-                has = table.has[:, :, i] & here  # [B, N]: a depth-level node with an i-th child
-                w = weight[:, :n]  # [B, N] (parents' columns; the scatter below writes their children's only)
-                p_x = target.gather(2, x[:, :, None]).squeeze(2)  # [B, N]
-                proposal, q_x = None, one
-                if draft_left is not None:
-                    proposal = draft_left / self.proposal_mass(draft_left)[:, :, None]  # [B, N, V] the draft without earlier drawn children
-                    q_x = torch.where(s, proposal.gather(2, x[:, :, None]).squeeze(2), one)  # [B, N]: 1 for a point mass
-                entry = (w * p_x / q_x.clamp(min=_EPS)).clamp_(max=1.0)  # [B, N] the i-th child's weight min(1, w p / q)
-                weight.scatter_(1, torch.where(has, table.nodes[:, :, i], n), entry)
-                # as if that child was rejected (the next sibling and the node's own test only happen then)
-                res = self.weighted_residual(target, w, proposal, x, s)  # [B, N, V] unnormalised
-                mass = res.sum(dim=2)  # [B, N]
-                denominator = mass + 1.0 - w
-                updated = torch.where(denominator > _EPS, mass / denominator.clamp(min=_EPS), one)
-                weight[:, :n] = torch.where(has, updated, w)
-                move = (has & (mass > _EPS))[:, :, None]  # nothing left: P stays (the test could not have rejected)
-                torch.where(move, res.div_(mass.clamp(min=_EPS)[:, :, None]), target, out=target)
-                if draft_left is not None:
-                    self.remove_drawn(draft_left, x, has & s)
+        k = table.k
+        if k == 0:
+            return weight[:, :n]
+        plan = tree.verify_plan if isinstance(tree.verify_plan, Wavefront) else Wavefront.of(tree, table.ranks)
+        start, kids, rounds = plan.start, plan.kids, plan.rounds()
+        for t in range(rounds):
+            rank = start.neg().add_(t)  # [B, N] the rank each node handles this round
+            has = (rank >= 0).logical_and_(rank < kids)  # [B, N] (kids is 0 at padding)
+            at = rank.clamp_(0, k - 1)[:, :, None]  # [B, N, 1]
+            x, s = table.tokens.gather(2, at).squeeze(2), table.drawn.gather(2, at).squeeze(2)  # [B, N] each
+            w = weight[:, :n]  # [B, N] (the scatter below writes only children, which start next round)
+            p_x = target.gather(2, x[:, :, None]).squeeze(2)  # [B, N]
+            proposal, q_x = None, one
+            if draft_left is not None:
+                proposal = draft_left / self.proposal_mass(draft_left)[:, :, None]  # [B, N, V] the draft without earlier drawn children
+                q_x = torch.where(s, proposal.gather(2, x[:, :, None]).squeeze(2), one)  # [B, N]: 1 for a point mass
+            entry = (w * p_x / q_x.clamp(min=_EPS)).clamp_(max=1.0)  # [B, N] the child's weight min(1, w p / q)
+            weight.scatter_(1, torch.where(has, table.nodes.gather(2, at).squeeze(2), n), entry)
+            # as if that child was rejected (the next sibling and the node's own test only happen then)
+            res = self.weighted_residual(target, w, proposal, x, s)  # [B, N, V] unnormalised
+            mass = res.sum(dim=2)  # [B, N]
+            denominator = mass + 1.0 - w
+            updated = torch.where(denominator > _EPS, mass / denominator.clamp(min=_EPS), one)
+            weight[:, :n] = torch.where(has, updated, w)
+            move = (has & (mass > _EPS))[:, :, None]  # nothing left: P stays (the test could not have rejected)
+            torch.where(move, res.div_(mass.clamp(min=_EPS)[:, :, None]), target, out=target)
+            if draft_left is not None:
+                self.remove_drawn(draft_left, x, has & s)
         return weight[:, :n]
 
     @staticmethod
@@ -1098,7 +1151,7 @@ def check_segments(segments: object, rule: str) -> str:
         raise SpecDecError(
             f"{rule} segments={segments!r} must be one of {', '.join(SEGMENT_RULES)} (how a branching tree is verified: "
             "'block' each chain segment as a block, 'token' child by child, 'traversal' the whole tree from the leaves up, "
-            "'auto' traversal on the host walk and child by child on the device, the default)"
+            "'auto' traversal, the default)"
         )
     return str(segments)
 
@@ -1111,7 +1164,7 @@ def walks_on_device(walk: str, device: torch.device) -> bool:
 HOST_SEGMENT_TESTS: dict[str, SiblingTests] = {"auto": TRAVERSAL, "block": EXACT_BLOCKS, "token": EXACT, "traversal": TRAVERSAL}
 """the host walk's tests for each `segments` setting"""
 
-DEVICE_SEGMENT_TESTS: dict[str, TreeTests] = {"auto": EXACT_TREE, "block": BLOCK_TREE, "token": EXACT_TREE, "traversal": TRAVERSAL_TREE}
+DEVICE_SEGMENT_TESTS: dict[str, TreeTests] = {"auto": TRAVERSAL_TREE, "block": BLOCK_TREE, "token": EXACT_TREE, "traversal": TRAVERSAL_TREE}
 """the device walk's tests for each `segments` setting"""
 
 _EXACT_HOST_TESTS = (SiblingTests, BlockSiblingTests, TraversalTests)
@@ -1125,7 +1178,7 @@ class SamplingRule:
     verified (`SEGMENT_RULES`): 'traversal' (the whole tree from the leaves up: `TraversalTests` on
     the host walk, `TraversalTreeTests` on the device), 'block' (chain segments as blocks: `BlockSiblingTests` on the host walk,
     `BlockTreeTests` on the device), 'token' (child by child: `SiblingTests`, `TreeTests`), or
-    'auto' (the default): traversal on the host walk, child by child on the device.
+    'auto' (the default): traversal on both walks.
     tests, chain_tests, tree_tests: the host walk's, the chains' and the device walk's tests,
     overriding `chains` and `segments` (the distribution tests pass deliberately wrong ones).
     """
@@ -1147,6 +1200,14 @@ class SamplingRule:
         self.tests = tests if tests is not None else HOST_SEGMENT_TESTS[segments]
         self.chain_tests = chain_tests if chain_tests is not None else (BLOCK_CHAIN if chains == "block" else TOKEN_CHAIN)
         self.tree_tests = tree_tests if tree_tests is not None else DEVICE_SEGMENT_TESTS[segments]
+
+    def prepare(self, tree: TokenTree, params: SamplingParams) -> None:
+        """Before the verify forward is launched: for traversal on the device, start copying the
+        tree's round count to the host (`Wavefront`), so `verify` reads it without waiting for the
+        forward."""
+        if params.greedy or tree.chain or not isinstance(self.tree_tests, TraversalTreeTests) or not self.walks_on_device(tree.tokens.device):
+            return
+        tree.verify_plan = Wavefront.of(tree)
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Whether trees on `device` are tested there (`TreeTests`) rather than walked on the host."""
