@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
 #   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), eagle2, dynatree (free width / paper rules), cast at B = 4 and 16
 #   bash benchmarks/gpu/run.sh sampling  # the same pair at T = 1, B = 1: the trees' sampled rules against the chain (#19),
-#                                        # traversal on the device against child by child (the device default)
+#                                        # traversal on the device (the default) against child by child
 #
 # Writes under $OUT (the device tool brings back at most 8 files, 2 folders deep): a log per stage
 # and the bench folders as one .tar.gz each. The GPU image has torch, transformers, rich, numpy,
@@ -56,7 +56,7 @@ case "$stage" in
   sampling)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods ar,hf,chain,chain@sampling:chains=token,eagle2,eagle2@sampling:segments=traversal,eagle2@sampling:walk=host,dynatree@sampling:segments=block,dynatree@sampling:segments=traversal,eagle2@mars,dynatree,dynatree:calibrate=off,cast --temperature 1 --seed 0 --num-prompts 12 \
+      --methods ar,hf,chain,chain@sampling:chains=token,eagle2,eagle2@sampling:segments=token,eagle2@sampling:walk=host,dynatree@sampling:segments=block,dynatree@sampling:segments=token,eagle2@mars,dynatree,dynatree:calibrate=off,cast --temperature 1 --seed 0 --num-prompts 12 \
       --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/sampling" 2>&1 | tee "$OUT/sampling.log"
     tar -czf "$OUT/sampling.tar.gz" -C "$OUT" sampling && rm -rf "$OUT/sampling"
     ;;
