@@ -43,6 +43,7 @@ from specdec.verification.sampling import (
     SamplingRule,
     TraversalTests,
     TraversalTreeTests,
+    Wavefront,
 )
 
 V, K = 3, 3
@@ -477,8 +478,9 @@ def device_traversal_joint(tests: TraversalTreeTests, tables: Tables, spec: Spec
     trees = drawn_trees(tables, (), spec, sampled)
     tree, target, draft, prefixes = batch_of(tables, trees)
     b, n = tree.tokens.shape
-    table = ChildTable.of(tree)
-    weight = tests.states(tree, table, target, draft.clone())  # target: now each node's final P
+    plan = Wavefront.of(tree)
+    table = plan.table
+    weight = tests.states(tree, plan, target, draft.clone())  # target: now each node's final P
     joint: dict[tuple[int, ...], float] = {}
     for pattern in itertools.product((True, False), repeat=n - 1):
         passing = torch.tensor((True, *pattern))

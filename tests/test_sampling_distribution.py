@@ -157,13 +157,17 @@ def test_sampling_rule_is_lossless(case, walk, pair, joints):
     assert 0 < accepted < drafted
 
 
-@pytest.mark.parametrize("case", ["chain", "chain-top-k", "dynatree-sampled-t1", "static-sampled-t0.7-top-p"])
-def test_token_by_token_rule_is_lossless(case, pair, joints):
-    """The rules before block verification, kept selectable: chains token by token
-    (`chains="token"`) and trees walked on the host child by child (`segments="token"`)."""
+TOKEN_CASES = [("chain", "host"), ("chain-top-k", "host"), *((c, w) for c in ("dynatree-sampled-t1", "static-sampled-t0.7-top-p") for w in ("host", "device"))]
+
+
+@pytest.mark.parametrize(("case", "walk"), TOKEN_CASES, ids=[f"{c}-{w}" for c, w in TOKEN_CASES])
+def test_token_by_token_rule_is_lossless(case, walk, pair, joints):
+    """The rules before block and traversal verification, kept selectable: chains token by token
+    (`chains="token"`) and trees child by child (`segments="token"`: `SiblingTests` on the host
+    walk, `TreeTests` on the device)."""
     method, options, params = CASES[case]
-    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(chains="token", segments="token", walk="host"), params)
-    assert pvalue > P_PASS, f"{case} (token by token): chi-square p = {pvalue:.2e}"
+    pvalue = pvalue_of(pair, joints, make_policy(method, **options), SamplingRule(chains="token", segments="token", walk=walk), params)
+    assert pvalue > P_PASS, f"{case} (token by token, {walk} walk): chi-square p = {pvalue:.2e}"
 
 
 SEGMENT_CASES = [(case, walk) for case in ("dynatree-sampled-t1", "dynatree-sampled-t0.7-top-p", "dynatree-free-t1", "eagle2-sampled-t1", "static-topk-t1") for walk in ("host", "device")]
@@ -439,7 +443,9 @@ def one_node_counts(
     builder.add(parents, tokens, logq, valid, sampled=True, score=keys)
     tree = builder.finish().tree
     logits = ONE_NODE_TARGET.to(dev).log().expand(rows, tree.num_nodes, V)  # temperature 1: the target distribution is ONE_NODE_TARGET
-    verdict = (rule or SamplingRule(tests=tests)).verify(tree, logits, params, generator)
+    rule = rule or SamplingRule(tests=tests)
+    rule.prepare(tree, params)  # as the engine does before the verify forward
+    verdict = rule.verify(tree, logits, params, generator)
     first = torch.where(verdict.accepted_len > 0, tree.tokens.gather(1, verdict.path[:, :1]).squeeze(1), verdict.bonus_tokens)
     return np.bincount(first.cpu().numpy(), minlength=V)
 

@@ -29,11 +29,12 @@ before them, never by their own tokens (docs/ARCHITECTURE.md).
 
 Where the tests run (`SamplingRule(walk=...)`):
 
-- **on the device** (`TreeTests`; the default on accelerators): every node's tests are
-  prepared for all nodes and rows at once, one sibling rank at a time (a child's test only
-  depends on its earlier siblings having been rejected, never on the outcome elsewhere), and
-  the accepted path is the deepest one of first accepted children: tensor ops only, no host
-  read, nothing copied to the host;
+- **on the device** (the default on accelerators): for all nodes and rows at once, tensor ops
+  only, nothing copied to the host. Child by child (`TreeTests`, `segments="token"`): every
+  node's tests are prepared one sibling rank at a time (a child's test only depends on its
+  earlier siblings having been rejected, never on the outcome elsewhere), and the accepted path
+  is the deepest one of first accepted children, with no host read. The default is traversal
+  (`TraversalTreeTests`, below), which reads one round count;
 - **on the host** (`rejection_walk`; the default on the CPU, where the walk only touches the
   nodes it visits while the device version works on every node): each row's tree fields, target
   and draft distributions and pre-drawn uniforms (one per test and one for the bonus, `[B, N]`
@@ -961,6 +962,8 @@ class Wavefront:
     tree's longest such chain, read on the host once; `SamplingRule.prepare` starts that copy
     before the verify forward is launched, so reading it waits for the drafting work only."""
 
+    table: ChildTable
+    """the tree's children by rank (the rounds' tests read it too)"""
     start: torch.Tensor
     """[B, N] int64 the round each node handles its first child (0 at padding)"""
     kids: torch.Tensor
@@ -971,21 +974,19 @@ class Wavefront:
     """recorded after the copy was queued (CUDA); None when `count` is already readable"""
 
     @classmethod
-    def of(cls, tree: TokenTree, ranks: torch.Tensor | None = None) -> Wavefront:
-        """ranks: `tree.sibling_ranks()` when already computed."""
-        b, n = tree.tokens.shape
-        ranks = tree.sibling_ranks() if ranks is None else ranks  # [B, N]
-        child = ranks >= 0  # [B, N] valid non-root nodes
-        kids = torch.zeros(b, n + 1, dtype=torch.long, device=ranks.device).scatter_add_(1, torch.where(child, tree.parents, n), child.long())[:, :n]
-        start = (tree.ancestor_mask() * (ranks + 1).clamp(min=0)[:, None, :]).sum(dim=2)  # [B, N]
+    def of(cls, tree: TokenTree, table: ChildTable | None = None) -> Wavefront:
+        """table: `ChildTable.of(tree)` when already built."""
+        table = ChildTable.of(tree) if table is None else table
+        kids = table.has.sum(dim=2)  # [B, N]
+        start = (tree.ancestor_mask() * (table.ranks + 1).clamp(min=0)[:, None, :]).sum(dim=2)  # [B, N]
         rounds = (start + kids).masked_fill_(~tree.valid, 0).amax().reshape(1)  # [1]
         if rounds.device.type != "cuda":
-            return cls(start=start, kids=kids, count=rounds)
+            return cls(table=table, start=start, kids=kids, count=rounds)
         count = torch.empty(1, dtype=torch.long, pin_memory=True)
         count.copy_(rounds, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(start=start, kids=kids, count=count, copied=copied)
+        return cls(table=table, start=start, kids=kids, count=count, copied=copied)
 
     def rounds(self) -> int:
         """The round count (the one host read)."""
@@ -1029,7 +1030,7 @@ class TraversalTreeTests(TreeTests):
         """`weighted_residual` (the distribution tests override this method to break it)."""
         return weighted_residual(target_probs, weight, draft_probs, token, sampled)
 
-    def states(self, tree: TokenTree, table: ChildTable, target: torch.Tensor, draft_left: torch.Tensor | None) -> torch.Tensor:
+    def states(self, tree: TokenTree, plan: Wavefront, target: torch.Tensor, draft_left: torch.Tensor | None) -> torch.Tensor:
         """In place: target [B, N, V] becomes each node's P after all its children were rejected
         (the bonus's distribution when the path ends there; a leaf keeps its own), draft_left
         [B, N, V] (None: no node is sampled) loses each node's drawn children. Returns the weights
@@ -1037,16 +1038,16 @@ class TraversalTreeTests(TreeTests):
 
         Rounds by `Wavefront`: every node handles one child per round, once its own state is
         final; a tree needs its longest chain of (rank + 1) steps (EAGLE-2's trees at T = 1: about
-        7 rounds, against 45 for depth x top-k), one host read (`tree.verify_plan` when
-        `SamplingRule.prepare` started it before the forward)."""
+        7 rounds, against 45 for depth x top-k), one host read (started before the forward when
+        the plan is `SamplingRule.prepare`'s)."""
         b, n = tree.tokens.shape
         dev = target.device
         weight = torch.ones(b, n + 1, dtype=target.dtype, device=dev)  # [B, N + 1] by node (column n: children that do not exist)
         one = constants.full((), 1.0, target.dtype, dev)
+        table = plan.table
         k = table.k
         if k == 0:
             return weight[:, :n]
-        plan = tree.verify_plan if isinstance(tree.verify_plan, Wavefront) else Wavefront.of(tree, table.ranks)
         start, kids, rounds = plan.start, plan.kids, plan.rounds()
         for t in range(rounds):
             rank = start.neg().add_(t)  # [B, N] the rank each node handles this round
@@ -1103,10 +1104,10 @@ class TraversalTreeTests(TreeTests):
         dev = target_logits.device
         target = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]
         draft_left = None if tree.draft_logprobs is None else tree.draft_logprobs.exp()  # [B, N, V]
-        table = ChildTable.of(tree)
-        weight = self.states(tree, table, target, draft_left)
+        plan = tree.verify_plan if isinstance(tree.verify_plan, Wavefront) else Wavefront.of(tree)  # (prepared before the forward, or now)
+        weight = self.states(tree, plan, target, draft_left)
         uniform = torch.rand(b, n, generator=generator, device=dev)  # [B, N] one per node's own test
-        at = self.accepted_node(tree, table, weight, uniform)
+        at = self.accepted_node(tree, plan.table, weight, uniform)
         on_path = tree.ancestor_mask().gather(1, at[:, None, None].expand(b, 1, n)).squeeze(1)  # [B, N] root..at
         _, _, path, accepted_len = deepest_path(tree, on_path)
         probs = target.gather(1, at[:, None, None].expand(b, 1, target.shape[2])).squeeze(1)  # [B, V] the node's final P
