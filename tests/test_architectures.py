@@ -4,18 +4,22 @@ verify (recurrent state, ALiBi from the cache index, unbuilt attention masks).""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from conftest import EOS, MORE_ARCHS, tiny_any_config
+from conftest import EOS, MORE_ARCHS, WIDE_ARCHS, tiny_any_config
 from transformers import AutoModelForCausalLM
 
+from specdec.cost.table import CostTable
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.models.loading import check_causal_lm
 from specdec.models.runner import ModelRunner
+from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
-from specdec.verification import GreedyRule
+from specdec.verification import GreedyRule, make_rule
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]]
 METHODS = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "dynatree": {"max_nodes": 12}}
@@ -45,6 +49,35 @@ def test_greedy_matches_generate_on_more_architectures(model_type):
             assert out.token_ids == ref, f"{model_type}/{method}/{prompt}"
             accepted += out.stats.accepted_tokens
     assert accepted > 0, "the close draft should get some tokens accepted"
+
+
+EVERY_METHOD = {
+    "ar": {}, "chain": {"k": 4}, "static": {}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "dynatree": {},
+    "dynatree-free": {"free_tokens": 16}, "cast": {},
+}
+
+
+@pytest.mark.skipif(not os.environ.get("SPECDEC_WIDE_ARCHS"), reason="the wide sweep takes ~4 minutes: set SPECDEC_WIDE_ARCHS=1")
+@pytest.mark.parametrize("model_type", WIDE_ARCHS + MORE_ARCHS)
+def test_every_method_on_every_architecture(model_type):
+    """Every method, batch sizes 1 and 2 over four prompts (a rolling batch), gives generate()'s
+    greedy tokens; a sampled run (T = 0.8, top-p 0.9) completes. CAST gets a GPU-like cost table
+    so its trees grow."""
+    prompts = [*PROMPTS, [3, 4]]
+    target, draft = tiny(model_type, seed=0), tiny(model_type, seed=0, noise=0.02)
+    with torch.no_grad():
+        refs = [target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist() for p in prompts]
+    for label, options in EVERY_METHOD.items():
+        method = label.split("-")[0]
+        if method == "cast":
+            options = {"cost_table": CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)}
+        for batch_size in (1, 2):
+            engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+            outs = engine.generate(prompts, 20, batch_size=batch_size)
+            assert [o.token_ids for o in outs] == refs, f"{model_type}/{label}/B={batch_size}"
+            engine = SpeculativeEngine(target, make_policy(method, **options), make_rule("sampling"), ModelDraftSource(draft), eos_token_ids=[EOS])
+            outs = engine.generate(prompts, 20, params=SamplingParams(temperature=0.8, top_p=0.9), seed=1, batch_size=batch_size)
+            assert all(o.token_ids for o in outs), f"{model_type}/{label}/B={batch_size} sampled"
 
 
 UNSUPPORTED = {

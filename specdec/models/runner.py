@@ -118,7 +118,10 @@ class SlotCache(Cache):
     `length` slots per row are in use (committed + this step's); `capacity` are allocated.
     Layers whose key/value shape equals the first layer's share one tensor
     `storage` [L, 2, B, H, capacity, D] (so a commit or a row reorder is one op for all of
-    them); any other layer gets its own [2, B, H', capacity, D'] tensor in `extra`.
+    them); any other layer gets its own [2, B, H', capacity, D'] tensor in `extra`. A layer whose
+    keys and values differ in shape (DeepSeek-V2/V3's compressed MLA cache stores the latent as
+    keys and the rotary part as values) gets the larger of each in `extra` and views of the
+    sizes it writes (`extra_sizes`).
     """
 
     def __init__(self, num_layers: int, batch_size: int, capacity: int, pool: StoragePool | None = None) -> None:
@@ -131,6 +134,8 @@ class SlotCache(Cache):
         self.num_layers = num_layers
         self.storage: torch.Tensor | None = None
         self.extra: dict[int, torch.Tensor] = {}
+        self.extra_sizes: dict[int, tuple[int, int, int, int]] = {}
+        """layers of `extra` whose keys and values differ in shape: (key heads, key dim, value heads, value dim)"""
         self.static: StaticInputs | None = None
         """set during a static-shape forward: layers write at `static.slots` and return the full capacity"""
         self.pool = pool
@@ -149,13 +154,20 @@ class SlotCache(Cache):
         storage = self.storage
         if storage is not None and key_states.shape == value_states.shape and storage.shape[3] == h and storage.shape[5] == d and index not in self.extra:
             return
-        shape = (2, b, max(h, value_states.shape[1]), self.capacity, max(d, value_states.shape[3]))
+        hv, dv = value_states.shape[1], value_states.shape[3]
+        shape = (2, b, max(h, hv), self.capacity, max(d, dv))
         self.extra[index] = self._zeros(shape, key_states)
+        if (h, d) != (hv, dv):
+            self.extra_sizes[index] = (h, d, hv, dv)
 
     def kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Storage views of layer `index`: keys, values [B, H, capacity, D]."""
         own = self.extra.get(index)
         if own is not None:
+            sizes = self.extra_sizes.get(index)
+            if sizes is not None:
+                hk, dk, hv, dv = sizes
+                return own[0, :, :hk, :, :dk], own[1, :, :hv, :, :dv]
             return own[0], own[1]
         assert self.storage is not None
         return self.storage[index, 0], self.storage[index, 1]
