@@ -26,6 +26,7 @@ from specdec.drafting.builder import DraftContext
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.runner import ModelRunner, hole_filling_order
+from specdec.models.support import image_prompt_problem
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.sampling import SamplingParams, choose_tokens
 from specdec.sources.base import DraftSource, TargetPath
@@ -191,6 +192,8 @@ class SpeculativeEngine:
         self.max_context = max_context
         self.device = self.target.device
         self.multimodal = is_multimodal(target)
+        self.image_problem = image_prompt_problem(target.config, target) if self.multimodal else None
+        """why prompts with images would not decode exactly with this target (None: they do)"""
         self.vocab_size = _embedding_rows(target)
         """rows of the target's input embedding: prompt token ids must be below it (None: unknown)"""
 
@@ -212,6 +215,12 @@ class SpeculativeEngine:
             raise SpecDecError(
                 f"{name} has {len(prompt.images)} image(s) but the target is a text-only model; "
                 "use a vision-language (LLaVA-family) target or drop the images"
+            )
+        if isinstance(prompt, MultimodalPrompt) and prompt.model_inputs and self.image_problem is not None:
+            model_type = getattr(self.target.model.config, "model_type", "?")
+            raise SpecDecError(
+                f"{name} has {max(len(prompt.images), 1)} image(s), but the target ({model_type}) {self.image_problem}: "
+                "its outputs would not be the model's own; use a LLaVA-family target, text-only prompts, or transformers' generate() for prompts with images"
             )
         if len(prompt) == 0:
             raise SpecDecError(f"{name} is empty (0 tokens); give at least one token of text")

@@ -165,3 +165,48 @@ def test_pad_rows_left_and_right():
     assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     ids, mask = pad_rows([[1, 2, 3], [4]], -100, side="right")
     assert ids.tolist() == [[1, 2, 3], [4, -100, -100]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def _tiny_vlm(model_type: str, **extra):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    text.update(extra.pop("text", {}))
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, text_config=text, **extra)).eval()
+
+
+def test_image_prompts_refused_where_positions_or_masks_differ(lvlm):
+    """Qwen2-VL positions image tokens in 3-D (multimodal RoPE): with images, specdec's one
+    position per token would give other logits than the model's own (measured on this tiny
+    model: 0.018 at the last prompt token), so prompts with images are refused with the reason;
+    text-only prompts decode as before. LLaVA has no such problem."""
+    from specdec.models.support import image_prompt_problem
+
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    qwen = _tiny_vlm("qwen2_vl", text={"rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}, vision_config=vision, image_token_id=250)
+    assert "multimodal RoPE" in (image_prompt_problem(qwen.config) or "")
+    assert image_prompt_problem(lvlm["target"].config) is None
+    ids = [5, 6, 251, *[250] * 4, 252, 7, 8]
+    inputs = {"pixel_values": torch.randn(16, 96), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    eng = SpeculativeEngine(qwen, make_policy("ar"), GreedyRule(), None, eos_token_ids=[2])
+    with pytest.raises(SpecDecError, match=r"prompt 0 has 1 image\(s\), but the target \(qwen2_vl\) positions image tokens in three dimensions"):
+        eng.generate([MultimodalPrompt(ids, inputs)], 4)
+    with torch.no_grad():
+        ref = qwen.generate(torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 4:].tolist()
+    assert eng.generate([[5, 6, 7, 8]], 6)[0].token_ids == ref  # text only: 1-D positions are the model's own
+
+
+def test_bidirectional_image_attention_is_named():
+    from transformers import AutoConfig
+
+    from specdec.models.support import image_prompt_problem
+
+    assert "both ways" in (image_prompt_problem(AutoConfig.for_model("gemma3")) or "")
+    assert "both ways" in (image_prompt_problem(AutoConfig.for_model("paligemma")) or "")
+    assert "both ways" in (image_prompt_problem(AutoConfig.for_model("gemma4", text_config={"use_bidirectional_attention": "vision"})) or "")
+    assert image_prompt_problem(AutoConfig.for_model("gemma4")) is None  # the smaller Gemma 4 models keep image tokens causal
+    assert "cross-attention" in (image_prompt_problem(AutoConfig.for_model("mllama")) or "")
+    assert "three dimensions" in (image_prompt_problem(AutoConfig.for_model("qwen2_5_vl")) or "")  # found from the model class's get_rope_index
+    assert image_prompt_problem(AutoConfig.for_model("llava")) is None
+    assert image_prompt_problem(AutoConfig.for_model("llava_next")) is None

@@ -28,6 +28,11 @@ MASKED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 """architectures whose ALiBi bias comes from the cache index or the 2-D mask, never from position ids"""
 
+BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3", "paligemma", "shieldgemma2"})
+"""vision-language models whose image tokens attend to each other both ways (a block built from
+`token_type_ids`), which specdec's causal 4-D masks would not reproduce; Gemma 4 does so when its
+text config says `use_bidirectional_attention="vision"`"""
+
 CACHE_ARGUMENTS = ("cache", "past_key_values")
 """the names a model's forward takes its key/value cache by: `cache` since transformers 5.24,
 `past_key_values` before (5.24 still accepts it, renamed with a deprecation warning)"""
@@ -89,3 +94,45 @@ def tree_verification_problem(config: PretrainedConfig, model_class: type | None
     if unknown:
         return f"({model_type}) has attention layer types {unknown} whose masks specdec does not build yet (it builds {sorted(MASKED_LAYER_TYPES)})"
     return None
+
+
+def image_prompt_problem(config: PretrainedConfig, model: object | None = None) -> str | None:
+    """Why prompts with images would not decode exactly with a vision-language target of this
+    config (a phrase to follow the model's name), or None when they do (LLaVA-family models:
+    image features scattered into image tokens that take ordinary positions and causal attention).
+    model: the loaded model, when there is one (else its class is looked up from the config).
+
+    specdec gives every token one position id (its count of committed tokens before it) and a
+    causal 4-D mask. Models that position image tokens in 3-D (multimodal RoPE: a `get_rope_index`
+    on the model, as Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, ERNIE-4.5-VL have), let them attend
+    both ways (Gemma 3, PaliGemma, Gemma 4's larger models) or read images through cross-attention (Mllama) would run with
+    other positions or masks than their own, and their outputs would not be the model's.
+    Text-only prompts are unaffected (their positions are 1-D in every one of these models)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if _positions_in_3d(config, model):
+        return "positions image tokens in three dimensions (multimodal RoPE), which specdec's one position per token would flatten"
+    if getattr(config, "model_type", None) in BIDIRECTIONAL_IMAGE_MODEL_TYPES or getattr(text, "use_bidirectional_attention", None) in ("vision", "all", True):
+        return "lets image tokens attend to each other both ways, which specdec's causal masks would not"
+    if getattr(text, "cross_attention_layers", None) or getattr(config, "cross_attention_layers", None):
+        return "reads images through cross-attention layers, which specdec's key/value cache does not hold"
+    return None
+
+
+def _positions_in_3d(config: PretrainedConfig, model: object | None) -> bool:
+    """Whether the model computes multimodal RoPE positions (`get_rope_index`, on the model or
+    its base model) or its config names rotary sections."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for cfg in (config, text):
+        for name in ("rope_parameters", "rope_scaling"):
+            rope = getattr(cfg, name, None)
+            if isinstance(rope, dict) and ("mrope_section" in rope or "mrope_interleaved" in rope):
+                return True
+    if model is not None:
+        return any(hasattr(m, "get_rope_index") for m in (model, getattr(model, "model", None)) if m is not None)
+    try:
+        from transformers import AutoModel
+
+        base = AutoModel._model_mapping[type(config)]
+    except Exception:  # remote code or a type transformers does not map: nothing to look at
+        return False
+    return hasattr(base, "get_rope_index")
