@@ -210,3 +210,43 @@ def test_bidirectional_image_attention_is_named():
     assert "three dimensions" in (image_prompt_problem(AutoConfig.for_model("qwen2_5_vl")) or "")  # found from the model class's get_rope_index
     assert image_prompt_problem(AutoConfig.for_model("llava")) is None
     assert image_prompt_problem(AutoConfig.for_model("llava_next")) is None
+
+
+def test_llava_next_images_of_different_shapes_batch_exactly(lvlm):
+    """LLaVA-NeXT splits each image into as many patches as its aspect ratio needs, so prompts'
+    pixel values differ in shape ([images, patches, 3, H, W]); batched (all rows, and 2 rows with
+    a prompt joining) they are zero-padded as its processor pads a batch, and greedy output equals
+    the model's own generate() per prompt (before, any batch of two such prompts crashed)."""
+    import numpy as np
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    from specdec.training.lvlm import lvlm_config
+
+    tok = lvlm["tok"]
+    base = lvlm_config(SIZE_T, tok)
+    pinpoints = [[32, 32], [32, 64], [64, 32]]
+    config = LlavaNextConfig(
+        vision_config=base.vision_config, text_config=base.text_config, image_token_index=base.image_token_index, image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+
+    def picture(seed: int, h: int, w: int) -> Image.Image:
+        return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+    prompts = [
+        encode_multimodal(processor, TEXTS[0], [picture(0, 40, 80)]),  # 3 patches
+        encode_multimodal(processor, TEXTS[0], [picture(1, 40, 40)]),  # 2 patches
+        encode_multimodal(processor, TEXTS[1], [picture(2, 80, 40), picture(3, 30, 30)]),
+    ]
+    assert len({p.model_inputs["pixel_values"].shape[1:] for p in prompts}) == 2
+    eos = tok.eos_token_id
+    refs = [reference(model, p, 12, eos) for p in prompts]
+    for method, batch_size in (("ar", 3), ("eagle2", 3), ("eagle2", 2)):
+        eng = SpeculativeEngine(model, make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(model), eos_token_ids=[eos], pad_token_id=1)
+        assert [o.token_ids for o in eng.generate(prompts, 12, batch_size=batch_size)] == refs, (method, batch_size)

@@ -121,7 +121,11 @@ def batch_model_inputs(prompts: Sequence[Sequence[int]], device: torch.device | 
 
     LLaVA-family models scatter image features into the image tokens of the flattened
     [B, L] ids in order, so concatenating each row's images in row order is exact.
-    Text-only prompts contribute nothing; an all-text batch gives {}.
+    Tensors that differ beyond their first dimension (LLaVA-NeXT's pixel values
+    [images, patches, 3, H, W] have as many patches as each image's aspect ratio needs) are
+    zero-padded at the end of each dimension first, as the processors pad a batch they encode
+    together: the model reads only the real part (LLaVA-NeXT counts an image's patches from its
+    `image_sizes`). Text-only prompts contribute nothing; an all-text batch gives {}.
     """
     merged: dict[str, list[Any]] = {}
     for prompt in prompts:
@@ -131,13 +135,29 @@ def batch_model_inputs(prompts: Sequence[Sequence[int]], device: torch.device | 
     batch: dict[str, Any] = {}
     for key, values in merged.items():
         if all(isinstance(v, torch.Tensor) for v in values):
-            tensor = torch.cat(values, dim=0)
+            tensor = torch.cat(_padded_alike(values), dim=0)
             batch[key] = tensor.to(device) if device is not None else tensor
         elif all(isinstance(v, list) for v in values):
             batch[key] = [item for v in values for item in v]
         else:
             batch[key] = values
     return batch
+
+
+def _padded_alike(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors zero-padded at the end of every dimension but the first to the largest size
+    there (unchanged when they already agree; tensors of different ranks are left to fail in
+    the concatenation)."""
+    if len({t.dim() for t in tensors}) != 1 or len({t.shape[1:] for t in tensors}) == 1:
+        return tensors
+    target = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    out = []
+    for t in tensors:
+        pad: list[int] = []
+        for d in reversed(range(1, t.dim())):  # F.pad lists the last dimension first
+            pad += [0, target[d - 1] - t.shape[d]]
+        out.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
+    return out
 
 
 def same_image_encoding(target: Any, draft: Any, target_processor: Any, draft_processor: Any) -> bool:
