@@ -134,3 +134,34 @@ def test_cache_argument_follows_the_forward_signature():
     marker = object()
     assert output_cache(type("Out", (), {"cache": marker})()) is marker
     assert output_cache(type("Out", (), {"past_key_values": marker})()) is marker
+
+
+def test_forward_without_logits_to_keep():
+    """Older remote-code models take neither `logits_to_keep` nor `num_logits_to_keep` (and no
+    **kwargs): the runner leaves the argument out and keeps the last positions itself. Before,
+    every forward raised a TypeError. The old name is passed where it is the one taken."""
+    from transformers import LlamaForCausalLM
+
+    from specdec.models.support import logits_keep_argument
+
+    class NoKeep(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):  # type: ignore[override]
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)
+
+    class OldName(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None, num_logits_to_keep=0):  # type: ignore[override]
+            return super().forward(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                logits_to_keep=num_logits_to_keep,
+            )
+
+    base = tiny("llama", seed=0)
+    assert (logits_keep_argument(base), logits_keep_argument(NoKeep(base.config)), logits_keep_argument(OldName(base.config))) == ("logits_to_keep", None, "num_logits_to_keep")
+    with torch.no_grad():
+        refs = [base.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist() for p in PROMPTS]
+    for cls in (NoKeep, OldName):
+        model = cls(base.config).eval()
+        model.load_state_dict(base.state_dict())
+        for method in ("ar", "eagle2"):
+            engine = SpeculativeEngine(model, make_policy(method, **METHODS.get(method, {})), GreedyRule(), ModelDraftSource(model), eos_token_ids=[EOS])
+            assert [o.token_ids for o in engine.generate(PROMPTS, 12)] == refs, (cls.__name__, method)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from specdec.models.support import logits_keep_argument
+
 TIE_ULPS = 8
 """logit differences up to this many units in the last place count as a numerical tie"""
 
@@ -84,7 +86,8 @@ def classify(model: PreTrainedModel, context: Sequence[int], output: Sequence[in
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     ids = torch.tensor([list(context) + list(reference[:i])], dtype=torch.long, device=device)
-    z = model(input_ids=ids, logits_to_keep=1).logits[0, -1]  # [V] in the run's dtype
+    keep = logits_keep_argument(model)
+    z = model(input_ids=ids, **({keep: 1} if keep else {})).logits[0, -1]  # [V] in the run's dtype
     a, m = int(reference[i]), int(output[i])
     za, zm = float(z[a]), float(z[m])
     return Divergence(position=i, ar_token=a, method_token=m, margin=za - zm, tolerance=TIE_ULPS * ulp(max(abs(za), abs(zm)), dtype))

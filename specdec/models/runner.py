@@ -37,7 +37,7 @@ from specdec.hostwork import uncounted
 from specdec.models.graphs import CudaGraphRunner
 from specdec.models.static import BUCKETS, StaticInputs, StoragePool, cpu_pool, node_bucket, shared_state
 from specdec.models.support import FIX as UNSUPPORTED_FIX
-from specdec.models.support import cache_argument, tree_verification_problem
+from specdec.models.support import cache_argument, logits_keep_argument, tree_verification_problem
 
 _LOG = logging.getLogger("specdec.runner")
 
@@ -188,6 +188,12 @@ class SlotCache(Cache):
             break
 
 
+def _kept(logits: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    """The last `logits_to_keep` positions of logits [B, n, V] (all when 0), whether or not the
+    model already cut them."""
+    return logits[:, -logits_to_keep:] if 0 < logits_to_keep < logits.shape[1] else logits
+
+
 def hole_filling_order(finished: Sequence[bool]) -> list[int]:
     """The rows to keep when the `finished` ones leave the batch, in an order that moves the fewest:
     each unfinished row among the first L (L = unfinished rows) stays in place, and each finished
@@ -224,6 +230,7 @@ class ModelRunner:
             raise SpecDecError(f"{type(model).__name__} {problem}; {UNSUPPORTED_FIX}")
         self.model = model
         self._cache_arg = cache_argument(model)  # 'cache' (transformers >= 5.24) or 'past_key_values'
+        self._keep_arg = logits_keep_argument(model)  # 'logits_to_keep', an older name, or None (sliced here)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.static_shapes = static_shapes or cuda_graphs
@@ -417,10 +424,10 @@ class ModelRunner:
                 position_ids=position_ids,
                 use_cache=True,
                 **{self._cache_arg: cache},
-                logits_to_keep=logits_to_keep,
+                **self._keep_kwargs(logits_to_keep),
                 **(model_inputs or {}),
             )
-        return out.logits.float()
+        return _kept(out.logits, logits_to_keep).float()
 
     def _sliding_masks(self, visible: torch.Tensor, full: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """The attention masks of a model with sliding-window layers: a key at position j is in
@@ -514,10 +521,14 @@ class ModelRunner:
             position_ids=buf.position_ids,
             use_cache=True,
             **{self._cache_arg: self._cache()},
-            logits_to_keep=logits_to_keep,
+            **self._keep_kwargs(logits_to_keep),
             **(model_inputs or {}),
         )
-        return out.logits
+        return _kept(out.logits, logits_to_keep)
+
+    def _keep_kwargs(self, logits_to_keep: int) -> dict[str, int]:
+        """logits_to_keep under the name the model's forward takes ({} when it takes none)."""
+        return {} if self._keep_arg is None else {self._keep_arg: logits_to_keep}
 
     def _start_timer(self) -> Any:
         if self.device.type == "cuda":

@@ -54,6 +54,22 @@ def cache_argument(model: object) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def logits_keep_argument(model: object) -> str | None:
+    """The keyword `model`'s forward takes "compute logits for the last k tokens only" by:
+    'logits_to_keep' (transformers >= 4.50), 'num_logits_to_keep' (4.45-4.49, still in older
+    remote code), or None when it takes neither (older remote code): then every position's logits
+    come back and the runner slices them. A forward taking **kwargs is assumed to know the
+    current name."""
+    try:
+        parameters = inspect.signature(type(model).forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return "logits_to_keep"
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in parameters:
+            return name
+    return "logits_to_keep" if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()) else None
+
+
 def output_cache(output: object) -> object:
     """The key/value cache a forward returned, under either name (`CACHE_ARGUMENTS`)."""
     cache = getattr(output, "cache", None)
