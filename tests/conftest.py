@@ -48,15 +48,16 @@ def tiny_config(arch: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB
     raise ValueError(arch)
 
 
-MORE_ARCHS = ("mistral", "gemma2", "gemma3_text", "phi3", "opt", "falcon", "gptj", "qwen3_moe", "gpt_oss", "olmo3", "cohere2", "starcoder2", "deepseek_v3")
+MORE_ARCHS = ("mistral", "gemma2", "gemma3_text", "phi3", "opt", "falcon", "gptj", "qwen3_moe", "gpt_oss", "olmo3", "cohere2", "starcoder2", "deepseek_v3", "gemma3n_text")
 """more transformers architectures, built by `tiny_any_config`: sliding windows (every layer or mixed,
 a window of 8 so the prompts and generations cross it), soft-capped logits, mixture-of-experts
 layers, learned and partial rotary positions, multi-head latent attention (DeepSeek-V3: a compressed
-cache whose keys and values differ in shape)"""
+cache whose keys and values differ in shape), layers reusing earlier layers' keys and values
+(Gemma 3n's KV sharing)"""
 
 WIDE_ARCHS = (
     "phi", "qwen3", "granite", "stablelm", "smollm3", "glm", "glm4", "exaone4", "ernie4_5", "hunyuan_v1_dense", "seed_oss",
-    "olmo2", "olmoe", "mixtral", "deepseek_v2", "nemotron", "gemma", "gemma3n_text", "persimmon", "codegen", "xglm", "biogpt",
+    "olmo2", "olmoe", "mixtral", "deepseek_v2", "nemotron", "gemma", "persimmon", "codegen", "xglm", "biogpt",
     "ministral", "apertus", "arcee", "helium", "bitnet", "gpt_bigcode", "cohere", "phimoe", "granitemoe", "qwen2_moe",
 )
 """every other transformers causal LM `tiny_any_config` builds and `generate()` runs; the opt-in
@@ -83,10 +84,10 @@ def tiny_any_config(model_type: str, layers: int = 2, hidden: int = 64, vocab: i
             num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
             n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, moe_intermediate_size=32,
         )
-    if model_type == "gemma3n_text":  # no shared-KV layers (they need more layers than two), small per-layer inputs
+    if model_type == "gemma3n_text":  # four layers, the last two reusing the first two's keys and values (KV sharing)
         fields.update(
-            num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"], altup_num_inputs=2, laurel_rank=8,
-            hidden_size_per_layer_input=8, activation_sparsity_pattern=[0.0, 0.0], intermediate_size=[2 * hidden, 2 * hidden],
+            num_hidden_layers=4, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2, altup_num_inputs=2, laurel_rank=8,
+            hidden_size_per_layer_input=8, activation_sparsity_pattern=[0.0] * 4, intermediate_size=[2 * hidden] * 4,
         )
     fields.update(overrides)
     config = AutoConfig.for_model(model_type, **fields)

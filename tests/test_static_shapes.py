@@ -25,8 +25,9 @@ from specdec.verification import GreedyRule
 
 SLIDING_ARCHS = ("mistral", "gemma2", "gpt_oss")
 """sliding windows of 2 slots (every layer, mixed with full layers, mixed with attention sinks): the scripted steps cross them"""
-OTHER_CACHE_ARCHS = ("deepseek_v3",)
-"""keys and values of different shapes in the cache (latent attention)"""
+OTHER_CACHE_ARCHS = ("deepseek_v3", "gemma3n_text")
+"""keys and values of different shapes in the cache (latent attention); layers with no cache of
+their own (KV sharing)"""
 
 
 def _model(arch: str):

@@ -21,8 +21,10 @@ import inspect
 
 from transformers import DynamicCache, PretrainedConfig
 
-ATTENTION_CACHE_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
-"""transformers cache layers that hold plain per-token keys and values (full or sliding attention)"""
+ATTENTION_CACHE_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"})
+"""transformers cache layers that hold plain per-token keys and values (full or sliding attention),
+or nothing at all (`DummyLayer`: a layer reusing an earlier layer's keys and values, as Gemma 3n's
+KV-shared layers, or one without attention): no state a rejected token could stay in"""
 MASKED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """per-layer attention types whose masks specdec builds (`ModelRunner._sliding_masks`)"""
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
