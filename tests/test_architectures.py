@@ -92,6 +92,8 @@ UNSUPPORTED = {
     "mpt": ({}, "ALiBi"),
     "falcon": ({"alibi": True}, "ALiBi"),
     "llama4_text": ({}, "chunked_attention"),
+    "deepseek_v32": ({}, "other than plain keys and values"),  # the sparse-attention indexer's keys
+    "openai-gpt": ({}, "takes no key/value cache"),
 }
 
 

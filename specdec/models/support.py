@@ -25,6 +25,8 @@ ATTENTION_CACHE_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer",
 """transformers cache layers that hold plain per-token keys and values (full or sliding attention),
 or nothing at all (`DummyLayer`: a layer reusing an earlier layer's keys and values, as Gemma 3n's
 KV-shared layers, or one without attention): no state a rejected token could stay in"""
+RECURRENT_LAYER_WORDS = ("LinearAttention", "Mamba", "Conv", "Recurrent", "SSM")
+"""words in the names of transformers cache layers that keep a recurrent or convolutional state"""
 MASKED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """per-layer attention types whose masks specdec builds (`ModelRunner._sliding_masks`)"""
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
@@ -91,16 +93,25 @@ def tree_verification_problem(config: PretrainedConfig, model_class: type | None
         except (TypeError, ValueError):
             takes_cache = True  # no signature to read: let the cache layers decide
         if not takes_cache:
-            return f"({model_type}) keeps a recurrent state instead of a key/value cache, and a rejected draft token cannot be taken back out of it"
+            return (
+                f"({model_type}) takes no key/value cache: it keeps a recurrent state instead (RWKV, xLSTM), which a rejected draft "
+                "token cannot be taken back out of, or recomputes the whole sequence every step"
+            )
     try:
         layers = DynamicCache(config=text).layers
     except Exception:  # a config transformers cannot lay a cache out for: the runner reports it
         layers = []
-    stateful = sorted({type(layer).__name__ for layer in layers} - ATTENTION_CACHE_LAYERS)
-    if stateful:
+    other = sorted({type(layer).__name__ for layer in layers} - ATTENTION_CACHE_LAYERS)
+    recurrent = [name for name in other if any(word in name for word in RECURRENT_LAYER_WORDS)]
+    if recurrent:
         return (
-            f"({model_type}) has layers with a recurrent or convolutional state ({', '.join(stateful)}), "
+            f"({model_type}) has layers with a recurrent or convolutional state ({', '.join(recurrent)}), "
             "and a rejected draft token cannot be taken back out of it"
+        )
+    if other:
+        return (
+            f"({model_type}) keeps per-layer cache state other than plain keys and values ({', '.join(other)}: e.g. a sparse-attention "
+            "indexer's keys or compressed attention blocks), which specdec's slot cache cannot commit and roll back token by token yet"
         )
     if model_type in ALIBI_MODEL_TYPES or getattr(text, "alibi", False) is True:
         return (
