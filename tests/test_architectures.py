@@ -94,6 +94,7 @@ UNSUPPORTED = {
     "llama4_text": ({}, "chunked_attention"),
     "deepseek_v32": ({}, "other than plain keys and values"),  # the sparse-attention indexer's keys
     "openai-gpt": ({}, "takes no key/value cache"),
+    "cpmant": ({}, "takes no position ids"),  # positions from the sequence: its engine run crashed mid-prefill
 }
 
 

@@ -113,6 +113,11 @@ def tree_verification_problem(config: PretrainedConfig, model_class: type | None
             f"({model_type}) keeps per-layer cache state other than plain keys and values ({', '.join(other)}: e.g. a sparse-attention "
             "indexer's keys or compressed attention blocks), which specdec's slot cache cannot commit and roll back token by token yet"
         )
+    if forward is not None and model_type not in ALIBI_MODEL_TYPES and not _takes_position_ids(forward):  # (ALiBi models: their own reason below)
+        return (
+            f"({model_type}) takes no position ids (it positions tokens by their index in the cache or the sequence), "
+            "so a draft tree's nodes would be positioned by their slot instead of their depth"
+        )
     if model_type in ALIBI_MODEL_TYPES or getattr(text, "alibi", False) is True:
         return (
             f"({model_type}) adds ALiBi position biases computed from each key's index in the cache or from a 2-D padding mask, "
@@ -123,6 +128,15 @@ def tree_verification_problem(config: PretrainedConfig, model_class: type | None
     if unknown:
         return f"({model_type}) has attention layer types {unknown} whose masks specdec does not build yet (it builds {sorted(MASKED_LAYER_TYPES)})"
     return None
+
+
+def _takes_position_ids(forward: object) -> bool:
+    """Whether a forward names a `position_ids` parameter (one that only takes **kwargs may drop
+    them silently: CPM-Ant, TrOCR's decoder); True when its signature cannot be read."""
+    try:
+        return "position_ids" in inspect.signature(forward).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return True
 
 
 def image_prompt_problem(config: PretrainedConfig, model: object | None = None) -> str | None:
