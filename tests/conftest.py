@@ -59,9 +59,14 @@ WIDE_ARCHS = (
     "phi", "qwen3", "granite", "stablelm", "smollm3", "glm", "glm4", "exaone4", "ernie4_5", "hunyuan_v1_dense", "seed_oss",
     "olmo2", "olmoe", "mixtral", "deepseek_v2", "nemotron", "gemma", "persimmon", "codegen", "xglm", "biogpt",
     "ministral", "apertus", "arcee", "helium", "bitnet", "gpt_bigcode", "cohere", "phimoe", "granitemoe", "qwen2_moe",
+    "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "sarvam_mla", "axk1",
 )
 """every other transformers causal LM `tiny_any_config` builds and `generate()` runs; the opt-in
 sweep of every method over them (`SPECDEC_WIDE_ARCHS=1`, tests/test_architectures.py)"""
+
+
+LATENT_ATTENTION_ARCHS = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "sarvam_mla", "axk1")
+"""architectures with DeepSeek's multi-head latent attention (a compressed cache), given its sizes by `tiny_any_config`"""
 
 
 def tiny_any_config(model_type: str, layers: int = 2, hidden: int = 64, vocab: int = VOCAB, **overrides):
@@ -79,7 +84,7 @@ def tiny_any_config(model_type: str, layers: int = 2, hidden: int = 64, vocab: i
         fields["rotary_dim"] = hidden // 8
     if model_type in ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral"):
         fields.update(num_experts=4, num_local_experts=4, num_experts_per_tok=2)
-    if model_type in ("deepseek_v2", "deepseek_v3"):  # latent attention: the cache keeps a 16-wide latent (keys) and the 8-wide rotary key (values)
+    if model_type in LATENT_ATTENTION_ARCHS:  # latent attention: the cache keeps a 16-wide latent (keys) and the 8-wide rotary key (values)
         fields.update(
             num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
             n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, moe_intermediate_size=32,
