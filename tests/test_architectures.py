@@ -148,14 +148,13 @@ def test_forward_without_logits_to_keep():
     from specdec.models.support import logits_keep_argument
 
     class NoKeep(LlamaForCausalLM):
-        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):  # type: ignore[override]
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None):  # type: ignore[override]
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache)
 
     class OldName(LlamaForCausalLM):
-        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None, num_logits_to_keep=0):  # type: ignore[override]
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None, num_logits_to_keep=0):  # type: ignore[override]
             return super().forward(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                logits_to_keep=num_logits_to_keep,
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache, logits_to_keep=num_logits_to_keep,
             )
 
     base = tiny("llama", seed=0)
