@@ -250,3 +250,14 @@ def test_llava_next_images_of_different_shapes_batch_exactly(lvlm):
     for method, batch_size in (("ar", 3), ("eagle2", 3), ("eagle2", 2)):
         eng = SpeculativeEngine(model, make_policy(method, **METHODS[method]), GreedyRule(), ModelDraftSource(model), eos_token_ids=[eos], pad_token_id=1)
         assert [o.token_ids for o in eng.generate(prompts, 12, batch_size=batch_size)] == refs, (method, batch_size)
+
+
+def test_inputs_of_different_ranks_are_named():
+    from specdec.multimodal.inputs import batch_model_inputs
+
+    a = MultimodalPrompt([1, 2], {"pixel_values": torch.zeros(1, 3, 4, 4)})
+    b = MultimodalPrompt([1, 2], {"pixel_values": torch.zeros(1, 2, 3, 4, 4)})
+    with pytest.raises(SpecDecError, match=r"'pixel_values' inputs have different ranks \(\[4, 5\] dimensions\)"):
+        batch_model_inputs([a, b])
+    padded = batch_model_inputs([b, MultimodalPrompt([1], {"pixel_values": torch.ones(1, 3, 3, 4, 4)})])["pixel_values"]
+    assert padded.shape == (2, 3, 3, 4, 4) and padded[0, 2].abs().sum() == 0 and padded[1].min() == 1  # zero-padded at the end

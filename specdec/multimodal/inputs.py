@@ -135,6 +135,11 @@ def batch_model_inputs(prompts: Sequence[Sequence[int]], device: torch.device | 
     batch: dict[str, Any] = {}
     for key, values in merged.items():
         if all(isinstance(v, torch.Tensor) for v in values):
+            if len({v.dim() for v in values}) != 1:
+                raise SpecDecError(
+                    f"the prompts' {key!r} inputs have different ranks ({sorted({v.dim() for v in values})} dimensions): they were encoded "
+                    "by different processors; encode every prompt of a batch with the target's processor (encode_multimodal)"
+                )
             tensor = torch.cat(_padded_alike(values), dim=0)
             batch[key] = tensor.to(device) if device is not None else tensor
         elif all(isinstance(v, list) for v in values):
@@ -146,9 +151,8 @@ def batch_model_inputs(prompts: Sequence[Sequence[int]], device: torch.device | 
 
 def _padded_alike(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors zero-padded at the end of every dimension but the first to the largest size
-    there (unchanged when they already agree; tensors of different ranks are left to fail in
-    the concatenation)."""
-    if len({t.dim() for t in tensors}) != 1 or len({t.shape[1:] for t in tensors}) == 1:
+    there (unchanged when they already agree). The tensors have one rank."""
+    if len({t.shape[1:] for t in tensors}) == 1:
         return tensors
     target = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
     out = []
