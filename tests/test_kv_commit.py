@@ -351,3 +351,24 @@ def test_draft_root_forward_runs_its_lm_head_on_the_root_alone():
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
     # chain k=1 drafts no level below the root: every head call is a root forward (prefill keeps one too)
     assert head_positions and set(head_positions) == {1}
+
+
+def test_latent_attention_cache_is_one_storage_and_commits_right():
+    """DeepSeek-V3's layers cache a 16-wide latent as keys and an 8-wide rotary key as values. All
+    its layers share one storage (a commit is one gather for all of them, not one per layer), each
+    seeing views of its own widths, and after decoding the committed latents equal a fresh prefill's."""
+    from conftest import tiny_any_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_any_config("deepseek_v3", layers=4)).eval()
+    engine = SpeculativeEngine(model, Eagle2Policy(depth=4, top_k=3, total_tokens=10), GreedyRule(), ModelDraftSource(model), eos_token_ids=[])
+    prompt = [5, 6, 7, 8, 9]
+    out = engine.generate([prompt], 9)[0]
+    cache = engine.target.cache
+    assert len(cache.tensors()) == 1 and cache.layout == (1, 16, 1, 8)
+    keys, values = cache.kv(0)
+    assert (keys.shape[1], keys.shape[3], values.shape[1], values.shape[3]) == (1, 16, 1, 8)
+    committed = prompt + out.token_ids[:-1]
+    for got, ref in zip(committed_keys(engine.target), fresh_keys(model, committed), strict=True):
+        assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5)

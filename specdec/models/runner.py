@@ -112,16 +112,28 @@ class SlotLayer(CacheLayerMixin):
         return -1
 
 
+Layout = tuple[int, int, int, int]
+"""a layer's cache shape: (key heads, key dim, value heads, value dim)"""
+
+
+def _layout_views(keys: torch.Tensor, values: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a layer's storage [B, H, capacity, D] (H, D: the larger of keys' and values')
+    at the sizes its keys and values have: the storage itself when they agree."""
+    hk, dk, hv, dv = layout
+    if (hk, dk) == (hv, dv):
+        return keys, values
+    return keys[:, :hk, :, :dk], values[:, :hv, :, :dv]
+
+
 class SlotCache(Cache):
     """Preallocated KV storage for every layer, written by position.
 
     `length` slots per row are in use (committed + this step's); `capacity` are allocated.
-    Layers whose key/value shape equals the first layer's share one tensor
-    `storage` [L, 2, B, H, capacity, D] (so a commit or a row reorder is one op for all of
-    them); any other layer gets its own [2, B, H', capacity, D'] tensor in `extra`. A layer whose
-    keys and values differ in shape (DeepSeek-V2/V3's compressed MLA cache stores the latent as
-    keys and the rotary part as values) gets the larger of each in `extra` and views of the
-    sizes it writes (`extra_sizes`).
+    Layers with the first layer's `Layout` share one tensor `storage` [L, 2, B, H, capacity, D]
+    (so a commit or a row reorder is one op for all of them); any other layer gets its own
+    [2, B, H', capacity, D'] tensor in `extra`. Keys and values may differ in shape (DeepSeek-V2/V3's
+    compressed latent-attention cache stores the latent as keys and the rotary key as values):
+    the storage is then sized for the larger of each and a layer gets views of the sizes it writes.
     """
 
     def __init__(self, num_layers: int, batch_size: int, capacity: int, pool: StoragePool | None = None) -> None:
@@ -133,9 +145,11 @@ class SlotCache(Cache):
         self.rows = batch_size
         self.num_layers = num_layers
         self.storage: torch.Tensor | None = None
+        self.layout: Layout | None = None
+        """the layout of the layers in `storage` (set with it)"""
         self.extra: dict[int, torch.Tensor] = {}
-        self.extra_sizes: dict[int, tuple[int, int, int, int]] = {}
-        """layers of `extra` whose keys and values differ in shape: (key heads, key dim, value heads, value dim)"""
+        self.extra_layouts: dict[int, Layout] = {}
+        """the layout of each layer in `extra`"""
         self.static: StaticInputs | None = None
         """set during a static-shape forward: layers write at `static.slots` and return the full capacity"""
         self.pool = pool
@@ -148,29 +162,22 @@ class SlotCache(Cache):
         return reused if reused is not None else torch.zeros(shape, dtype=like.dtype, device=like.device)
 
     def _allocate_layer(self, index: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, _, d = key_states.shape
-        if self.storage is None and key_states.shape == value_states.shape:
-            self.storage = self._zeros((self.num_layers, 2, b, h, self.capacity, d), key_states)
-        storage = self.storage
-        if storage is not None and key_states.shape == value_states.shape and storage.shape[3] == h and storage.shape[5] == d and index not in self.extra:
+        """Storage for layer `index`, from its first keys and values [B, H, n, D]."""
+        layout = (key_states.shape[1], key_states.shape[3], value_states.shape[1], value_states.shape[3])
+        b, h, d = key_states.shape[0], max(layout[0], layout[2]), max(layout[1], layout[3])
+        if self.storage is None:
+            self.storage, self.layout = self._zeros((self.num_layers, 2, b, h, self.capacity, d), key_states), layout
+        if layout == self.layout and index not in self.extra:
             return
-        hv, dv = value_states.shape[1], value_states.shape[3]
-        shape = (2, b, max(h, hv), self.capacity, max(d, dv))
-        self.extra[index] = self._zeros(shape, key_states)
-        if (h, d) != (hv, dv):
-            self.extra_sizes[index] = (h, d, hv, dv)
+        self.extra[index], self.extra_layouts[index] = self._zeros((2, b, h, self.capacity, d), key_states), layout
 
     def kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Storage views of layer `index`: keys, values [B, H, capacity, D]."""
         own = self.extra.get(index)
         if own is not None:
-            sizes = self.extra_sizes.get(index)
-            if sizes is not None:
-                hk, dk, hv, dv = sizes
-                return own[0, :, :hk, :, :dk], own[1, :, :hv, :, :dv]
-            return own[0], own[1]
-        assert self.storage is not None
-        return self.storage[index, 0], self.storage[index, 1]
+            return _layout_views(own[0], own[1], self.extra_layouts[index])
+        assert self.storage is not None and self.layout is not None
+        return _layout_views(self.storage[index, 0], self.storage[index, 1], self.layout)
 
     def tensors(self) -> list[tuple[torch.Tensor, int, int]]:
         """Every storage tensor with its batch and slot dimensions: [(tensor, batch_dim, slot_dim)]."""
@@ -299,7 +306,7 @@ class ModelRunner:
         """Hand the cache's storage back to the model's pool (static shapes, or a CPU)."""
         if self._pool is not None and self.cache is not None:
             self._pool.give(self.cache.tensors())
-            self.cache.storage, self.cache.extra = None, {}
+            self.cache.storage, self.cache.layout, self.cache.extra, self.cache.extra_layouts = None, None, {}, {}
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # (at interpreter shutdown)
@@ -618,8 +625,8 @@ class ModelRunner:
             shape[batch_dim], shape[slot_dim] = batch_size, cache.capacity
             return cache._zeros(tuple(shape), t)
 
-        cache.storage = None if like.storage is None else batch_storage(like.storage, 2, 4)
-        cache.extra = {i: batch_storage(t, 1, 3) for i, t in like.extra.items()}
+        cache.storage, cache.layout = None if like.storage is None else batch_storage(like.storage, 2, 4), like.layout
+        cache.extra, cache.extra_layouts = {i: batch_storage(t, 1, 3) for i, t in like.extra.items()}, dict(like.extra_layouts)
         for layer in cache.layers:
             layer.is_initialized = True
 

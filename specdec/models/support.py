@@ -18,6 +18,7 @@ mid-generation or, worse, verify against wrong target logits:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 from transformers import DynamicCache, PretrainedConfig
 
@@ -48,25 +49,29 @@ FIX = (
 )
 
 
+def forward_parameters(model_class: type | None) -> Mapping[str, inspect.Parameter] | None:
+    """The parameters of `model_class.forward`, or None when there is no signature to read."""
+    try:
+        return inspect.signature(model_class.forward).parameters  # type: ignore[union-attr]
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def cache_argument(model: object) -> str:
     """The keyword `model`'s forward takes its key/value cache by (`CACHE_ARGUMENTS`):
     'cache' where it names it (transformers >= 5.24), else 'past_key_values'."""
-    try:
-        parameters = inspect.signature(type(model).forward).parameters
-    except (AttributeError, TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in parameters else "past_key_values"
+    parameters = forward_parameters(type(model))
+    return "cache" if parameters is not None and "cache" in parameters else "past_key_values"
 
 
 def logits_keep_argument(model: object) -> str | None:
     """The keyword `model`'s forward takes "compute logits for the last k tokens only" by:
     'logits_to_keep' (transformers >= 4.50), 'num_logits_to_keep' (4.45-4.49, still in older
     remote code), or None when it takes neither (older remote code): then every position's logits
-    come back and the runner slices them. A forward taking **kwargs is assumed to know the
-    current name."""
-    try:
-        parameters = inspect.signature(type(model).forward).parameters
-    except (AttributeError, TypeError, ValueError):
+    come back and the runner slices them. A forward taking **kwargs (or one with no readable
+    signature) is assumed to know the current name."""
+    parameters = forward_parameters(type(model))
+    if parameters is None:
         return "logits_to_keep"
     for name in ("logits_to_keep", "num_logits_to_keep"):
         if name in parameters:
@@ -86,17 +91,12 @@ def tree_verification_problem(config: PretrainedConfig, model_class: type | None
     (models whose forward takes no key/value cache, `CACHE_ARGUMENTS`, keep their own recurrent state)."""
     text = config.get_text_config()
     model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None) or "unknown"
-    forward = getattr(model_class, "forward", None)
-    if forward is not None:
-        try:
-            takes_cache = any(name in inspect.signature(forward).parameters for name in CACHE_ARGUMENTS)
-        except (TypeError, ValueError):
-            takes_cache = True  # no signature to read: let the cache layers decide
-        if not takes_cache:
-            return (
-                f"({model_type}) takes no key/value cache: it keeps a recurrent state instead (RWKV, xLSTM), which a rejected draft "
-                "token cannot be taken back out of, or recomputes the whole sequence every step"
-            )
+    parameters = forward_parameters(model_class)  # None: no class, or no signature to read (the cache layers decide)
+    if parameters is not None and not any(name in parameters for name in CACHE_ARGUMENTS):
+        return (
+            f"({model_type}) takes no key/value cache: it keeps a recurrent state instead (RWKV, xLSTM), which a rejected draft "
+            "token cannot be taken back out of, or recomputes the whole sequence every step"
+        )
     try:
         layers = DynamicCache(config=text).layers
     except Exception:  # a config transformers cannot lay a cache out for: the runner reports it
@@ -113,7 +113,8 @@ def tree_verification_problem(config: PretrainedConfig, model_class: type | None
             f"({model_type}) keeps per-layer cache state other than plain keys and values ({', '.join(other)}: e.g. a sparse-attention "
             "indexer's keys or compressed attention blocks), which specdec's slot cache cannot commit and roll back token by token yet"
         )
-    if forward is not None and model_type not in ALIBI_MODEL_TYPES and not _takes_position_ids(forward):  # (ALiBi models: their own reason below)
+    # a forward taking only **kwargs may drop position ids silently (CPM-Ant, TrOCR's decoder); ALiBi models get their own reason below
+    if parameters is not None and "position_ids" not in parameters and model_type not in ALIBI_MODEL_TYPES:
         return (
             f"({model_type}) takes no position ids (it positions tokens by their index in the cache or the sequence), "
             "so a draft tree's nodes would be positioned by their slot instead of their depth"
@@ -128,15 +129,6 @@ def tree_verification_problem(config: PretrainedConfig, model_class: type | None
     if unknown:
         return f"({model_type}) has attention layer types {unknown} whose masks specdec does not build yet (it builds {sorted(MASKED_LAYER_TYPES)})"
     return None
-
-
-def _takes_position_ids(forward: object) -> bool:
-    """Whether a forward names a `position_ids` parameter (one that only takes **kwargs may drop
-    them silently: CPM-Ant, TrOCR's decoder); True when its signature cannot be read."""
-    try:
-        return "position_ids" in inspect.signature(forward).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return True
 
 
 def image_prompt_problem(config: PretrainedConfig, model: object | None = None) -> str | None:
