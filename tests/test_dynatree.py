@@ -558,6 +558,7 @@ def test_registered_with_every_field_as_option():
     assert set(opts) == {
         "d0", "d_max", "b_min", "b_mid", "b_max", "tau_high", "tau_low", "prune_tau", "rho_stop", "rho_deep",
         "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase", "tree_sampling", "history_rule", "calibrate", "free_tokens",
+        "cost_profile", "cost_table",
     }  # fmt: skip
     pol = make_policy("dynatree", d0=3, phase=1)
     assert (pol.d0, pol.phase, pol.d_max, pol.max_nodes, pol.prune_tau) == (3, 1, 8, 256, 0.03)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import ARCHS, EOS, sharpen, tiny_model
 
+from specdec.bench.treesim import gpu_like_table
 from specdec.cost import CostTable
 from specdec.engine import SpeculativeEngine
 from specdec.methods import make_policy
@@ -154,6 +155,33 @@ def test_dynatree_inside_a_free_verification_width(arch, batch_size):
         assert out.token_ids == reference(target, prompt, 20, EOS), (arch, batch_size, prompt)
     assert all(width <= 12 // rows for rows, width in widths)  # the root and at most free_tokens // B - 1 draft tokens
     assert max(width for _, width in widths) > 2  # the trees did grow into the free width
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_dynatree_inside_a_measured_free_width(batch_size):
+    """DynaTree whose free width is measured from a cost table (the knee of a table flat to 16
+    tokens over the batch: 15 draft tokens a row at B = 1, 7 at B = 2) gives the target's own
+    greedy output, and its trees stay inside that width."""
+    target = sharpen(tiny_model("llama", seed=0))
+    draft = sharpen(tiny_model("llama", seed=0))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    policy = make_policy("dynatree", cost_table=gpu_like_table(flat_tokens=16))
+    widths: list[tuple[int, int]] = []
+    draft_step = policy.draft
+
+    def recorded(source, roots, ctx):
+        out = draft_step(source, roots, ctx)
+        widths.append((roots.shape[0], int(out.tree.valid.sum(dim=1).max())))
+        return out
+
+    policy.draft = recorded  # type: ignore[method-assign]
+    engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, 20, batch_size=batch_size), strict=True):
+        assert out.token_ids == reference(target, prompt, 20, EOS), (batch_size, prompt)
+    assert all(width <= 16 // rows for rows, width in widths)  # the root and the measured width
+    assert max(width for _, width in widths) > 4  # more than the paper's pruning keeps on this draft
 
 
 @pytest.mark.parametrize("method", sorted(SMALL_BUDGETS))

@@ -9,11 +9,16 @@ that is exactly as good as its probabilities say."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from specdec.bench.treesim import Simulation, SyntheticDraft, Truth, cpu_like_table, gpu_like_table, summary
+from specdec.cost.profile import SHIPPED_PROFILE
+from specdec.cost.table import CostTable
 from specdec.drafting.cast import StepPlan
+from specdec.drafting.dynatree import MIN_MEASURED_FREE, cost_knee
 from specdec.hostwork import HostWorkCounter
 from specdec.methods import make_policy
 
@@ -213,6 +218,56 @@ def test_dynatree_free_width_per_device_and_batch():
     assert make_policy("dynatree", free_tokens=20).free_width(2, torch.device("cpu")) == 9
     assert make_policy("dynatree", free_tokens=64, phase=0).free_width(1, torch.device("cuda")) == 0  # the fixed tree stays fixed
     assert make_policy("dynatree", free_tokens=10**6, max_nodes=40).free_width(1, torch.device("cpu")) == 40  # the node budget caps it
+
+
+@pytest.mark.parametrize("flat_tokens", [40, 64])
+def test_dynatree_measured_free_width_is_the_knee_of_the_costs(flat_tokens):
+    """With a cost table (on CUDA the pair's, found or measured; here injected) the free width is
+    the knee of the target's costs per batch size, not a constant: a table flat to `flat_tokens`
+    tokens over the batch gives flat_tokens // B tokens a row (minus the root), a CPU-like one,
+    whose every token costs, none, and neither does the bundled pair's own CPU profile."""
+    policy = make_policy("dynatree", cost_table=gpu_like_table(flat_tokens=flat_tokens))
+    for batch in (1, 2, 4, 8):
+        expected = flat_tokens // batch - 1 if flat_tokens // batch >= MIN_MEASURED_FREE else 0
+        assert policy.free_width(batch, torch.device("cpu"), 300) == expected, batch
+    assert make_policy("dynatree", cost_table=cpu_like_table()).free_width(1, torch.device("cpu"), 300) == 0
+    assert make_policy("dynatree", cost_profile=str(SHIPPED_PROFILE)).free_width(1, torch.device("cpu"), 300) == 0
+    assert make_policy("dynatree", cost_table=gpu_like_table(), free_tokens=20).free_width(1, torch.device("cpu")) == 19  # given wins
+    assert make_policy("dynatree", cost_table=gpu_like_table(), phase=0).free_width(1, torch.device("cpu")) == 0  # the fixed tree stays fixed
+
+
+def test_cost_knee_holds_under_measurement_noise():
+    """±3% noise on every measured point moves the knee of a table flat to 64 tokens by a few
+    tokens, where a threshold between neighbouring points could move it anywhere."""
+    base, rng = gpu_like_table(), random.Random(0)
+    noisy = CostTable.synthetic(lambda b, c, n: base.target_cost(b, c, n) * (1 + rng.uniform(-0.03, 0.03)), base.draft_cost)
+    policy = make_policy("dynatree", cost_table=noisy)
+    assert 48 <= policy.free_width(1, torch.device("cpu"), 300) <= 70
+    assert 24 <= policy.free_width(2, torch.device("cpu"), 300) <= 40
+    assert cost_knee([1, 2, 4, 8, 16, 32, 64, 128], [10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 20.0], 128) == 64  # between 64 and 128: the last point measured flat
+    assert cost_knee([1, 2, 4, 8, 16], [1.0, 2.0, 4.0, 8.0, 16.0], 16) == 1  # every token costs
+
+
+@pytest.mark.parametrize("flat_tokens", [40, 100])
+def test_dynatree_measured_free_width_is_not_below_a_fixed_one(flat_tokens):
+    """Where the knee is not at the fixed 64 tokens (a smaller or larger model, another GPU), the
+    measured width's trees deliver at least the fixed width's expected tokens per ms (within the
+    simulation's noise)."""
+    table = gpu_like_table(flat_tokens=flat_tokens)
+    for batch in (1, 2):
+        sim = Simulation(*DRAFTS["calibrated"], table, batch=batch)
+        measured, fixed = run("dynatree", sim, cost_table=table)["rate"], run("dynatree", sim, free_tokens=64)["rate"]
+        assert measured >= 0.98 * fixed, (batch, measured, fixed)
+
+
+def test_dynatree_measures_costs_only_where_its_width_is_measured():
+    """On a CPU with no cost profile DynaTree needs no cost table: the decoder registers none
+    (nothing is loaded or measured), while CAST's is; with a cost_profile DynaTree wants one."""
+    policy = make_policy("dynatree")
+    assert not policy.wants_cost_table(torch.device("cpu")) and policy.wants_cost_table(torch.device("cuda"))
+    assert make_policy("dynatree", cost_profile=str(SHIPPED_PROFILE)).wants_cost_table(torch.device("cpu"))
+    assert not make_policy("dynatree", free_tokens=0).wants_cost_table(torch.device("cuda"))
+    assert not make_policy("dynatree", cost_table=gpu_like_table()).wants_cost_table(torch.device("cuda"))  # given: nothing to find
 
 
 def test_dynatree_free_width_predicts_from_the_verified_nodes():

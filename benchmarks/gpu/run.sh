@@ -42,14 +42,14 @@ case "$stage" in
   b1)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods ar,hf,hf-assisted,chain,static,eagle2,dynatree,dynatree:free_tokens=0,cast --num-prompts 12 --max-new-tokens 64 --repeats 1 \
+      --methods ar,hf,hf-assisted,chain,static,eagle2,dynatree,dynatree:free_tokens=64,dynatree:free_tokens=0,cast --num-prompts 12 --max-new-tokens 64 --repeats 1 \
       --no-progress --out "$OUT/b1" 2>&1 | tee "$OUT/b1.log"
     tar -czf "$OUT/b1.tar.gz" -C "$OUT" b1 && rm -rf "$OUT/b1"
     ;;
   sweep)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods ar,hf,eagle2,dynatree,dynatree:free_tokens=0,cast --batch-sizes 4,16 --num-prompts 32 --max-new-tokens 64 --repeats 1 \
+      --methods ar,hf,eagle2,dynatree,dynatree:free_tokens=64,dynatree:free_tokens=0,cast --batch-sizes 4,16 --num-prompts 32 --max-new-tokens 64 --repeats 1 \
       --no-progress --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log"
     tar -czf "$OUT/sweep.tar.gz" -C "$OUT" sweep && rm -rf "$OUT/sweep"
     ;;

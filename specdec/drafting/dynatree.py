@@ -25,7 +25,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -35,15 +35,32 @@ from specdec.drafting.calibration import AcceptanceCalibrator
 from specdec.errors import SpecDecError
 
 if TYPE_CHECKING:
+    from specdec.cost.profile import CostTableResolver
+    from specdec.cost.table import CostTable
     from specdec.sources.base import DraftSource
     from specdec.stats import StepRecord
 
 FREE_TOKENS_ACCELERATOR = 64
-"""`free_tokens`' default on CUDA devices: a verification forward of up to 64 tokens costs about
-one token's on a data-centre GPU at batch sizes a server runs (memory-bound: the weights are
-read once whatever the token count; the H100 measurement of issue 18, 3B target). CPUs pay for
-every token (the bundled pair: 64 tokens cost 3.5 one-token forwards), hence 0 there. Not
-measured per device: pass free_tokens (from `specdec profile`'s table) to override"""
+"""`free_tokens` on CUDA devices when the pair's forward costs cannot be had (a draft source with
+no draft model): a verification forward of up to 64 tokens costs about one token's on a
+data-centre GPU (memory-bound: the weights are read once whatever the token count; the H100
+observation of issue 18, 3B target). Otherwise the width is measured (`FREE_WIDTH_TOLERANCE`)"""
+
+FREE_WIDTH_TOLERANCE = 0.10
+"""a measured free width ends at the knee of the target's costs (`cost_knee`), and at the latest
+where a forward over n tokens a row costs this share more than a forward over one token (at the
+same batch size and context): a dimensionless rule, where a fixed token count holds for one model
+on one device"""
+
+MIN_MEASURED_FREE = 4
+"""tokens a row: a measured free width below this is no knee in the costs, only the price of a
+token, and is not used (the paper's rules, which weigh nodes by their probability, instead):
+on the bundled pair's CPU profile the width is 1-2 tokens, and a free width of 1-2 would cut every
+tree to 1-2 nodes, where the paper's rules verify about 8"""
+
+MEASURED_FREE_CAP = 128
+"""tokens a row: the most a measured free width may span (profiles measure n up to 96-128;
+costs past their grid are extrapolated, and the tree's buffers grow with the square of its nodes)"""
 
 PHASES = (0, 1, 2, 3)
 """0 fixed tree (D_0, B_mid); 1 + adaptive branching; 2 + dynamic depth; 3 + history adjustment"""
@@ -149,6 +166,43 @@ def _count_cap(threshold: float, cap: int) -> int:
     return cap if threshold <= 0 else max(1, min(cap, int(1.0 / threshold) + 1))
 
 
+def cost_knee(ns: list[int], costs: list[float], cap: int) -> int:
+    """The knee of a forward's cost against its tokens a row: the k in 1..cap whose curve
+    flat-then-linear, f(n) = a + s * max(0, n - k) with s >= 0, fits the measured (n, cost) points
+    best (least squares; the smaller k on a tie: between two measured points the knee is not
+    known, and the last point measured flat is the one known free). A GPU's memory-bound forward is flat to some
+    tens of tokens and rises after; a CPU's rises from the first token (k = 1). Fitting the
+    whole curve, not one point against another, keeps the knee where a measurement's noise
+    would move a threshold."""
+    best_k, best_sse = 1, math.inf
+    mean_y = sum(costs) / len(costs)
+    eps = 1e-12 * sum(y * y for y in costs)  # rounding: equal fits are ties
+    for k in range(1, cap + 1):
+        xs = [max(0, n - k) for n in ns]
+        mean_x = sum(xs) / len(xs)
+        sxx = sum((x - mean_x) ** 2 for x in xs)
+        slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, costs, strict=True)) / sxx) if sxx > 0 else 0.0
+        intercept = mean_y - slope * mean_x
+        sse = sum((intercept + slope * x - y) ** 2 for x, y in zip(xs, costs, strict=True))
+        if sse < best_sse - eps:
+            best_k, best_sse = k, sse
+    return best_k
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _longest_context(ctx: DraftContext) -> int | None:
+    """The longest cache among the active rows, when the host knows it (no device read)."""
+    if ctx.host_context_len is None:
+        return None
+    active = ctx.host_active if ctx.host_active is not None else [True] * len(ctx.host_context_len)
+    lengths = [n for n, a in zip(ctx.host_context_len, active, strict=True) if a]
+    return max(lengths) if lengths else None
+
+
 def _log(p: float) -> float:
     return math.log(p) if p > 0 else float("-inf")
 
@@ -247,9 +301,19 @@ class DynaTreePolicy:
     branching (B(u)), which exist to save verification, are off (every node proposes b_max
     children), each level keeps its n best growing nodes, and the tree is the n best
     nodes by p over all levels (EAGLE-2's rerank) instead of a level-by-level budget; n is capped at
-    max_nodes; 0 (or n < 1): the paper's rules. None (default): `FREE_TOKENS_ACCELERATOR` (64) on CUDA devices, 0 elsewhere"""
+    max_nodes; 0 (or n < 1): the paper's rules. None (default): measured from the pair's forward
+    costs on CUDA devices (the widest forward within `FREE_WIDTH_TOLERANCE` of a one-token one, per
+    batch size and context; the cost profile CAST uses, loaded or measured before decoding), and
+    elsewhere only when a cost_profile or cost_table is given, else 0 (a CPU pays for every token)"""
+    cost_profile: str | None = None
+    """a JSON file from `specdec profile` to measure the free width from (free_tokens None); None: on
+    CUDA the pair's profile, found or measured as for CAST, elsewhere no free width"""
+    cost_table: CostTable | None = None
+    """an injected cost table to measure the free width from (Python API, tests)"""
     name: str = "dynatree"
     uses_draft: bool = True
+    requires_cost_table: ClassVar[bool] = False
+    """with no draft model to time (n-gram lookup) the free width falls back to `FREE_TOKENS_ACCELERATOR` on CUDA"""
 
     cur_d0: int = field(init=False, default=0)
     """adapted D_0 (equals d0 until phase 3 adjusts it)"""
@@ -279,6 +343,10 @@ class DynaTreePolicy:
     """`_allowed_children`'s per-rank thresholds on log c(u), [k] per (k, tau_h, device)"""
     _predicted_sum: torch.Tensor | None = field(default=None, init=False, repr=False)
     """[B] the last tree's predicted accepted tokens per row (sum of p(u)), kept by `feedback`"""
+    _resolver: CostTableResolver | None = field(default=None, init=False, repr=False)
+    """the pair's cost tables, once `bind_models` found the free width must be measured"""
+    _free_widths: dict[tuple[int, int, int], int] = field(default_factory=dict, init=False, repr=False)
+    """measured free width (draft tokens a row) per (table id, batch size, context bucket)"""
     _unread: list[tuple[float, torch.Tensor, list[bool]]] = field(default_factory=list, init=False, repr=False)
     """history rule 'predicted': the window's steps whose predictions are still on the device, each
     (accepted tokens of its counted rows, [B] predicted tokens per row, which rows count), read
@@ -341,7 +409,7 @@ class DynaTreePolicy:
             raise SpecDecError(f"dynatree calibrate={self.calibrate!r} must be true or false; fix --calibrate on|off")
         # the largest tree these options can size: the deepest limit, with and without a free width (at batch 1)
         deepest = self.d0 if self.phase < 2 else self.d_max
-        free = min(self.free_tokens_on(torch.device("cuda")) - 1, self.max_nodes) if self.phase > 0 else 0
+        free = min(self._free_bound() - 1, self.max_nodes) if self.phase > 0 else 0
         check_tree_nodes(
             max(self.builder_capacity(deepest, 0), self.builder_capacity(deepest, max(free, 0))),
             f"dynatree b_max={self.b_max}, d_max={self.d_max}, max_nodes={self.max_nodes}, prune_tau={self.prune_tau}",
@@ -468,18 +536,92 @@ class DynaTreePolicy:
             self.adjustments += 1
 
     # ----- drafting ----------------------------------------------------------------------
-    def free_tokens_on(self, device: torch.device) -> int:
-        """`free_tokens`, or its default on `device` (`FREE_TOKENS_ACCELERATOR` on CUDA, else 0)."""
+    # ----- the free verification width ----------------------------------------------------
+    def measures_free_width(self, device: torch.device) -> bool:
+        """Whether the free width comes from measured forward costs: free_tokens unset, a tree
+        that adapts (phase > 0), and a table given or a CUDA device (where one is found or measured)."""
+        if self.free_tokens is not None or self.phase == 0:
+            return False
+        return self.cost_table is not None or self.cost_profile is not None or device.type == "cuda"
+
+    def bind_models(self, target: torch.nn.Module, draft: torch.nn.Module | None, resolver: CostTableResolver | None = None) -> None:
+        """Give the policy the pair, so it can find (or measure) their cost profile when its free
+        width is measured (`measures_free_width`); otherwise nothing is loaded or measured. The
+        table is prepared now for batch 1, before any generation is timed (`prepare_costs`
+        extends it to a session's largest batch). resolver: a shared one of the same models."""
+        if draft is None or self.cost_table is not None or not self.measures_free_width(_device_of(target)):
+            return
+        from specdec.cost.profile import CostTableResolver
+
+        if resolver is not None and (resolver.target is not target or resolver.draft is not draft or resolver.path != self.cost_profile):
+            raise ValueError("bind_models: the shared resolver is for other models or another cost profile")
+        self._resolver = resolver or CostTableResolver(target, draft, self.cost_profile)
+        self._resolver.prepare(1)
+
+    def wants_cost_table(self, device: torch.device) -> bool:
+        """Whether `bind_models` on a target on `device` loads or measures a cost table."""
+        return self.cost_table is None and self.measures_free_width(device)
+
+    def prepare_costs(self, max_batch: int) -> None:
+        """Before decoding: the cost table covers batches of up to `max_batch` rows (never measured inside a step)."""
+        if self._resolver is not None:
+            self._resolver.prepare(max_batch)
+
+    def _free_bound(self) -> int:
+        """The widest free width (tokens a row, root included) these options allow: for sizing checks."""
         if self.free_tokens is not None:
             return self.free_tokens
-        return FREE_TOKENS_ACCELERATOR if device.type == "cuda" else 0
+        return max(FREE_TOKENS_ACCELERATOR, min(MEASURED_FREE_CAP, self.max_nodes + 1))
 
-    def free_width(self, batch: int, device: torch.device) -> int:
-        """Draft tokens per row inside the verification's free width at `batch` rows on `device`:
-        free_tokens // batch - 1, at most the node budget N_max (`max_nodes`, which also bounds the
-        builder's buffers), or 0 (the paper's rules) when that is below 1 or in phase 0 (the fixed tree)."""
-        n = min(self.free_tokens_on(device) // max(batch, 1) - 1, self.max_nodes)
-        return n if n >= 1 and self.phase > 0 else 0
+    def free_width(self, batch: int, device: torch.device, context: int | None = None) -> int:
+        """Draft tokens per row inside the verification's free width at `batch` rows on `device`
+        with caches of about `context` tokens, at most the node budget N_max (`max_nodes`, which also
+        bounds the builder's buffers), or 0 (the paper's rules) when that is below 1 or in phase 0
+        (the fixed tree). free_tokens given: free_tokens // batch - 1. Measured: n - 1 for n the
+        knee of the target's forward costs against tokens a row (`cost_knee`, at most
+        `MEASURED_FREE_CAP`), from the cost table at this batch size and context (interpolated
+        between measured ones; the smallest context when unknown), cut where a forward over n
+        tokens costs more than (1 + `FREE_WIDTH_TOLERANCE`) times one over one token; 0 when
+        n < `MIN_MEASURED_FREE`.
+        On CUDA with no table to be had, `FREE_TOKENS_ACCELERATOR` // batch - 1."""
+        if self.phase == 0:
+            return 0
+        batch = max(batch, 1)
+        table = self._cost_table() if self.measures_free_width(device) else None
+        if table is not None:
+            n = self._measured_free_width(table, batch, context)
+        elif self.free_tokens is not None:
+            n = self.free_tokens // batch - 1
+        else:
+            n = FREE_TOKENS_ACCELERATOR // batch - 1 if device.type == "cuda" else 0
+        n = min(n, self.max_nodes)
+        return n if n >= 1 else 0
+
+    def _cost_table(self) -> CostTable | None:
+        if self.cost_table is not None:
+            return self.cost_table
+        if self._resolver is not None:
+            return self._resolver.table_for(1)
+        if self.cost_profile is not None:
+            from specdec.cost.table import CostTable
+
+            self.cost_table = CostTable.load(self.cost_profile)  # no models bound (a bare policy): the file as is
+            return self.cost_table
+        return None
+
+    def _measured_free_width(self, table: CostTable, batch: int, context: int | None) -> int:
+        bucket = table.select(context if context is not None else table.contexts[0])
+        key = (id(table), batch, bucket)
+        cached = self._free_widths.get(key)
+        if cached is None:
+            costs = table.target_costs(batch, bucket, MEASURED_FREE_CAP)  # [0, f(1), ..., f(cap)] ms
+            grid = [n for n in table.n_grid if n <= MEASURED_FREE_CAP]  # the measured points (costs between them are interpolated)
+            knee = cost_knee(grid, [costs[n] for n in grid], MEASURED_FREE_CAP)
+            limit = costs[1] * (1.0 + FREE_WIDTH_TOLERANCE)
+            flat = max(n for n in range(1, MEASURED_FREE_CAP + 1) if costs[n] <= limit)  # costs are non-decreasing in n
+            widest = min(knee, flat)
+            cached = self._free_widths[key] = widest - 1 if widest >= MIN_MEASURED_FREE else 0
+        return cached
 
     def level_caps(self, free: int) -> tuple[int, int]:
         """(candidates a level keeps, nodes a frontier holds) inside a free width of `free` draft
@@ -624,7 +766,7 @@ class DynaTreePolicy:
         # inside the verification's free width: no pruning, no early stop; each level's `free` best
         # growing nodes form the next frontier (a node outside them is outside the final best `free`,
         # and so are its children, whose p is lower) and the tree is the `free` best nodes by p
-        free = self.free_width(roots.shape[0], roots.device)
+        free = self.free_width(roots.shape[0], roots.device, _longest_context(ctx))
         self._free = bool(free)
         rho_stop = 0.0 if free else self.rho_stop
         level_cap, frontier_cap = self.level_caps(free)
