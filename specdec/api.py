@@ -118,7 +118,7 @@ def check_costs_available(policy: TreePolicy, draft_source: str) -> None:
     """A cost-aware policy (cast) measures its draft model's forwards; with a draft source that
     has no model (n-gram lookup) it needs its costs given (cost_table or cost_profile): say so
     up front, not at the first decoding step."""
-    needs = isinstance(policy, CostAwarePolicy) and getattr(policy, "requires_cost_table", True)
+    needs = isinstance(policy, CostAwarePolicy) and policy.requires_cost_table
     if needs and not DRAFT_SOURCE_READS_MODEL[draft_source] and policy.cost_table is None and policy.cost_profile is None:
         raise SpecDecError(
             f"--method {policy.name} shapes its trees from the measured forward costs of a draft model, and --draft-source {draft_source} has none; "
@@ -338,8 +338,7 @@ class SpeculativeDecoder:
             raise SpecDecError(f"--method {method} needs a draft model; pass --draft PATH, use --draft-source lookup, or use --method ar")
         if isinstance(policy, CostAwarePolicy):  # finds or measures the pair's cost profile, once per profile path
             resolver = None
-            wants = getattr(policy, "wants_cost_table", None)  # dynatree: only when its free width is measured
-            if self.draft is not None and (wants is None or wants(next(self.target.parameters()).device)):
+            if self.draft is not None and policy.wants_cost_table(next(self.target.parameters()).device):  # dynatree: only when its free width is measured
                 path = policy.cost_profile
                 if path not in self._cost_resolvers:
                     self._cost_resolvers[path] = CostTableResolver(self.target, self.draft, path)

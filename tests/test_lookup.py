@@ -77,7 +77,8 @@ def test_which_methods_and_sources_need_a_draft_model():
     assert [m for m in POLICY_CLASSES if not method_uses_draft(m)] == ["ar"]
     assert needs_draft_model("chain", "model") and needs_draft_model("cast", "tabed")
     assert not needs_draft_model("chain", "lookup") and not needs_draft_model("ar", "model")
-    assert [m for m in POLICY_CLASSES if isinstance(make_policy(m), CostAwarePolicy)] == ["cast"]
+    assert [m for m in POLICY_CLASSES if isinstance(make_policy(m), CostAwarePolicy)] == ["dynatree", "cast"]
+    assert [m for m in POLICY_CLASSES if getattr(POLICY_CLASSES[m], "requires_cost_table", False)] == ["cast"]  # dynatree falls back without costs
     target, tokenizer = tiny_model("llama", seed=0), SimpleNamespace(pad_token_id=0, eos_token_id=EOS)
     lookup = SpeculativeDecoder(target, tokenizer, None, method="chain", draft_source="lookup")
     assert not lookup.lacks_draft_for("chain") and isinstance(lookup.make_source(), LookupDraftSource)

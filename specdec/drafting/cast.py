@@ -44,7 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -774,6 +774,8 @@ class CastPolicy:
     0.96-0.98x AR instead of 0.74-0.76x with a draft that never agrees; docs/cast.md "Plain steps")"""
     name: str = "cast"
     uses_draft: bool = True
+    requires_cost_table: ClassVar[bool] = True
+    """CAST's every decision reads the costs"""
     last_widths: list[int] = field(default_factory=list, init=False, repr=False)
     """n_i of each drafted layer at the last step"""
     last_verified: int = field(default=0, init=False, repr=False)
@@ -897,6 +899,10 @@ class CastPolicy:
             raise ValueError("bind_models: the shared resolver is for other models or another cost profile")
         self._resolver = resolver or CostTableResolver(target, draft, self.cost_profile)
         self._resolver.prepare(1)
+
+    def wants_cost_table(self, device: torch.device) -> bool:
+        """Whether `bind_models` loads or measures a table: unless one was injected, always."""
+        return self.cost_table is None
 
     def prepare_costs(self, max_batch: int) -> None:
         """Before decoding: make the cost table cover batches of up to `max_batch` rows

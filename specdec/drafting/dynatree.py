@@ -302,8 +302,8 @@ class DynaTreePolicy:
     children), each level keeps its n best growing nodes, and the tree is the n best
     nodes by p over all levels (EAGLE-2's rerank) instead of a level-by-level budget; n is capped at
     max_nodes; 0 (or n < 1): the paper's rules. None (default): measured from the pair's forward
-    costs on CUDA devices (the widest forward within `FREE_WIDTH_TOLERANCE` of a one-token one, per
-    batch size and context; the cost profile CAST uses, loaded or measured before decoding), and
+    costs on CUDA devices (the knee of the target's cost against tokens a row, per batch size and
+    context, `free_width`; the cost profile CAST uses, loaded or measured before decoding), and
     elsewhere only when a cost_profile or cost_table is given, else 0 (a CPU pays for every token)"""
     cost_profile: str | None = None
     """a JSON file from `specdec profile` to measure the free width from (free_tokens None); None: on
@@ -345,6 +345,8 @@ class DynaTreePolicy:
     """[B] the last tree's predicted accepted tokens per row (sum of p(u)), kept by `feedback`"""
     _resolver: CostTableResolver | None = field(default=None, init=False, repr=False)
     """the pair's cost tables, once `bind_models` found the free width must be measured"""
+    _loaded_table: CostTable | None = field(default=None, init=False, repr=False)
+    """`cost_profile` read as is, for a policy used without `bind_models` (no models to check it against)"""
     _free_widths: dict[tuple[int, int, int], int] = field(default_factory=dict, init=False, repr=False)
     """measured free width (draft tokens a row) per (table id, batch size, context bucket)"""
     _unread: list[tuple[float, torch.Tensor, list[bool]]] = field(default_factory=list, init=False, repr=False)
@@ -535,7 +537,6 @@ class DynaTreePolicy:
             self.cur_rho_deep = round(min(self.cur_rho_deep + self.adjust_step, rd_hi), 6)
             self.adjustments += 1
 
-    # ----- drafting ----------------------------------------------------------------------
     # ----- the free verification width ----------------------------------------------------
     def measures_free_width(self, device: torch.device) -> bool:
         """Whether the free width comes from measured forward costs: free_tokens unset, a tree
@@ -603,10 +604,11 @@ class DynaTreePolicy:
         if self._resolver is not None:
             return self._resolver.table_for(1)
         if self.cost_profile is not None:
-            from specdec.cost.table import CostTable
+            if self._loaded_table is None:
+                from specdec.cost.table import CostTable
 
-            self.cost_table = CostTable.load(self.cost_profile)  # no models bound (a bare policy): the file as is
-            return self.cost_table
+                self._loaded_table = CostTable.load(self.cost_profile)
+            return self._loaded_table
         return None
 
     def _measured_free_width(self, table: CostTable, batch: int, context: int | None) -> int:
@@ -623,6 +625,7 @@ class DynaTreePolicy:
             cached = self._free_widths[key] = widest - 1 if widest >= MIN_MEASURED_FREE else 0
         return cached
 
+    # ----- drafting ----------------------------------------------------------------------
     def level_caps(self, free: int) -> tuple[int, int]:
         """(candidates a level keeps, nodes a frontier holds) inside a free width of `free` draft
         tokens per row, or under the paper's rules (free = 0)."""
