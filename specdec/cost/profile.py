@@ -218,7 +218,7 @@ def profile_models(
 
 
 def measure_with_progress(
-    target: torch.nn.Module, draft: torch.nn.Module, grid: ProfileGrid, description: str = "CAST cost profile", enabled: bool = True
+    target: torch.nn.Module, draft: torch.nn.Module, grid: ProfileGrid, description: str = "cost profile", enabled: bool = True
 ) -> CostTable:
     """`profile_models` under a rich progress bar on stderr (one tick per grid point; the bar
     is removed when done). Without a terminal, or inside another live display, no bar."""
@@ -279,7 +279,7 @@ def _store_cached(key: str, table: CostTable) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         replace(table, meta={**table.meta, "fingerprint": key}).save(path)
     except OSError as err:
-        LOG.warning("CAST: could not keep the measured cost profile in %s (%s); set SPECDEC_CACHE_DIR to a writable folder", path.parent, err)
+        LOG.warning("forward costs: could not keep the measured cost profile in %s (%s); set SPECDEC_CACHE_DIR to a writable folder", path.parent, err)
         return None
     return path
 
@@ -448,7 +448,7 @@ class CostTableResolver:
         if self._extendable:
             missing = tuple(b for b in grid if b not in covered)
             LOG.warning(
-                "CAST: measuring forward costs for %s before decoding (the cost table holds %s; a session may run %d rows)",
+                "measuring forward costs for %s before decoding (the cost table holds %s; a session may run %d rows)",
                 _sizes_text(missing),
                 _sizes_text(covered),
                 max_batch,
@@ -463,7 +463,7 @@ class CostTableResolver:
                 f"the profile holds batch sizes up to {covered[-1]}; costs at up to {max_batch} rows are extrapolated from its last two "
                 f"(measure them with `specdec profile --batch-sizes {','.join(map(str, batch_grid(max_batch)))} --out FILE`)"
             )
-            LOG.warning("CAST: %s", note)
+            LOG.warning("cost profile: %s", note)
             self._source.notes.append(note)
         self._finish_source()
         return self._table
@@ -473,7 +473,7 @@ class CostTableResolver:
         hold are interpolated (or extrapolated) by its lookups; `prepare` must have run."""
         if self._table is None:
             raise SpecDecError(
-                "CAST's cost table was not prepared before decoding; call CostTableResolver.prepare(max_batch) "
+                "the cost table was not prepared before decoding; call CostTableResolver.prepare(max_batch) "
                 "(SpeculativeDecoder and every decode session do this)"
             )
         return self._table
@@ -485,7 +485,7 @@ class CostTableResolver:
             check_cost_profile_path(self.path)
         if not source.is_file():
             if self.path is not None:
-                LOG.warning("CAST: cost profile %s does not exist", source)
+                LOG.warning("cost profile %s does not exist", source)
             return None
         table = CostTable.load(source)
         diffs = table.differences(self.target, self.draft)
@@ -494,7 +494,7 @@ class CostTableResolver:
         if blocking:
             also = [d for d in diffs if not d.blocking]
             LOG.warning(
-                "CAST: cost profile %s%s does not fit these models (%s)%s; measuring a quick one before decoding instead; %s",
+                "cost profile %s%s does not fit these models (%s)%s; measuring a quick one before decoding instead; %s",
                 source,
                 shipped,
                 "; ".join(map(str, blocking)),
@@ -509,7 +509,7 @@ class CostTableResolver:
         )
         if diffs and self.path is None:  # the shipped profile, measured on another CPU: this machine's own, measured once and cached
             LOG.warning(
-                "CAST: the shipped cost profile of the bundled pair was measured on another machine (%s); using this machine's own "
+                "forward costs: the shipped cost profile of the bundled pair was measured on another machine (%s); using this machine's own "
                 "quick profile instead (measured once before decoding, then kept in %s for later runs)",
                 "; ".join(map(str, diffs)),
                 measured_cache_dir(),
@@ -525,7 +525,7 @@ class CostTableResolver:
             key = (str(source), _fingerprint(self.target, self.draft))
             if key not in _WARNED:
                 _WARNED.add(key)
-                LOG.warning("CAST: cost profile %s%s: %s", source, shipped, note)
+                LOG.warning("cost profile %s%s: %s", source, shipped, note)
         return table
 
     def _measure(self, batch_sizes: Sequence[int], show: bool, announce: bool = False) -> CostTable:
@@ -542,14 +542,14 @@ class CostTableResolver:
         todo = [b for b in batch_sizes if have is None or b not in have.batch_sizes]
         if todo and announce:
             LOG.warning(
-                "CAST: measuring a quick cost profile for %s before decoding (seconds to a few minutes; kept for later runs); "
+                "forward costs: measuring a quick cost profile for %s before decoding (seconds to a few minutes; kept for later runs); "
                 "`specdec profile --out FILE` and --cost-profile FILE give a full one",
                 _sizes_text(todo),
             )
         if todo:
             t0 = time.perf_counter()
             new = measure_with_progress(
-                self.target, self.draft, quick_grid(batch_sizes=todo), f"CAST cost profile (batch sizes {', '.join(map(str, todo))})", show
+                self.target, self.draft, quick_grid(batch_sizes=todo), f"cost profile (batch sizes {', '.join(map(str, todo))})", show
             )
             self._source.measured_s += time.perf_counter() - t0
             have = new if have is None else have.merged(new)
@@ -585,7 +585,7 @@ class CostTableResolver:
                 return
         self._table.save(path)
         self._source.saved = True
-        LOG.warning("CAST: cost profile saved to %s", path)
+        LOG.warning("cost profile saved to %s", path)
 
 
 def describe(table: CostTable, batch_sizes: Sequence[int] | None = None) -> str:
