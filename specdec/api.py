@@ -341,7 +341,7 @@ class SpeculativeDecoder:
             if self.draft is not None and policy.wants_cost_table(next(self.target.parameters()).device):  # dynatree: only when its free width is measured
                 path = policy.cost_profile
                 if path not in self._cost_resolvers:
-                    self._cost_resolvers[path] = CostTableResolver(self.target, self.draft, path)
+                    self._cost_resolvers[path] = CostTableResolver(self.target, self.draft, path, cuda_graphs=self.cuda_graphs)
                 resolver = self._cost_resolvers[path]
             policy.bind_models(self.target, self.draft, resolver=resolver)
         return policy

@@ -288,3 +288,37 @@ def test_profile_source_describes_itself():
     src = ProfileSource(kind="measured", measured_s=12.34, device="cpu 'x', 2 threads, float32", batch_sizes=[1, 2, 4], path="p.json", saved=True)
     assert src.describe() == "measured before the run (12.3 s; cpu 'x', 2 threads, float32; batch sizes 1, 2, 4; saved to p.json)"
     assert src.to_dict()["text"] == src.describe()
+
+
+def test_profiles_are_measured_as_decoding_runs_the_forwards(monkeypatch, measured_cost_cache):
+    """A quick profile is measured the way decoding runs the forwards: with CUDA graphs where the
+    decoder replays them (on a GPU an eager forward waits on its launches and looks flat for more
+    tokens than a replayed one costs), eagerly where it does not; the two are cached apart."""
+    forget_measured()
+    target, draft = pair()
+    asked: list[bool] = []
+    real = profile.profile_models
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("cuda_graphs", False))
+        return real(*args, **{**kwargs, "cuda_graphs": False})  # no GPU here: measure eagerly, as if replayed
+
+    monkeypatch.setattr(profile, "profile_models", recording)
+    assert CostTableResolver(target, draft, progress=False).prepare(1).meta["cuda_graphs"] is False  # auto on a CPU: eager
+    CostTableResolver(target, draft, progress=False, cuda_graphs=True).prepare(1)  # another mode: measured again
+    CostTableResolver(target, draft, progress=False, cuda_graphs=False).prepare(1)  # the eager one: reused
+    assert asked == [False, True]
+    assert len(list(measured_cost_cache.glob("quick-*.json"))) == 2
+
+
+def test_a_profile_measured_in_another_graph_mode_is_used_with_a_warning(tmp_path, monkeypatch, caplog):
+    target, draft = pair()
+    table = profile.profile_models(target, draft, profile.ProfileGrid(batch_sizes=(1,), context_step=16, num_contexts=1, n_grid=(1, 4), warmup=0, repeats=1, min_time_ms=0.0))
+    table.meta["cuda_graphs"] = True  # as `specdec profile` writes it on a GPU with graphs on
+    path = table.save(tmp_path / "graphs.json")
+    _forbid_measuring(monkeypatch)
+    resolver = CostTableResolver(target, draft, str(path), progress=False)
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        assert resolver.prepare(1).meta["cuda_graphs"] is True
+    assert "measured with CUDA graphs on, and decoding runs with them off" in caplog.text
+    assert "specdec profile --cuda-graphs off" in caplog.text and resolver.source.notes

@@ -212,13 +212,19 @@ def profile_models(
         "target": model_identity(target),
         "draft": model_identity(draft),
         "grid": asdict(grid),
+        "cuda_graphs": bool(cuda_graphs),
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     return CostTable(grid.context_step, grid.num_contexts, list(grid.n_grid), tables["target"], tables["draft"], meta=meta)
 
 
 def measure_with_progress(
-    target: torch.nn.Module, draft: torch.nn.Module, grid: ProfileGrid, description: str = "cost profile", enabled: bool = True
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    grid: ProfileGrid,
+    description: str = "cost profile",
+    enabled: bool = True,
+    cuda_graphs: bool = False,
 ) -> CostTable:
     """`profile_models` under a rich progress bar on stderr (one tick per grid point; the bar
     is removed when done). Without a terminal, or inside another live display, no bar."""
@@ -230,10 +236,10 @@ def measure_with_progress(
     try:
         bar.start()
     except LiveError:
-        return profile_models(target, draft, grid)
+        return profile_models(target, draft, grid, cuda_graphs=cuda_graphs)
     try:
         task = bar.add_task(description, total=2 * grid.points())
-        return profile_models(target, draft, grid, on_point=lambda: bar.advance(task))
+        return profile_models(target, draft, grid, on_point=lambda: bar.advance(task), cuda_graphs=cuda_graphs)
     finally:
         bar.stop()
 
@@ -284,10 +290,12 @@ def _store_cached(key: str, table: CostTable) -> Path | None:
     return path
 
 
-def _fingerprint(target: torch.nn.Module, draft: torch.nn.Module) -> str:
+def _fingerprint(target: torch.nn.Module, draft: torch.nn.Module, cuda_graphs: bool = False) -> str:
     param = next(target.parameters())
     idents = {which: {k: v for k, v in model_identity(m).items() if k != "path"} for which, m in (("target", target), ("draft", draft))}
     key = {"device": device_identity(param.device), "dtype": str(param.dtype), **idents, "grid": asdict(quick_grid())}
+    if cuda_graphs:  # replayed forwards cost what eager ones do not (launches): kept apart
+        key["cuda_graphs"] = True
     key["grid"].pop("batch_sizes")
     return json.dumps(key, sort_keys=True, default=str)
 
@@ -411,6 +419,11 @@ class CostTableResolver:
     path: str | None = None
     progress: bool = True
     """show a progress bar while measuring"""
+    cuda_graphs: bool | None = None
+    """measure forwards as decoding runs them: replayed CUDA graphs (True) or eagerly (False); None:
+    as decoding does by default (`resolve_cuda_graphs('auto', ...)`: graphs on one CUDA device).
+    On a GPU an eager forward waits on its kernel launches, so it looks flat for more tokens
+    than a replayed one costs: a free width or tree shape read from it would be too wide"""
     _table: CostTable | None = field(default=None, init=False, repr=False)
     _extendable: bool = field(default=False, init=False, repr=False)
     _source: ProfileSource = field(default_factory=ProfileSource, init=False, repr=False)
@@ -522,17 +535,26 @@ class CostTableResolver:
                 f"match, but tree shapes follow that machine's costs; {advice(diffs, self.target, self.draft)}"
             )
             self._source.notes.append(note)
-            key = (str(source), _fingerprint(self.target, self.draft))
+            key = (str(source), _fingerprint(self.target, self.draft, self._graphs()))
             if key not in _WARNED:
                 _WARNED.add(key)
                 LOG.warning("cost profile %s%s: %s", source, shipped, note)
+        measured_graphs, graphs = bool(table.meta.get("cuda_graphs", False)), self._graphs()
+        if measured_graphs != graphs:  # eager forwards on a GPU wait on their launches: they look flat for longer
+            mode = "on" if graphs else "off"
+            note = (
+                f"measured with CUDA graphs {'on' if measured_graphs else 'off'}, and decoding runs with them {mode}: used, but its costs "
+                f"are not the ones decoding pays; measure one as decoding runs with `specdec profile --cuda-graphs {mode} --out FILE`"
+            )
+            self._source.notes.append(note)
+            LOG.warning("cost profile %s%s: %s", source, shipped, note)
         return table
 
     def _measure(self, batch_sizes: Sequence[int], show: bool, announce: bool = False) -> CostTable:
         """A quick table holding (at least) `batch_sizes`, reusing what this process measured or
         an earlier one kept in this machine's cache (`measured_cache_dir`). announce: log the
         measurement (if one is needed) before taking it."""
-        key = _fingerprint(self.target, self.draft)
+        key = _fingerprint(self.target, self.draft, self._graphs())
         have = _MEASURED.get(key)
         from_disk = have is None and (have := _load_cached(key)) is not None  # measured by an earlier process on this machine
         if from_disk:
@@ -549,7 +571,12 @@ class CostTableResolver:
         if todo:
             t0 = time.perf_counter()
             new = measure_with_progress(
-                self.target, self.draft, quick_grid(batch_sizes=todo), f"cost profile (batch sizes {', '.join(map(str, todo))})", show
+                self.target,
+                self.draft,
+                quick_grid(batch_sizes=todo),
+                f"cost profile (batch sizes {', '.join(map(str, todo))})",
+                show,
+                cuda_graphs=self._graphs(),
             )
             self._source.measured_s += time.perf_counter() - t0
             have = new if have is None else have.merged(new)
@@ -565,6 +592,14 @@ class CostTableResolver:
         if not self._source.device:
             self._source.device = _device_text(have.meta)
         return have
+
+    def _graphs(self) -> bool:
+        """Whether forwards are measured as replayed CUDA graphs (`cuda_graphs`, resolved)."""
+        if self.cuda_graphs is None:
+            from specdec.models.graphs import resolve_cuda_graphs
+
+            self.cuda_graphs = resolve_cuda_graphs("auto", next(self.target.parameters()).device)
+        return self.cuda_graphs
 
     def _finish_source(self) -> None:
         if self._table is not None:
