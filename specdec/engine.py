@@ -330,6 +330,33 @@ class SpeculativeEngine:
     def _forward_s(self) -> float:
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
 
+class PhaseClock:
+    """The marks of a decoding step's phases (0: drafting starts, 1: verification starts, 2: it
+    ends). On a CPU, wall time. On a CUDA device a phase only queues its kernels (the host waits
+    for all of them at the step's one read), so its span there is read from CUDA events, on the
+    device's own timeline: the time from the device reaching one mark to reaching the next,
+    whether it spent it computing or waiting for the host's launches."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else []
+        self.times = [0.0, 0.0, 0.0]
+
+    def mark(self, phase: int) -> float:
+        """Record mark `phase` (0, 1 or 2); returns the host's clock (perf_counter) at it."""
+        now = self.times[phase] = time.perf_counter()
+        if self.cuda:
+            self.events[phase].record()
+        return now
+
+    def spans(self) -> tuple[float, float]:
+        """(drafting, verification) in seconds; on CUDA call it after the step's host read."""
+        if self.cuda:
+            first, second, third = self.events
+            return first.elapsed_time(second) / 1e3, second.elapsed_time(third) / 1e3
+        return self.times[1] - self.times[0], self.times[2] - self.times[1]
+
+
 class DecodeSession:
     """The decode loop of one engine, one step at a time, over a rolling batch of rows.
 
@@ -370,6 +397,7 @@ class DecodeSession:
         self.steps = 0
         self._submitted = 0
         self._holds_cache = False
+        self._clock = PhaseClock(torch.device(engine.device))
 
     # ----- requests ------------------------------------------------------------------
     def submit(
@@ -457,17 +485,19 @@ class DecodeSession:
             host_active=was_active,
             host_context_len=self._host_context_lens(),
         )
-        t0 = time.perf_counter()
+        clock = self._clock
+        t0 = clock.mark(0)
         draft = engine.policy.draft(engine.source, self.roots, ctx)
         tree = draft.tree
-        t1 = time.perf_counter()
+        clock.mark(1)
         prepare = getattr(engine.rule, "prepare", None)
         if prepare is not None:  # (what a rule reads of the tree on the host, on its way before the forward)
             prepare(tree, params)
         logits = engine.target.forward(tree.tokens, context_len[:, None] + tree.depths, tree.ancestor_mask())  # [B, N, V]
         verdict = engine.rule.verify(tree, logits, params, self.generator)
-        t2 = time.perf_counter()
+        clock.mark(2)
         result = StepResult.read(tree, verdict)  # the step's one host read
+        draft_s, verify_s = clock.spans()  # (after the read: on a GPU every marked kernel is done)
         # keep the root and the accepted path in the target cache (their KV from the verify forward);
         # the path's columns are trimmed to the longest accepted path (known now), so rows that
         # accept alike leave no holes in the cache
@@ -500,8 +530,8 @@ class DecodeSession:
             relaxed=result.relaxed,
             strict_fallbacks=result.fallbacks,
             tree_depth=result.tree_depth,
-            draft_s=t1 - t0,
-            verify_s=t2 - t1,
+            draft_s=draft_s,
+            verify_s=verify_s,
             drafted_by_depth=result.drafted_by_depth,
             accepted_depth=[len(p) for p in result.accepted_nodes],
             prompt_index=[r.index for r in rows],
@@ -558,6 +588,7 @@ class DecodeSession:
         if engine.source is not None:
             engine.source.prefill(ids, mask, batch_rows, prompts=prompts)
         first = choose_tokens(target_logits, self.params, self.generator)  # [B']
+        first_ids = first.tolist()  # one read; on a GPU the prefill is done only here, so time to first token ends after it
         t1 = time.perf_counter()
         for r, request in enumerate(incoming):
             stats = request.stats
@@ -565,7 +596,7 @@ class DecodeSession:
             stats.prefill_s = stats.ttft_s = t1 - t0
             request.admitted_at = t0
             request.forward_s_at_admission = forward_s0
-            self._append(request, [int(first[r])])
+            self._append(request, [first_ids[r]])
         return first
 
     def _fill_rows(self) -> None:

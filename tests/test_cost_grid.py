@@ -322,3 +322,26 @@ def test_a_profile_measured_in_another_graph_mode_is_used_with_a_warning(tmp_pat
         assert resolver.prepare(1).meta["cuda_graphs"] is True
     assert "measured with CUDA graphs on, and decoding runs with them off" in caplog.text
     assert "specdec profile --cuda-graphs off" in caplog.text and resolver.source.notes
+
+
+def test_each_timed_forward_waits_for_the_device(monkeypatch):
+    """A forward only queues its kernels on a GPU (nothing in the static-shape forward reads a
+    device value), so every timed forward is bracketed by a wait for the device: before the
+    clock starts and before it stops. Without them a GPU profile times the launches alone."""
+    from specdec.models.runner import ModelRunner
+
+    target, _ = pair()
+    runner = ModelRunner(target)
+    generator = torch.Generator().manual_seed(0)
+    runner.fill_random(1, 16, generator)
+    events: list[str] = []
+    monkeypatch.setattr(profile, "synchronize", lambda device: events.append("sync"))
+    forward = runner.forward
+
+    def recorded(*args, **kwargs):
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", recorded)
+    profile.measure_forward_ms(runner, 16, 4, warmup=1, repeats=3, generator=generator)
+    assert events == ["sync", "forward", "sync"] * 4  # the warm-up forward and three timed ones

@@ -148,3 +148,56 @@ def test_release_frees_the_caches_of_an_idle_session(pair):
         while not session.idle:
             session.step()
         assert again.token_ids == first.token_ids
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: records the host clock; elapsed_time in ms, as torch's."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self) -> None:
+        import time
+
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.at is not None and end.at is not None, "read before both events were recorded"
+        return (end.at - self.at) * 1e3
+
+
+def test_phase_clock_reads_the_device_timeline_on_cuda(monkeypatch):
+    """On a CUDA device a phase only queues kernels, so the step's draft and verify spans come
+    from events recorded at the phase marks (read after the step's host read), not the host
+    clock; on a CPU they are wall time."""
+    from specdec.engine import PhaseClock
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    clock = PhaseClock(torch.device("cuda"))
+    for phase in range(3):
+        clock.mark(phase)
+    draft_s, verify_s = clock.spans()
+    assert clock.events[0].at <= clock.events[1].at <= clock.events[2].at
+    assert draft_s == pytest.approx(clock.events[1].at - clock.events[0].at) and verify_s == pytest.approx(clock.events[2].at - clock.events[1].at)
+    cpu = PhaseClock(torch.device("cpu"))
+    assert cpu.events == []
+    for phase in range(3):
+        cpu.mark(phase)
+    assert cpu.spans() == (cpu.times[1] - cpu.times[0], cpu.times[2] - cpu.times[1])
+
+
+def test_steps_take_their_phase_spans_from_the_clock(pair, monkeypatch):
+    """The step records (and so the stats and CAST's learned overheads) take drafting and
+    verification time from the session's PhaseClock."""
+    import specdec.engine as engine_module
+
+    class FixedClock(engine_module.PhaseClock):
+        def spans(self) -> tuple[float, float]:
+            return 0.5, 0.25
+
+    monkeypatch.setattr(engine_module, "PhaseClock", FixedClock)
+    outs = engine(pair, "chain").generate(PROMPTS[:2], 6, keep_steps=True)
+    steps = outs[0].steps
+    assert steps and all((s.draft_s, s.verify_s) == (0.5, 0.25) for s in steps)
+    assert outs[0].stats.draft_s == pytest.approx(0.5 * outs[0].stats.steps)

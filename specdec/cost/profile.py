@@ -121,6 +121,12 @@ def _fill_context(runner: ModelRunner, batch: int, context: int, generator: torc
     runner.fill_random(batch, context, generator)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for everything queued on `device` (a CUDA device; nothing to wait for elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_forward_ms(
     runner: ModelRunner,
     context: int,
@@ -133,6 +139,10 @@ def measure_forward_ms(
 ) -> float:
     """Median latency (ms) of one forward of `n` new tokens per row over the runner's current
     cache (filled by `_fill_context` to `context` entries); the cache is rolled back after each.
+    Wall time from an idle device to the forward's last kernel done: its launches and its work,
+    whichever is longer, as a decoding step pays them. (Until 2026-11-25 a GPU forward was timed
+    without waiting for it, so only its launches were measured: the costs of CAST's tables and
+    of DynaTree's free width on a GPU came out flat.)
 
     At least `repeats` timed forwards, more (up to `max_repeats`) until they add up to `min_time_ms`.
     """
@@ -149,8 +159,10 @@ def measure_forward_ms(
     times: list[float] = []
     i = 0
     while len(times) < repeats or (sum(times) < min_time_ms and len(times) < max(repeats, max_repeats)):
+        synchronize(dev)  # nothing queued before the clock starts
         t0 = time.perf_counter()
-        runner.forward(ids, positions, visibility)  # synchronises on CUDA
+        runner.forward(ids, positions, visibility)
+        synchronize(dev)  # a forward only queues its kernels on a GPU (nothing in it reads a device value): wait for them
         elapsed = time.perf_counter() - t0
         runner.rollback()
         if i >= warmup:
