@@ -157,6 +157,13 @@ class HostWorkCounter:
         _active.reset(self._token)
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for work queued on `device`, so that wall-clock timings are complete (a no-op off CUDA:
+    there an op is done when it returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 _HOST_ALIGN = 8
 """bytes: every tensor's bytes start at a multiple of this in `read_together`'s transfer (so
 float64 and int64 views of it are aligned)"""

@@ -335,7 +335,7 @@ def test_each_timed_forward_waits_for_the_device(monkeypatch):
     generator = torch.Generator().manual_seed(0)
     runner.fill_random(1, 16, generator)
     events: list[str] = []
-    monkeypatch.setattr(profile, "synchronize", lambda device: events.append("sync"))
+    monkeypatch.setattr(profile, "sync_device", lambda device: events.append("sync"))
     forward = runner.forward
 
     def recorded(*args, **kwargs):

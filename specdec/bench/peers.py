@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdec.hostwork import sync_device
 from specdec.padding import pad_rows
 from specdec.sampling import SamplingParams
 
@@ -65,12 +66,6 @@ def peer_kwargs(name: str, draft: PreTrainedModel | None) -> dict[str, Any]:
     if name == "hf-lookup":
         return {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
     raise ValueError(f"unknown peer {name!r}")
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for queued CUDA work, so that wall-clock timings are complete (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_peer(

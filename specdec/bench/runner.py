@@ -34,12 +34,12 @@ from specdec.bench.config import MeasuredRunConfig
 from specdec.bench.defaults import BENCH_METHODS
 from specdec.bench.divergence import classify
 from specdec.bench.pair import LoadedPair, load_pair, pair_paths
-from specdec.bench.peers import BATCHED_PEERS, PeerOutput, peer_needs_draft, run_peer, run_peer_batch, sync_device
+from specdec.bench.peers import BATCHED_PEERS, PeerOutput, peer_needs_draft, run_peer, run_peer_batch
 from specdec.bench.prompts import BenchPrompt, load_prompts, resolve_prompt_source
 from specdec.bench.quality import CODE_PROMPT_MODES, QualityScorer, is_code_prompt
 from specdec.bench.variants import BASELINE, Variant, make_variants, parse_method_specs
 from specdec.errors import SpecDecError
-from specdec.hostwork import HostWorkCounter
+from specdec.hostwork import HostWorkCounter, sync_device
 from specdec.methods import method_uses_draft
 from specdec.multimodal.inputs import MultimodalPrompt
 from specdec.progress import progress_bar

@@ -35,6 +35,7 @@ import transformers
 
 from specdec.cost.table import CostTable, FieldDiff, check_cost_profile_path, device_identity, model_identity
 from specdec.errors import SpecDecError
+from specdec.hostwork import sync_device
 from specdec.models.loading import BUNDLED_PAIR, context_length
 from specdec.models.runner import ModelRunner
 from specdec.paths import cache_root
@@ -121,12 +122,6 @@ def _fill_context(runner: ModelRunner, batch: int, context: int, generator: torc
     runner.fill_random(batch, context, generator)
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for everything queued on `device` (a CUDA device; nothing to wait for elsewhere)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_forward_ms(
     runner: ModelRunner,
     context: int,
@@ -159,10 +154,10 @@ def measure_forward_ms(
     times: list[float] = []
     i = 0
     while len(times) < repeats or (sum(times) < min_time_ms and len(times) < max(repeats, max_repeats)):
-        synchronize(dev)  # nothing queued before the clock starts
+        sync_device(dev)  # nothing queued before the clock starts
         t0 = time.perf_counter()
         runner.forward(ids, positions, visibility)
-        synchronize(dev)  # a forward only queues its kernels on a GPU (nothing in it reads a device value): wait for them
+        sync_device(dev)  # a forward only queues its kernels on a GPU (nothing in it reads a device value): wait for them
         elapsed = time.perf_counter() - t0
         runner.rollback()
         if i >= warmup:

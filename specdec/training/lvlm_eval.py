@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specdec.engine import SpeculativeEngine
+from specdec.hostwork import sync_device
 from specdec.methods import make_policy
 from specdec.models.runner import ModelRunner
 from specdec.multimodal.inputs import MultimodalPrompt, encode_multimodal
@@ -41,8 +42,10 @@ def step_latency_ms(model, prompt: MultimodalPrompt, repeats: int = 40) -> float
     vis = torch.ones(1, 1, 1, dtype=torch.bool, device=runner.device)
     times = []
     for _ in range(repeats):
+        sync_device(runner.device)
         t0 = time.perf_counter()
         runner.forward(token, pos, vis)
+        sync_device(runner.device)  # a GPU forward only queues its kernels
         times.append(time.perf_counter() - t0)
         runner.rollback()
     return 1000 * statistics.median(times[5:])
