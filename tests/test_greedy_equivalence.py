@@ -129,45 +129,15 @@ SMALL_BUDGETS = {
 }
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("batch_size", [1, 2])
-def test_dynatree_inside_a_free_verification_width(arch, batch_size):
-    """DynaTree with a free verification width (no pruning, the best nodes by p over all levels,
-    at most free_tokens // B - 1 a row) gives the target's own greedy output."""
+def _dynatree_in_a_free_width(arch: str, batch_size: int, **options: object) -> list[tuple[int, int]]:
+    """Decode PROMPTS with a DynaTree of `options` over a draft close to the target, assert the
+    target's own greedy output, and return (rows, the widest row's tree) per step."""
     target = sharpen(tiny_model(arch, seed=0))
     draft = sharpen(tiny_model(arch, seed=0))
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    policy = make_policy("dynatree", free_tokens=12)
-    widths: list[tuple[int, int]] = []  # (rows, the widest row's tree) per step
-    draft_step = policy.draft
-
-    def recorded(source, roots, ctx):
-        out = draft_step(source, roots, ctx)
-        widths.append((roots.shape[0], int(out.tree.valid.sum(dim=1).max())))
-        return out
-
-    policy.draft = recorded  # type: ignore[method-assign]
-    engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
-    outs = engine.generate(PROMPTS, 20, batch_size=batch_size)
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        assert out.token_ids == reference(target, prompt, 20, EOS), (arch, batch_size, prompt)
-    assert all(width <= 12 // rows for rows, width in widths)  # the root and at most free_tokens // B - 1 draft tokens
-    assert max(width for _, width in widths) > 2  # the trees did grow into the free width
-
-
-@pytest.mark.parametrize("batch_size", [1, 2])
-def test_dynatree_inside_a_measured_free_width(batch_size):
-    """DynaTree whose free width is measured from a cost table (the knee of a table flat to 16
-    tokens over the batch: 15 draft tokens a row at B = 1, 7 at B = 2) gives the target's own
-    greedy output, and its trees stay inside that width."""
-    target = sharpen(tiny_model("llama", seed=0))
-    draft = sharpen(tiny_model("llama", seed=0))
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    policy = make_policy("dynatree", cost_table=gpu_like_table(flat_tokens=16))
+    policy = make_policy("dynatree", **options)
     widths: list[tuple[int, int]] = []
     draft_step = policy.draft
 
@@ -179,7 +149,26 @@ def test_dynatree_inside_a_measured_free_width(batch_size):
     policy.draft = recorded  # type: ignore[method-assign]
     engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
     for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, 20, batch_size=batch_size), strict=True):
-        assert out.token_ids == reference(target, prompt, 20, EOS), (batch_size, prompt)
+        assert out.token_ids == reference(target, prompt, 20, EOS), (arch, batch_size, options, prompt)
+    return widths
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_dynatree_inside_a_free_verification_width(arch, batch_size):
+    """DynaTree with a free verification width (no pruning, the best nodes by p over all levels,
+    at most free_tokens // B - 1 a row) gives the target's own greedy output."""
+    widths = _dynatree_in_a_free_width(arch, batch_size, free_tokens=12)
+    assert all(width <= 12 // rows for rows, width in widths)  # the root and at most free_tokens // B - 1 draft tokens
+    assert max(width for _, width in widths) > 2  # the trees did grow into the free width
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_dynatree_inside_a_measured_free_width(batch_size):
+    """DynaTree whose free width is measured from a cost table (the knee of a table flat to 16
+    tokens over the batch: 15 draft tokens a row at B = 1, 7 at B = 2) gives the target's own
+    greedy output, and its trees stay inside that width."""
+    widths = _dynatree_in_a_free_width("llama", batch_size, cost_table=gpu_like_table(flat_tokens=16))
     assert all(width <= 16 // rows for rows, width in widths)  # the root and the measured width
     assert max(width for _, width in widths) > 4  # more than the paper's pruning keeps on this draft
 

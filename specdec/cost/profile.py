@@ -630,6 +630,17 @@ class CostTableResolver:
         LOG.warning("cost profile saved to %s", path)
 
 
+def bound_resolver(target: torch.nn.Module, draft: torch.nn.Module, cost_profile: str | None, resolver: CostTableResolver | None = None) -> CostTableResolver:
+    """The resolver a cost-aware policy binds to: `resolver` (a decoder's, shared by every policy
+    over the pair) when it is for these models and this profile, else a new one; prepared for
+    batch 1 now, so a measurement, when no profile fits, happens before any generation is timed."""
+    if resolver is not None and (resolver.target is not target or resolver.draft is not draft or resolver.path != cost_profile):
+        raise ValueError("bind_models: the shared resolver is for other models or another cost profile")
+    bound = resolver or CostTableResolver(target, draft, cost_profile)
+    bound.prepare(1)
+    return bound
+
+
 def describe(table: CostTable, batch_sizes: Sequence[int] | None = None) -> str:
     """A short text summary: per batch size, target and draft ms at the smallest context."""
     lines = [f"contexts {table.contexts}, n grid {table.n_grid}"]

@@ -893,12 +893,9 @@ class CastPolicy:
         tables, measured or loaded once, serve every policy built over the pair)."""
         if draft is None or self.cost_table is not None:
             return
-        from specdec.cost.profile import CostTableResolver
+        from specdec.cost.profile import bound_resolver
 
-        if resolver is not None and (resolver.target is not target or resolver.draft is not draft or resolver.path != self.cost_profile):
-            raise ValueError("bind_models: the shared resolver is for other models or another cost profile")
-        self._resolver = resolver or CostTableResolver(target, draft, self.cost_profile)
-        self._resolver.prepare(1)
+        self._resolver = bound_resolver(target, draft, self.cost_profile, resolver)
 
     def wants_cost_table(self, device: torch.device) -> bool:
         """Whether `bind_models` loads or measures a table: unless one was injected, always."""
