@@ -31,6 +31,7 @@ from specdec.models.loading import (
     load_tokenizer,
     pair_load_options,
 )
+from specdec.models.static import WARM_UP_TOKENS
 from specdec.models.vocab import VocabFit, output_width
 from specdec.multimodal.inputs import check_placeholders, count_placeholders, encode_multimodal, is_multimodal, same_image_encoding
 from specdec.multimodal.views import (
@@ -383,7 +384,7 @@ class SpeculativeDecoder:
         on_cuda = next(self.draft.parameters()).device.type == "cuda"
         return {"static_shapes": self.static_shapes, "cuda_graphs": self.cuda_graphs and on_cuda}
 
-    def warm_up(self, batch_sizes: Sequence[int] = (1,), context: int = 0, max_tokens: int = 64) -> int:
+    def warm_up(self, batch_sizes: Sequence[int] = (1,), context: int = 0, max_tokens: int = WARM_UP_TOKENS) -> int:
         """Capture the CUDA graphs (with graphs on) of both models' forwards for every node-count
         bucket up to `max_tokens` at each batch size, over caches with room for `context` slots,
         so that capture costs are not paid inside a timed call (`SpeculativeEngine.warm_up`).

@@ -26,6 +26,7 @@ from specdec.drafting.builder import DraftContext
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.runner import ModelRunner, hole_filling_order
+from specdec.models.static import WARM_UP_TOKENS
 from specdec.models.support import image_prompt_problem
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
 from specdec.sampling import SamplingParams, choose_tokens
@@ -316,7 +317,7 @@ class SpeculativeEngine:
             results.append(EngineOutput(token_ids=request.token_ids, finish_reason=request.finish_reason, stats=request.stats, steps=session.records))
         return results
 
-    def warm_up(self, batch_sizes: Sequence[int], context: int = 0, max_tokens: int = 64) -> int:
+    def warm_up(self, batch_sizes: Sequence[int], context: int = 0, max_tokens: int = WARM_UP_TOKENS) -> int:
         """Run (with CUDA graphs: capture) the static-shape forwards of the target and the draft
         model for every node-count bucket up to `max_tokens` at each batch size, over caches with
         room for `context` slots, so that capture costs land here and not in a timed call.
@@ -329,6 +330,7 @@ class SpeculativeEngine:
 
     def _forward_s(self) -> float:
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
+
 
 class PhaseClock:
     """The marks of a decoding step's phases (0: drafting starts, 1: verification starts, 2: it

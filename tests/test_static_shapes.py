@@ -231,6 +231,17 @@ def test_warm_up_runs_every_bucket():
     assert plain.warm_up([1]) == 0
 
 
+def test_default_warm_up_covers_the_default_trees():
+    """By default `warm_up` captures every bucket the default trees verify at batch 1, so none is
+    captured inside a timed call: CAST's 72 draft tokens and the root (bucket 96; the old default
+    of 64 left it out), DynaTree's widest measured free width and the root, EAGLE-2's 32 and the root."""
+    from specdec.drafting.dynatree import MEASURED_FREE_CAP
+    from specdec.models.static import WARM_UP_TOKENS
+
+    widest = [1 + make_policy("cast").total_tokens, MEASURED_FREE_CAP, 1 + make_policy("eagle2").total_tokens, 1 + make_policy("chain").k]
+    assert all(node_bucket(n) <= node_bucket(WARM_UP_TOKENS) for n in widest), (widest, WARM_UP_TOKENS)
+
+
 # ----- the option -------------------------------------------------------------------------
 def test_resolve_cuda_graphs():
     assert resolve_cuda_graphs("auto", "cpu") is False

@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.graphs import CudaGraphRunner
-from specdec.models.static import BUCKETS, StaticInputs, StoragePool, cpu_pool, node_bucket, shared_state
+from specdec.models.static import BUCKETS, WARM_UP_TOKENS, StaticInputs, StoragePool, cpu_pool, node_bucket, shared_state
 from specdec.models.support import FIX as UNSUPPORTED_FIX
 from specdec.models.support import cache_argument, logits_keep_argument, tree_verification_problem
 
@@ -780,7 +780,7 @@ class ModelRunner:
         cache.length = context
 
     @torch.inference_mode()
-    def warm_up(self, batch_sizes: Sequence[int], context: int = 0, max_tokens: int = 64) -> int:
+    def warm_up(self, batch_sizes: Sequence[int], context: int = 0, max_tokens: int = WARM_UP_TOKENS) -> int:
         """Run one static-shape forward of every node-count bucket up to `max_tokens` at each
         batch size, over a cache with room for `context` slots (capturing CUDA graphs when they
         are on), so that capture costs are paid here and not inside a timed call. The caches go

@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256)
 """node-count buckets: a forward of n tokens runs as one of the smallest bucket >= n"""
 
+WARM_UP_TOKENS = 128
+"""tokens a row up to which `warm_up` runs (captures) every bucket by default: the widest
+verification of the default trees (CAST's 72 draft tokens and the root, bucket 96; DynaTree's
+measured free width, at most 127 and the root; EAGLE-2's 33); until 2026-11-25 it was 64, so
+CAST's bucket 96 was captured inside the first timed call"""
+
 BUCKET_STEP_BEYOND = 128
 """past the last bucket, forwards are padded to a multiple of this"""
 
