@@ -625,7 +625,8 @@ class DecodeSession:
             self._retire_and_admit()
 
     def _retire_and_admit(self) -> None:
-        """Between steps: finished rows take the next waiting prompts, or leave the batch.
+        """Between steps: finished rows take the next waiting prompts, or leave the batch (with
+        static shapes they stay, inactive, until every row has finished).
 
         A prompt can finish at its first token (EOS, or max_new_tokens=1), so admission
         repeats until every row is live or nothing waits."""
@@ -640,6 +641,11 @@ class DecodeSession:
         # the unfinished rows, finished rows' places taken by rows from the end (`hole_filling_order`):
         # the caches copy only the rows that move
         keep = hole_filling_order([request.done for request in self.rows])
+        if keep and len(keep) < len(self.rows) and self.engine.target.static_shapes:
+            # static shapes (CUDA graphs): finished rows ride along inactive (root-only trees) until
+            # every row has finished or a prompt takes their place; a smaller batch is a new shape,
+            # whose graphs would be captured mid-call, at every size a shrinking batch passes through
+            return
         if len(keep) < len(self.rows):
             engine = self.engine
             if keep:

@@ -170,6 +170,34 @@ def test_greedy_with_static_shapes_equals_target(arch, batch_size):
         assert [o.token_ids for o in outs] == refs, f"{arch}/{method}/B={batch_size}"
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_static_shapes_keep_the_batch_size_while_rows_finish(static):
+    """With static shapes (CUDA graphs) finished rows ride along inactive until every row has
+    finished: the batch keeps its size, so no forward takes a new shape (on a GPU a graph captured
+    mid-call at every size a shrinking batch passes through). Without them finished rows leave.
+    Either way each output equals the prompt decoded alone."""
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1, layers=1)
+    budgets = [3, 9, 15]
+
+    def engine() -> SpeculativeEngine:
+        return SpeculativeEngine(
+            target, make_policy("chain", k=3), GreedyRule(), ModelDraftSource(draft, static_shapes=static), eos_token_ids=[], static_shapes=static
+        )
+
+    alone = [engine().generate([p], n)[0].token_ids for p, n in zip(PROMPTS, budgets, strict=False)]
+    session = engine().session(max_rows=3, keep_steps=True)
+    requests = [session.submit(p, n) for p, n in zip(PROMPTS, budgets, strict=False)]
+    sizes = []
+    while session.unfinished:
+        record = session.step()
+        if record is not None:
+            sizes.append(len(record.active))
+    assert [r.token_ids for r in requests] == alone
+    assert sizes[0] == 3 and sizes[-1] == (3 if static else 1), sizes
+    assert (set(sizes) == {3}) if static else (sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3)
+    assert session.idle or not session.rows  # every row left at the end
+
+
 def test_storage_is_reused_across_runners():
     """A new runner of the same model takes the storage a released one left (graph addresses repeat)."""
     model = tiny_model("llama", seed=0)
