@@ -371,8 +371,9 @@ class _Runner:
 
     def capture_graphs(self, groups: Sequence[Sequence[BenchPrompt]]) -> None:
         """With CUDA graphs on, capture every node-count bucket's forwards of both models before
-        anything is timed (caches sized for the longest prompt plus the new tokens); shapes this
-        misses (a cache that grew wider) are captured on first use, in the first repeat."""
+        anything is timed, at every group's batch size (caches sized for the longest prompt plus
+        the new tokens; a batch keeps its size while its rows finish); shapes this misses (a cache
+        that grew wider) are captured on first use, in the first repeat."""
         decoders = [d for d in self.decoders.values() if d.cuda_graphs]
         if not decoders:
             return
@@ -380,7 +381,7 @@ class _Runner:
         if self.max_context:
             longest = min(longest, self.max_context)
         with_draft = next((d for d in decoders if d.draft is not None), decoders[0])
-        with_draft.warm_up([len(groups[0])], context=longest + self.config.max_new_tokens)
+        with_draft.warm_up(sorted({len(g) for g in groups}), context=longest + self.config.max_new_tokens)  # a last, smaller group is a batch size too
 
     def seed(self, repeat: int, group: int, turn: int) -> int:
         """The same seed for every method on the same call."""
