@@ -25,6 +25,7 @@ from specdec.drafting.base import TreePolicy
 from specdec.drafting.builder import DraftContext
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
+from specdec.models.loading import context_length
 from specdec.models.runner import ModelRunner, hole_filling_order
 from specdec.models.static import WARM_UP_TOKENS
 from specdec.models.support import image_prompt_problem
@@ -75,6 +76,8 @@ class DecodeRequest:
     admitted_at: float | None = None
     """when its prefill began (None while it waits for a row)"""
     forward_s_at_admission: float = 0.0
+    finished_step: int | None = None
+    """the session's step count when the request finished (a row that rides along grows from there)"""
 
     @property
     def done(self) -> bool:
@@ -330,6 +333,14 @@ class SpeculativeEngine:
 
     def _forward_s(self) -> float:
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
+
+    def context_lengths(self) -> list[int | None]:
+        """The learned positions of the target and of the draft model (None: unbounded)."""
+        models = [self.target.model]
+        draft_runner = getattr(self.source, "runner", None)
+        if isinstance(draft_runner, ModelRunner):
+            models.append(draft_runner.model)
+        return [context_length(m) for m in models]
 
 
 class PhaseClock:
@@ -641,7 +652,7 @@ class DecodeSession:
         # the unfinished rows, finished rows' places taken by rows from the end (`hole_filling_order`):
         # the caches copy only the rows that move
         keep = hole_filling_order([request.done for request in self.rows])
-        if keep and len(keep) < len(self.rows) and self.engine.target.static_shapes:
+        if keep and len(keep) < len(self.rows) and self.engine.target.static_shapes and self._riders_fit():
             # static shapes (CUDA graphs): finished rows ride along inactive (root-only trees) until
             # every row has finished or a prompt takes their place; a smaller batch is a new shape,
             # whose graphs would be captured mid-call, at every size a shrinking batch passes through
@@ -654,6 +665,22 @@ class DecodeSession:
                     engine.source.keep_rows(keep)
             self.rows = [self.rows[r] for r in keep]
             self.roots = self.roots[torch.tensor(keep, dtype=torch.long, device=self.roots.device)] if keep else self.roots[:0]
+
+    def _riders_fit(self) -> bool:
+        """Whether the finished rows can ride along to the end of the batch inside the models'
+        context: a riding row's caches grow by its root each step (one slot, at the next
+        position), for at most as many steps as the longest unfinished row has tokens left (each
+        step commits at least one). A row near the end of a model's learned positions would index
+        past them, so then the rows leave as without static shapes. Prompts with images (whose
+        length the model may expand) always leave."""
+        limits = [n for n in (self.engine.max_context, *self.engine.context_lengths()) if n is not None]
+        if not limits:
+            return True
+        if any(isinstance(r.prompt, MultimodalPrompt) for r in self.rows):
+            return False
+        left = max(r.max_new_tokens - len(r.token_ids) for r in self.rows if not r.done)
+        ridden = [len(r.prompt) + len(r.token_ids) + (self.steps - (r.finished_step or self.steps)) for r in self.rows if r.done]
+        return max(ridden) + left + 1 <= min(limits)
 
     def _append(self, request: DecodeRequest, new: list[int]) -> int:
         """Append `new` to a request's output, cutting at EOS and at its budget; returns the
@@ -677,6 +704,7 @@ class DecodeSession:
 
     def _finish(self, request: DecodeRequest, reason: str) -> None:
         request.finish_reason = reason
+        request.finished_step = self.steps
         request.stats.new_tokens = len(request.token_ids)
         if request.admitted_at is not None:
             request.stats.wall_s = time.perf_counter() - request.admitted_at

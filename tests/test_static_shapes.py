@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ARCHS, EOS, needs_serve, sharpen, tiny_any_config, tiny_model
+from conftest import ARCHS, EOS, needs_serve, sharpen, tiny_any_config, tiny_config, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
@@ -196,6 +196,31 @@ def test_static_shapes_keep_the_batch_size_while_rows_finish(static):
     assert sizes[0] == 3 and sizes[-1] == (3 if static else 1), sizes
     assert (set(sizes) == {3}) if static else (sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3)
     assert session.idle or not session.rows  # every row left at the end
+
+
+def test_finished_rows_near_the_context_end_leave_instead_of_riding():
+    """A finished row that rides along grows by its root each step; near the end of a model's
+    learned positions (GPT-2's position table) it would index past them, so there it leaves
+    the batch as without static shapes, and decoding goes on exactly."""
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tiny_config("gpt2", max_pos=48)).eval()
+    torch.manual_seed(1)
+    draft = AutoModelForCausalLM.from_config(tiny_config("gpt2", max_pos=48, layers=1)).eval()
+    prompts, budgets = [list(range(3, 33)), [5, 6, 7, 8, 9]], [15, 40]  # the first ends at 45 of 48 positions
+
+    def engine() -> SpeculativeEngine:
+        return SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[], static_shapes=True)
+
+    alone = [engine().generate([p], n)[0].token_ids for p, n in zip(prompts, budgets, strict=True)]
+    session = engine().session(max_rows=2, keep_steps=True)
+    requests = [session.submit(p, n) for p, n in zip(prompts, budgets, strict=True)]
+    sizes = []
+    while session.unfinished:
+        record = session.step()
+        if record is not None:
+            sizes.append(len(record.active))
+    assert [r.token_ids for r in requests] == alone
+    assert sizes[-1] == 1  # the first row left once it finished
 
 
 def test_storage_is_reused_across_runners():
