@@ -170,6 +170,28 @@ def test_greedy_with_static_shapes_equals_target(arch, batch_size):
         assert [o.token_ids for o in outs] == refs, f"{arch}/{method}/B={batch_size}"
 
 
+def _batch_sizes_while_rows_finish(target, draft, prompts, budgets, static: bool) -> list[int]:
+    """Decode `prompts` (with their token budgets) in one session of a chain with static shapes
+    on or off; assert each output equals the prompt decoded alone; return the batch size of every step."""
+
+    def engine() -> SpeculativeEngine:
+        return SpeculativeEngine(
+            target, make_policy("chain", k=3), GreedyRule(), ModelDraftSource(draft, static_shapes=static), eos_token_ids=[], static_shapes=static
+        )
+
+    alone = [engine().generate([p], n)[0].token_ids for p, n in zip(prompts, budgets, strict=True)]
+    session = engine().session(max_rows=len(prompts), keep_steps=True)
+    requests = [session.submit(p, n) for p, n in zip(prompts, budgets, strict=True)]
+    sizes = []
+    while session.unfinished:
+        record = session.step()
+        if record is not None:
+            sizes.append(len(record.active))
+    assert [r.token_ids for r in requests] == alone
+    assert not session.rows  # every row left at the end
+    return sizes
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_static_shapes_keep_the_batch_size_while_rows_finish(static):
     """With static shapes (CUDA graphs) finished rows ride along inactive until every row has
@@ -177,25 +199,9 @@ def test_static_shapes_keep_the_batch_size_while_rows_finish(static):
     mid-call at every size a shrinking batch passes through). Without them finished rows leave.
     Either way each output equals the prompt decoded alone."""
     target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1, layers=1)
-    budgets = [3, 9, 15]
-
-    def engine() -> SpeculativeEngine:
-        return SpeculativeEngine(
-            target, make_policy("chain", k=3), GreedyRule(), ModelDraftSource(draft, static_shapes=static), eos_token_ids=[], static_shapes=static
-        )
-
-    alone = [engine().generate([p], n)[0].token_ids for p, n in zip(PROMPTS, budgets, strict=False)]
-    session = engine().session(max_rows=3, keep_steps=True)
-    requests = [session.submit(p, n) for p, n in zip(PROMPTS, budgets, strict=False)]
-    sizes = []
-    while session.unfinished:
-        record = session.step()
-        if record is not None:
-            sizes.append(len(record.active))
-    assert [r.token_ids for r in requests] == alone
+    sizes = _batch_sizes_while_rows_finish(target, draft, PROMPTS[:3], [3, 9, 15], static)
     assert sizes[0] == 3 and sizes[-1] == (3 if static else 1), sizes
     assert (set(sizes) == {3}) if static else (sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3)
-    assert session.idle or not session.rows  # every row left at the end
 
 
 def test_finished_rows_near_the_context_end_leave_instead_of_riding():
@@ -207,20 +213,7 @@ def test_finished_rows_near_the_context_end_leave_instead_of_riding():
     torch.manual_seed(1)
     draft = AutoModelForCausalLM.from_config(tiny_config("gpt2", max_pos=48, layers=1)).eval()
     prompts, budgets = [list(range(3, 33)), [5, 6, 7, 8, 9]], [15, 40]  # the first ends at 45 of 48 positions
-
-    def engine() -> SpeculativeEngine:
-        return SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[], static_shapes=True)
-
-    alone = [engine().generate([p], n)[0].token_ids for p, n in zip(prompts, budgets, strict=True)]
-    session = engine().session(max_rows=2, keep_steps=True)
-    requests = [session.submit(p, n) for p, n in zip(prompts, budgets, strict=True)]
-    sizes = []
-    while session.unfinished:
-        record = session.step()
-        if record is not None:
-            sizes.append(len(record.active))
-    assert [r.token_ids for r in requests] == alone
-    assert sizes[-1] == 1  # the first row left once it finished
+    assert _batch_sizes_while_rows_finish(target, draft, prompts, budgets, static=True)[-1] == 1  # the first row left once it finished
 
 
 def test_storage_is_reused_across_runners():
