@@ -679,7 +679,7 @@ class DecodeSession:
         if any(isinstance(r.prompt, MultimodalPrompt) for r in self.rows):
             return False
         left = max(r.max_new_tokens - len(r.token_ids) for r in self.rows if not r.done)
-        ridden = [len(r.prompt) + len(r.token_ids) + (self.steps - (r.finished_step or self.steps)) for r in self.rows if r.done]
+        ridden = [len(r.prompt) + len(r.token_ids) + self.steps - (self.steps if r.finished_step is None else r.finished_step) for r in self.rows if r.done]
         return max(ridden) + left + 1 <= min(limits)
 
     def _append(self, request: DecodeRequest, new: list[int]) -> int:

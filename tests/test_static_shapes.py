@@ -216,6 +216,23 @@ def test_finished_rows_near_the_context_end_leave_instead_of_riding():
     assert _batch_sizes_while_rows_finish(target, draft, prompts, budgets, static=True)[-1] == 1  # the first row left once it finished
 
 
+def test_a_rider_counts_every_step_since_it_finished():
+    """A row that finished at admission (step 0) has grown by one slot a step since: that growth
+    counts towards the context limit like any other rider's."""
+    from specdec.engine import DecodeRequest
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tiny_config("gpt2", max_pos=48)).eval()
+    session = SpeculativeEngine(target, make_policy("ar"), GreedyRule(), None, static_shapes=True).session()
+    finished = DecodeRequest(index=0, prompt=list(range(3, 33)), max_new_tokens=1, token_ids=[7], finish_reason="length", finished_step=0)
+    running = DecodeRequest(index=1, prompt=[5, 6], max_new_tokens=20, token_ids=[8] * 10)
+    session.rows = [finished, running]
+    session.steps = 0
+    assert session._riders_fit()  # 31 tokens + 10 left + 1 <= 48
+    session.steps = 8  # ridden 8 steps: 39 + 10 + 1 > 48
+    assert not session._riders_fit()
+
+
 def test_storage_is_reused_across_runners():
     """A new runner of the same model takes the storage a released one left (graph addresses repeat)."""
     model = tiny_model("llama", seed=0)

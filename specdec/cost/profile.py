@@ -292,7 +292,7 @@ def _store_cached(key: str, table: CostTable) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         replace(table, meta={**table.meta, "fingerprint": key}).save(path)
     except OSError as err:
-        LOG.warning("forward costs: could not keep the measured cost profile in %s (%s); set SPECDEC_CACHE_DIR to a writable folder", path.parent, err)
+        LOG.warning("could not keep the measured cost profile in %s (%s); set SPECDEC_CACHE_DIR to a writable folder", path.parent, err)
         return None
     return path
 
@@ -529,7 +529,7 @@ class CostTableResolver:
         )
         if diffs and self.path is None:  # the shipped profile, measured on another CPU: this machine's own, measured once and cached
             LOG.warning(
-                "forward costs: the shipped cost profile of the bundled pair was measured on another machine (%s); using this machine's own "
+                "the shipped cost profile of the bundled pair was measured on another machine (%s); using this machine's own "
                 "quick profile instead (measured once before decoding, then kept in %s for later runs)",
                 "; ".join(map(str, diffs)),
                 measured_cache_dir(),
@@ -571,7 +571,7 @@ class CostTableResolver:
         todo = [b for b in batch_sizes if have is None or b not in have.batch_sizes]
         if todo and announce:
             LOG.warning(
-                "forward costs: measuring a quick cost profile for %s before decoding (seconds to a few minutes; kept for later runs); "
+                "measuring a quick cost profile for %s before decoding (seconds to a few minutes; kept for later runs); "
                 "`specdec profile --out FILE` and --cost-profile FILE give a full one",
                 _sizes_text(todo),
             )

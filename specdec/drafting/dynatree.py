@@ -347,8 +347,10 @@ class DynaTreePolicy:
     """the pair's cost tables, once `bind_models` found the free width must be measured"""
     _loaded_table: CostTable | None = field(default=None, init=False, repr=False)
     """`cost_profile` read as is, for a policy used without `bind_models` (no models to check it against)"""
-    _free_widths: dict[tuple[int, int, int], int] = field(default_factory=dict, init=False, repr=False)
-    """measured free width (draft tokens a row) per (table id, batch size, context bucket)"""
+    _free_widths: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
+    """measured free width (draft tokens a row) per (batch size, context bucket) of `_widths_of`"""
+    _widths_of: CostTable | None = field(default=None, init=False, repr=False)
+    """the table `_free_widths` was read from (a resolver replaces its table when it measures more batch sizes)"""
     _unread: list[tuple[float, torch.Tensor, list[bool]]] = field(default_factory=list, init=False, repr=False)
     """history rule 'predicted': the window's steps whose predictions are still on the device, each
     (accepted tokens of its counted rows, [B] predicted tokens per row, which rows count), read
@@ -610,7 +612,9 @@ class DynaTreePolicy:
 
     def _measured_free_width(self, table: CostTable, batch: int, context: int | None) -> int:
         bucket = table.select(context if context is not None else table.contexts[0])
-        key = (id(table), batch, bucket)
+        if table is not self._widths_of:  # another table: its widths are read afresh
+            self._widths_of, self._free_widths = table, {}
+        key = (batch, bucket)
         cached = self._free_widths.get(key)
         if cached is None:
             costs = table.target_costs(batch, bucket, MEASURED_FREE_CAP)  # [0, f(1), ..., f(cap)] ms
