@@ -51,6 +51,46 @@ def test_greedy_matches_generate_on_more_architectures(model_type):
     assert accepted > 0, "the close draft should get some tokens accepted"
 
 
+GPU_LIKE_TABLE = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)
+"""flat in n (verification nearly free), so CAST's trees grow as on a GPU"""
+
+STATIC_BUDGETS = [6, 20, 11, 16]
+"""token budgets of `PROMPTS` + [[3, 4]] in the static-shape test: rows finish at different steps"""
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [*MORE_ARCHS, *(pytest.param(m, marks=pytest.mark.skipif(not os.environ.get("SPECDEC_WIDE_ARCHS"), reason="opt-in: SPECDEC_WIDE_ARCHS=1")) for m in WIDE_ARCHS)],
+)
+def test_static_shapes_on_more_architectures(model_type):
+    """The GPU's default forward path (static shapes, which CUDA graphs replay there) run on the
+    CPU: a rolling batch of two rows over four prompts with different budgets, so finished rows
+    ride along inactive while the other row decodes and waiting prompts take their place. Every
+    tree method gives generate()'s greedy tokens, sliding windows, latent attention and shared
+    key/value layers included."""
+    prompts = [*PROMPTS, [3, 4]]
+    target, draft = tiny(model_type, seed=0), tiny(model_type, seed=0, noise=0.02)
+    with torch.no_grad():
+        refs = [
+            target.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist()
+            for p, n in zip(prompts, STATIC_BUDGETS, strict=True)
+        ]
+    methods = {**METHODS, "cast": {"cost_table": GPU_LIKE_TABLE}}
+    for method, options in methods.items():
+        engine = SpeculativeEngine(
+            target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[EOS], static_shapes=True
+        )
+        session = engine.session(max_rows=2, keep_steps=True)
+        requests = [session.submit(p, n) for p, n in zip(prompts, STATIC_BUDGETS, strict=True)]
+        sizes = set()
+        while session.unfinished:
+            record = session.step()
+            if record is not None:
+                sizes.add(len(record.active))
+        assert [r.token_ids for r in requests] == refs, f"{model_type}/{method}"
+        assert sizes == {2}, f"{model_type}/{method}: batch sizes {sizes} (finished rows should ride along)"
+
+
 EVERY_METHOD = {
     "ar": {}, "chain": {"k": 4}, "static": {}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "dynatree": {},
     "dynatree-free": {"free_tokens": 16}, "cast": {},
@@ -70,7 +110,7 @@ def test_every_method_on_every_architecture(model_type):
     for label, options in EVERY_METHOD.items():
         method = label.split("-")[0]
         if method == "cast":
-            options = {"cost_table": CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)}
+            options = {"cost_table": GPU_LIKE_TABLE}
         for batch_size in (1, 2):
             engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
             outs = engine.generate(prompts, 20, batch_size=batch_size)
