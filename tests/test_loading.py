@@ -280,3 +280,29 @@ def test_already_loaded_models_errors(tiny_pair_dir, wrong_models):
     bert = BertForMaskedLM.from_pretrained(wrong_models / "bert")
     with pytest.raises(SpecDecError, match="is an encoder"):
         SpeculativeDecoder.from_pretrained(target, bert, tokenizer=tok)
+
+
+def test_tokenizers_differing_only_in_added_tokens_are_accepted(caplog, tiny_pair_dir, tmp_path):
+    """Llama 3.0 and 3.1 name their reserved ids differently, and an instruct target adds chat
+    tokens its base draft lacks: differences confined to added tokens are a warning naming the
+    ids. A regular token moved to another id is still refused."""
+    from specdec.models.loading import check_same_tokenizer
+
+    target = load_tokenizer(str(tiny_pair_dir / "target"), "target")
+    draft = load_tokenizer(str(tiny_pair_dir / "target"), "draft")
+    n = len(target)
+    target.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})  # ids n, n + 1
+    draft.add_special_tokens({"additional_special_tokens": ["<|reserved_0|>"]})  # id n: another name
+    with caplog.at_level("WARNING", logger="specdec.models.loading"):
+        check_same_tokenizer(target, draft)
+    assert "only in added tokens (2 ids" in caplog.text and f"{n}, {n + 1}" in caplog.text
+
+    swapped = tmp_path / "swapped"  # two regular tokens trade ids
+    load_tokenizer(str(tiny_pair_dir / "target"), "draft").save_pretrained(swapped)
+    spec = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = (tok for tok, i in vocab.items() if i in (40, 41))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(SpecDecError, match=r"2 regular target tokens missing or mapped to other ids"):
+        check_same_tokenizer(load_tokenizer(str(tiny_pair_dir / "target"), "target"), AutoTokenizer.from_pretrained(swapped))

@@ -10,6 +10,7 @@ loading option that needs a package that is not installed.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from specdec.bundled import ASSETS, BUNDLED_LVLM, BUNDLED_PAIR, bundled_draft, b
 from specdec.errors import SpecDecError
 from specdec.models.support import FIX as UNSUPPORTED_FIX
 from specdec.models.support import tree_verification_problem
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -399,14 +402,34 @@ def check_same_tokenizer(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrai
 
     Only the vocabularies are compared: the target's EOS ids decide when a row stops, so a
     draft whose tokenizer names another EOS token (a base draft for an instruct target) is
-    fine, and so are output layers of different widths (`specdec.models.vocab`)."""
+    fine, and so are output layers of different widths (`specdec.models.vocab`). Added
+    (special) tokens may differ too, with a warning: Llama 3.0 and 3.1 checkpoints name their
+    reserved ids differently, and an instruct target may add chat tokens its base draft lacks.
+    The draft only sees ids (one it has no row for reaches it as 0), so such a pair decodes
+    exactly; the draft just guesses less well after those ids. A draft cannot make the output
+    wrong; a draft whose regular tokens differ would guess nothing right, so it is refused."""
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    if t_vocab != d_vocab:
-        only_t = len(set(t_vocab.items()) - set(d_vocab.items()))
+    if t_vocab == d_vocab:
+        return
+    added = set(target_tok.get_added_vocab()) | set(draft_tok.get_added_vocab())
+    t_items, d_items = set(t_vocab.items()), set(d_vocab.items())
+    regular = sorted((tok, i) for tok, i in t_items - d_items if tok not in added)
+    regular_draft = [(tok, i) for tok, i in d_items - t_items if tok not in added]
+    if regular or regular_draft:
+        example = ", ".join(f"{tok!r} = {i}" for tok, i in (regular or sorted(regular_draft))[:3])
         raise SpecDecError(
-            f"the target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens, {only_t} target entries "
-            "missing or mapped differently in the draft); speculative decoding needs a draft that shares the target's tokenizer"
+            f"the target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens; {len(regular)} regular target tokens "
+            f"missing or mapped to other ids in the draft, {len(regular_draft)} the other way, e.g. {example}); "
+            "speculative decoding needs a draft that shares the target's tokenizer (added special tokens may differ)"
         )
+    only_t = sorted(i for _, i in t_items - d_items)
+    only_d = sorted(i for _, i in d_items - t_items)
+    ids = sorted(set(only_t) | set(only_d))
+    shown = ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else "")
+    logger.warning(
+        "the target and draft tokenizers differ only in added tokens (%d ids: %s); decoding stays exact, "
+        "the draft may guess less well after those ids", len(ids), shown,
+    )
 
 
 def context_length(model: PreTrainedModel) -> int | None:
