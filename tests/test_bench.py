@@ -171,6 +171,8 @@ def test_bench_end_to_end_greedy(tiny_pair_dir, tmp_path, capsys):
     # interleaved, repeated: every method ran every (prompt, turn) in both repeats
     assert len(results["records"]) == len(methods.split(",")) * 3 * 2
     assert {(r["group"], r["turn"]) for r in results["records"]} == {(0, 0), (1, 0), (1, 1)}
+    # every row's first divergence from AR's output (none in float32), written for a reader to check the margins
+    assert all(r["divergences"] == [None] * len(r["outputs"]) for r in results["records"] if r["label"] != "ar")
     report = (out / "report.md").read_text()
     assert "specdec bench --prompts" in report and "transformers" in report and "## Verdict" in report
     assert "The fastest method is" in report or "No method beat AR" in report

@@ -177,6 +177,7 @@ class CallRecord:
             "nll": [mean_nll(lp) for lp in self.token_logprobs] if self.token_logprobs is not None else None,
             "parses": self.parses,
             "loops": self.loops,
+            "divergences": self.divergences,
         }
 
 
