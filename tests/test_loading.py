@@ -306,3 +306,24 @@ def test_tokenizers_differing_only_in_added_tokens_are_accepted(caplog, tiny_pai
     (swapped / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(SpecDecError, match=r"2 regular target tokens missing or mapped to other ids"):
         check_same_tokenizer(load_tokenizer(str(tiny_pair_dir / "target"), "target"), AutoTokenizer.from_pretrained(swapped))
+
+
+def test_a_regular_token_the_draft_re_adds_elsewhere_is_refused():
+    """An entry only one side has is excused only when that side added it: a target's regular
+    token that the draft holds as an added token under another id is a regular token moved."""
+    from specdec.models.loading import check_same_tokenizer
+
+    class Vocab:  # what the check reads of a tokenizer
+        def __init__(self, vocab: dict[str, int], added: dict[str, int]) -> None:
+            self.vocab, self.added = vocab, added
+
+        def get_vocab(self) -> dict[str, int]:
+            return self.vocab
+
+        def get_added_vocab(self) -> dict[str, int]:
+            return self.added
+
+    target = Vocab({"a": 0, "b": 1, "<s>": 2}, {"<s>": 2})
+    with pytest.raises(SpecDecError, match="1 regular target tokens missing or mapped to other ids in the draft, 0 the other way, e.g. 'b' = 1"):
+        check_same_tokenizer(target, Vocab({"a": 0, "<s>": 2, "b": 3}, {"<s>": 2, "b": 3}))
+    check_same_tokenizer(target, Vocab({"a": 0, "b": 1, "<pad>": 2}, {"<pad>": 2}))  # only the added id 2 differs: accepted

@@ -411,10 +411,11 @@ def check_same_tokenizer(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrai
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
     if t_vocab == d_vocab:
         return
-    added = set(target_tok.get_added_vocab()) | set(draft_tok.get_added_vocab())
     t_items, d_items = set(t_vocab.items()), set(d_vocab.items())
-    regular = sorted((tok, i) for tok, i in t_items - d_items if tok not in added)
-    regular_draft = [(tok, i) for tok, i in d_items - t_items if tok not in added]
+    # an entry only one side has is excused only when that side added it (a target's regular token
+    # that the draft re-adds under another id is still a regular token moved)
+    regular = sorted((tok, i) for tok, i in t_items - d_items if tok not in target_tok.get_added_vocab())
+    regular_draft = [(tok, i) for tok, i in d_items - t_items if tok not in draft_tok.get_added_vocab()]
     if regular or regular_draft:
         example = ", ".join(f"{tok!r} = {i}" for tok, i in (regular or sorted(regular_draft))[:3])
         raise SpecDecError(
@@ -422,9 +423,7 @@ def check_same_tokenizer(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrai
             f"missing or mapped to other ids in the draft, {len(regular_draft)} the other way, e.g. {example}); "
             "speculative decoding needs a draft that shares the target's tokenizer (added special tokens may differ)"
         )
-    only_t = sorted(i for _, i in t_items - d_items)
-    only_d = sorted(i for _, i in d_items - t_items)
-    ids = sorted(set(only_t) | set(only_d))
+    ids = sorted({i for _, i in t_items ^ d_items})
     shown = ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else "")
     logger.warning(
         "the target and draft tokenizers differ only in added tokens (%d ids: %s); decoding stays exact, "
