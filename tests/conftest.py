@@ -126,6 +126,20 @@ def close_pair(arch: str):
     return target, draft
 
 
+def decode_in_session(engine, prompts: list[list[int]], budgets: list[int], max_rows: int) -> tuple[list[list[int]], list[int]]:
+    """Decode `prompts` (each with its token budget) in one rolling-batch session of `engine` with
+    `max_rows` rows; returns each prompt's tokens and the batch size of every step (riders included)."""
+    session = engine.session(max_rows=max_rows, keep_steps=True)
+    requests = [session.submit(p, n) for p, n in zip(prompts, budgets, strict=True)]
+    sizes = []
+    while session.unfinished:
+        record = session.step()
+        if record is not None:
+            sizes.append(len(record.active))
+    assert not session.rows  # every row left at the end
+    return [r.token_ids for r in requests], sizes
+
+
 @pytest.fixture(scope="session")
 def tiny_pair_dir(tmp_path_factory) -> Path:
     """A saved GPT-NeoX target/draft pair with a small trained BPE tokenizer: dir/target, dir/draft."""

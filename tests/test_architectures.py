@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import EOS, MORE_ARCHS, WIDE_ARCHS, tiny_any_config
+from conftest import EOS, MORE_ARCHS, WIDE_ARCHS, decode_in_session, tiny_any_config
 from transformers import AutoModelForCausalLM
 
 from specdec.cost.table import CostTable
@@ -80,15 +80,9 @@ def test_static_shapes_on_more_architectures(model_type):
         engine = SpeculativeEngine(
             target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[EOS], static_shapes=True
         )
-        session = engine.session(max_rows=2, keep_steps=True)
-        requests = [session.submit(p, n) for p, n in zip(prompts, STATIC_BUDGETS, strict=True)]
-        sizes = set()
-        while session.unfinished:
-            record = session.step()
-            if record is not None:
-                sizes.add(len(record.active))
-        assert [r.token_ids for r in requests] == refs, f"{model_type}/{method}"
-        assert sizes == {2}, f"{model_type}/{method}: batch sizes {sizes} (finished rows should ride along)"
+        outputs, sizes = decode_in_session(engine, prompts, STATIC_BUDGETS, max_rows=2)
+        assert outputs == refs, f"{model_type}/{method}"
+        assert set(sizes) == {2}, f"{model_type}/{method}: batch sizes {set(sizes)} (finished rows should ride along)"
 
 
 EVERY_METHOD = {

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ARCHS, EOS, needs_serve, sharpen, tiny_any_config, tiny_config, tiny_model
+from conftest import ARCHS, EOS, decode_in_session, needs_serve, sharpen, tiny_any_config, tiny_config, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
@@ -180,15 +180,8 @@ def _batch_sizes_while_rows_finish(target, draft, prompts, budgets, static: bool
         )
 
     alone = [engine().generate([p], n)[0].token_ids for p, n in zip(prompts, budgets, strict=True)]
-    session = engine().session(max_rows=len(prompts), keep_steps=True)
-    requests = [session.submit(p, n) for p, n in zip(prompts, budgets, strict=True)]
-    sizes = []
-    while session.unfinished:
-        record = session.step()
-        if record is not None:
-            sizes.append(len(record.active))
-    assert [r.token_ids for r in requests] == alone
-    assert not session.rows  # every row left at the end
+    outputs, sizes = decode_in_session(engine(), prompts, budgets, max_rows=len(prompts))
+    assert outputs == alone
     return sizes
 
 
