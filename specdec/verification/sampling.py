@@ -34,7 +34,7 @@ Where the tests run (`SamplingRule(walk=...)`):
   node's tests are prepared one sibling rank at a time (a child's test only depends on its
   earlier siblings having been rejected, never on the outcome elsewhere), and the accepted path
   is the deepest one of first accepted children, with no host read. The default is traversal
-  (`TraversalTreeTests`, below), which reads one round count;
+  (`TraversalTreeTests`, below), which reads the widths of its rounds (one host read);
 - **on the host** (`rejection_walk`; the default on the CPU, where the walk only touches the
   nodes it visits while the device version works on every node): each row's tree fields, target
   and draft distributions and pre-drawn uniforms (one per test and one for the bonus, `[B, N]`
@@ -958,41 +958,73 @@ BLOCK_TREE = BlockTreeTests()
 class Wavefront:
     """Traversal's schedule on the device (`TraversalTreeTests.states`): node v handles its child
     of rank i in round start(v) + i, where start(v) is the sum of (rank + 1) over v's path (the
-    root 0): a node's state is final one round after its parent handled it. The round count is the
-    tree's longest such chain, read on the host once; `SamplingRule.prepare` starts that copy
-    before the verify forward is launched, so reading it waits for the drafting work only."""
+    root 0): a node's state is final one round after its parent handled it. So a child c is
+    handled, by its parent, in round start(c) - 1, and each node handles at most one child a
+    round. `slots` lists each round's children, row by row, so a round touches the distributions
+    of the nodes it updates only (about one row of [N, V] per tree edge over all the rounds,
+    against every node in every round); `widths` (the most children any row handles in each
+    round) is read on the host once, and `SamplingRule.prepare` starts that copy before the
+    verify forward is launched, so reading it waits for the drafting work only."""
 
     table: ChildTable
-    """the tree's children by rank (the rounds' tests read it too)"""
-    start: torch.Tensor
-    """[B, N] int64 the round each node handles its first child (0 at padding)"""
-    kids: torch.Tensor
-    """[B, N] int64 each node's valid children (0 at padding)"""
-    count: torch.Tensor
-    """[1] int64 the rounds needed, on the host (pinned memory on CUDA) or on its way there"""
+    """the tree's children by rank (`TraversalTreeTests.accepted_node` reads it)"""
+    slots: torch.Tensor
+    """[B, N, N] int64: slots[b, t, j] is the j-th child row b handles in round t (N: none)"""
+    counts: torch.Tensor
+    """[N] int64 per round t, the most children a row handles in it: on the host (pinned memory
+    on CUDA) or on its way there"""
     copied: torch.cuda.Event | None = None
-    """recorded after the copy was queued (CUDA); None when `count` is already readable"""
+    """recorded after the copy was queued (CUDA); None when `counts` is already readable"""
 
     @classmethod
     def of(cls, tree: TokenTree, table: ChildTable | None = None) -> Wavefront:
         """table: `ChildTable.of(tree)` when already built."""
         table = ChildTable.of(tree) if table is None else table
-        kids = table.has.sum(dim=2)  # [B, N]
+        b, n = tree.tokens.shape
+        dev = tree.tokens.device
         start = (tree.ancestor_mask() * (table.ranks + 1).clamp(min=0)[:, None, :]).sum(dim=2)  # [B, N]
-        rounds = (start + kids).masked_fill_(~tree.valid, 0).amax().reshape(1)  # [1]
-        if rounds.device.type != "cuda":
-            return cls(table=table, start=start, kids=kids, count=rounds)
-        count = torch.empty(1, dtype=torch.long, pin_memory=True)
-        count.copy_(rounds, non_blocking=True)
+        # the round each valid non-root node is handled in (its parent's test of it); n: never
+        handled = start.sub_(1).masked_fill_(table.ranks < 0, n)  # [B, N] (ranks: -1 at the root and padding)
+        per_round = torch.zeros(b, n + 1, dtype=torch.long, device=dev).scatter_add_(1, handled, constants.ones(1, torch.long, dev).expand(b, n))  # [B, N + 1]
+        cols = constants.arange(n, dev)
+        order = (handled * n + cols).argsort(dim=1)  # [B, N] children by round, then by index
+        round_of = handled.gather(1, order)  # [B, N] non-decreasing
+        first = (per_round.cumsum(dim=1) - per_round).gather(1, round_of)  # [B, N] where each one's round begins in `order`
+        slot = torch.where(round_of < n, round_of * n + cols - first, n * n)  # [B, N] (n * n: a spare slot)
+        slots = torch.full((b, n * n + 1), n, dtype=torch.long, device=dev).scatter_(1, slot, order)[:, : n * n].view(b, n, n)
+        counts = per_round[:, :n].amax(dim=0)  # [N]
+        if dev.type != "cuda":
+            return cls(table=table, slots=slots, counts=counts)
+        host = torch.empty(n, dtype=torch.long, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(table=table, start=start, kids=kids, count=count, copied=copied)
+        return cls(table=table, slots=slots, counts=host, copied=copied)
 
-    def rounds(self) -> int:
-        """The round count (the one host read)."""
+    def widths(self) -> list[int]:
+        """Per round, the most children a row handles in it, up to the last round with any (the one host read)."""
         if self.copied is not None:
             self.copied.synchronize()
-        return int(self.count[0])
+        counts = self.counts.tolist()
+        rounds = next((t + 1 for t in range(len(counts) - 1, -1, -1) if counts[t] > 0), 0)
+        return counts[:rounds]
+
+    def rounds(self) -> int:
+        """The round count."""
+        return len(self.widths())
+
+
+def spare_row(rows: torch.Tensor, exp: bool = False) -> torch.Tensor:
+    """[B, N, V] -> [B, N + 1, V]: the rows (exponentiated when `exp`, written straight into the
+    new tensor) and a last row of zeros, which padding slots may write to."""
+    b, n, v = rows.shape
+    out = torch.empty(b, n + 1, v, dtype=rows.dtype, device=rows.device)
+    if exp:
+        torch.exp(rows, out=out[:, :n])
+    else:
+        out[:, :n].copy_(rows)
+    out[:, n].zero_()
+    return out
 
 
 class TraversalTreeTests(TreeTests):
@@ -1020,9 +1052,11 @@ class TraversalTreeTests(TreeTests):
     Same outcomes in distribution as the host walk (different uniforms: a seed gives different
     samples on the two); exact by enumeration (`tests/test_block_verification.py`). Cost: the
     tree's `Wavefront` rounds (each node handles one child per round once its state is final:
-    about 7 for EAGLE-2's trees at T = 1, where child by child runs its top-k of 8) of about 35
-    ops, several over [B, N, V], and one host read of the round count (started before the verify
-    forward by `SamplingRule.prepare`). Relaxed rules (MARS's outright choices) test child by
+    about 7 for EAGLE-2's trees at T = 1, where child by child runs its top-k of 8) of about 30
+    ops, over the rows of the nodes that handle a child in that round only ([B, W, V]: over all
+    the rounds about one row per tree edge; every node in every round, the rule before, moved
+    7x the memory on the bundled pair's EAGLE-2 trees), and one host read of the rounds' widths
+    (started before the verify forward by `SamplingRule.prepare`). Relaxed rules (MARS's outright choices) test child by
     child. `weighted_residual` is where the maths lives (the distribution tests break it).
     """
 
@@ -1035,43 +1069,56 @@ class TraversalTreeTests(TreeTests):
         (the bonus's distribution when the path ends there; a leaf keeps its own), draft_left
         [B, N, V] (None: no node is sampled) loses each node's drawn children. Returns the weights
         [B, N]: the probability each node passes its own test (the root 1; padding: anything).
+        Either may carry a spare last row, [B, N + 1, V], for the rounds' padding slots to write
+        to (`spare_row`; `verify` allocates them so); without one, one is added and the results
+        copied back.
 
-        Rounds by `Wavefront`: every node handles one child per round, once its own state is
-        final; a tree needs its longest chain of (rank + 1) steps (EAGLE-2's trees at T = 1: about
-        7 rounds, against 45 for depth x top-k), one host read (started before the forward when
-        the plan is `SamplingRule.prepare`'s)."""
+        Rounds by `Wavefront`: in each, every node whose own state is final handles one child,
+        and only those nodes' rows are gathered, updated and scattered back ([B, W, V], W the
+        round's `widths`). A tree needs its longest chain of (rank + 1) steps (EAGLE-2's trees at
+        T = 1: about 7 rounds, against 45 for depth x top-k), one host read (started before the
+        forward when the plan is `SamplingRule.prepare`'s)."""
         b, n = tree.tokens.shape
+        if target.shape[1] == n or (draft_left is not None and draft_left.shape[1] == n):  # no spare rows: work on copies that have them
+            spare_target, spare_draft = spare_row(target), None if draft_left is None else spare_row(draft_left)
+            weight = self.states(tree, plan, spare_target, spare_draft)
+            target.copy_(spare_target[:, :n])
+            if draft_left is not None and spare_draft is not None:
+                draft_left.copy_(spare_draft[:, :n])
+            return weight
         dev = target.device
-        weight = torch.ones(b, n + 1, dtype=target.dtype, device=dev)  # [B, N + 1] by node (column n: children that do not exist)
+        vocab = target.shape[2]
+        weight = torch.ones(b, n + 1, dtype=target.dtype, device=dev)  # [B, N + 1] by node (column n: the padding slots')
         one = constants.full((), 1.0, target.dtype, dev)
-        table = plan.table
-        k = table.k
-        if k == 0:
-            return weight[:, :n]
-        start, kids, rounds = plan.start, plan.kids, plan.rounds()
-        for t in range(rounds):
-            rank = start.neg().add_(t)  # [B, N] the rank each node handles this round
-            has = (rank >= 0).logical_and_(rank < kids)  # [B, N] (kids is 0 at padding)
-            at = rank.clamp_(0, k - 1)[:, :, None]  # [B, N, 1]
-            x, s = table.tokens.gather(2, at).squeeze(2), table.drawn.gather(2, at).squeeze(2)  # [B, N] each
-            w = weight[:, :n]  # [B, N] (the scatter below writes only children, which start next round)
-            p_x = target.gather(2, x[:, :, None]).squeeze(2)  # [B, N]
-            proposal, q_x = None, one
+        # per node (column n: a padding slot's): its parent, its token, whether it was drawn
+        fields = torch.stack([tree.parents.clamp(min=0), tree.tokens, (tree.sampled & tree.valid).long()], dim=1)  # [B, 3, N]
+        fields = torch.nn.functional.pad(fields, (0, 1), value=n)  # [B, 3, N + 1]
+        fields[:, 1:, n] = 0
+        for t, width in enumerate(plan.widths()):
+            child = plan.slots[:, t, :width]  # [B, W] this round's children (n: none)
+            parent, x, s = fields.gather(2, child[:, None, :].expand(b, 3, width)).unbind(1)  # [B, W] each (padding: n, 0, 0)
+            s = s.bool()
+            rows = parent[:, :, None].expand(b, width, vocab)  # [B, W, V]
+            w = weight.gather(1, parent)  # [B, W] the parents' weights
+            p_rows = target.gather(1, rows)  # [B, W, V] the parents' P
+            p_x = p_rows.gather(2, x[:, :, None]).squeeze(2)  # [B, W]
+            proposal, q_rows, q_x = None, None, one
             if draft_left is not None:
-                proposal = draft_left / self.proposal_mass(draft_left)[:, :, None]  # [B, N, V] the draft without earlier drawn children
-                q_x = torch.where(s, proposal.gather(2, x[:, :, None]).squeeze(2), one)  # [B, N]: 1 for a point mass
-            entry = (w * p_x / q_x.clamp(min=_EPS)).clamp_(max=1.0)  # [B, N] the child's weight min(1, w p / q)
-            weight.scatter_(1, torch.where(has, table.nodes.gather(2, at).squeeze(2), n), entry)
-            # as if that child was rejected (the next sibling and the node's own test only happen then)
-            res = self.weighted_residual(target, w, proposal, x, s)  # [B, N, V] unnormalised
-            mass = res.sum(dim=2)  # [B, N]
+                q_rows = draft_left.gather(1, rows)  # [B, W, V] the parents' draft without earlier drawn children
+                proposal = q_rows / self.proposal_mass(q_rows)[:, :, None]  # [B, W, V]
+                q_x = torch.where(s, proposal.gather(2, x[:, :, None]).squeeze(2), one)  # [B, W]: 1 for a point mass
+            entry = (w * p_x / q_x.clamp(min=_EPS)).clamp_(max=1.0)  # [B, W] the child's weight min(1, w p / q)
+            weight.scatter_(1, child, entry)
+            # as if that child was rejected (the next sibling and the parent's own test only happen then)
+            res = self.weighted_residual(p_rows, w, proposal, x, s)  # [B, W, V] unnormalised
+            mass = res.sum(dim=2)  # [B, W]
             denominator = mass + 1.0 - w
-            updated = torch.where(denominator > _EPS, mass / denominator.clamp(min=_EPS), one)
-            weight[:, :n] = torch.where(has, updated, w)
-            move = (has & (mass > _EPS))[:, :, None]  # nothing left: P stays (the test could not have rejected)
-            torch.where(move, res.div_(mass.clamp(min=_EPS)[:, :, None]), target, out=target)
-            if draft_left is not None:
-                self.remove_drawn(draft_left, x, has & s)
+            weight.scatter_(1, parent, torch.where(denominator > _EPS, mass / denominator.clamp(min=_EPS), one))
+            move = (mass > _EPS)[:, :, None]  # nothing left: P stays (the test could not have rejected); padding: 0 left
+            target.scatter_(1, rows, torch.where(move, res.div_(mass.clamp(min=_EPS)[:, :, None]), p_rows))
+            if draft_left is not None and q_rows is not None:
+                self.remove_drawn(q_rows, x, s)
+                draft_left.scatter_(1, rows, q_rows)
         return weight[:, :n]
 
     @staticmethod
@@ -1102,8 +1149,8 @@ class TraversalTreeTests(TreeTests):
             return super().verify(tree, target_logits, params, generator, outright, fallback)
         b, n = tree.tokens.shape
         dev = target_logits.device
-        target = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]
-        draft_left = None if tree.draft_logprobs is None else tree.draft_logprobs.exp()  # [B, N, V]
+        target = spare_row(logits_to_logprobs(target_logits, params), exp=True)  # [B, N + 1, V] (a spare row: `states`)
+        draft_left = None if tree.draft_logprobs is None else spare_row(tree.draft_logprobs, exp=True)  # [B, N + 1, V]
         plan = tree.verify_plan if isinstance(tree.verify_plan, Wavefront) else Wavefront.of(tree)  # (prepared before the forward, or now)
         weight = self.states(tree, plan, target, draft_left)
         uniform = torch.rand(b, n, generator=generator, device=dev)  # [B, N] one per node's own test
@@ -1204,7 +1251,7 @@ class SamplingRule:
 
     def prepare(self, tree: TokenTree, params: SamplingParams) -> None:
         """Before the verify forward is launched: for traversal on the device, start copying the
-        tree's round count to the host (`Wavefront`), so `verify` reads it without waiting for the
+        tree's round widths to the host (`Wavefront`), so `verify` reads it without waiting for the
         forward."""
         if params.greedy or tree.chain or not isinstance(self.tree_tests, TraversalTreeTests) or not self.walks_on_device(tree.tokens.device):
             return
