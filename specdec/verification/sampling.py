@@ -1079,47 +1079,54 @@ class TraversalTreeTests(TreeTests):
         T = 1: about 7 rounds, against 45 for depth x top-k), one host read (started before the
         forward when the plan is `SamplingRule.prepare`'s)."""
         b, n = tree.tokens.shape
-        if target.shape[1] == n or (draft_left is not None and draft_left.shape[1] == n):  # no spare rows: work on copies that have them
-            spare_target, spare_draft = spare_row(target), None if draft_left is None else spare_row(draft_left)
+        spare = [target.shape[1] == n + 1 and target.is_contiguous()]
+        if draft_left is not None:
+            spare.append(draft_left.shape[1] == n + 1 and draft_left.is_contiguous())
+        if not all(spare):  # no spare rows: work on copies that have them
+            spare_target, spare_draft = spare_row(target[:, :n]), None if draft_left is None else spare_row(draft_left[:, :n])
             weight = self.states(tree, plan, spare_target, spare_draft)
-            target.copy_(spare_target[:, :n])
+            target[:, :n].copy_(spare_target[:, :n])
             if draft_left is not None and spare_draft is not None:
-                draft_left.copy_(spare_draft[:, :n])
+                draft_left[:, :n].copy_(spare_draft[:, :n])
             return weight
         dev = target.device
         vocab = target.shape[2]
-        weight = torch.ones(b, n + 1, dtype=target.dtype, device=dev)  # [B, N + 1] by node (column n: the padding slots')
+        stride = n + 1
+        # rows of [B * (N + 1)]: node j of row b at b * (N + 1) + j, a row's padding slots at its spare row N
+        target_rows = target.view(b * stride, vocab)
+        draft_rows = None if draft_left is None else draft_left.view(b * stride, vocab)
+        weight = torch.ones(b * stride, dtype=target.dtype, device=dev)  # [B * (N + 1)] by node (the spare rows: the padding slots')
         one = constants.full((), 1.0, target.dtype, dev)
-        # per node (column n: a padding slot's): its parent, its token, whether it was drawn
-        fields = torch.stack([tree.parents.clamp(min=0), tree.tokens, (tree.sampled & tree.valid).long()], dim=1)  # [B, 3, N]
-        fields = torch.nn.functional.pad(fields, (0, 1), value=n)  # [B, 3, N + 1]
-        fields[:, 1:, n] = 0
+        offsets = constants.arange(b, dev)[:, None] * stride  # [B, 1]
+        # per node (the spare rows: a padding slot's): its parent's row, its token, whether it was drawn
+        fields = torch.stack([tree.parents.clamp(min=0) + offsets, tree.tokens, (tree.sampled & tree.valid).long()])  # [3, B, N]
+        fields = torch.cat([fields, torch.stack([offsets + n, offsets * 0, offsets * 0])], dim=2).view(3, b * stride)  # [3, B * (N + 1)]
+        slots = plan.slots + offsets[:, :, None]  # [B, N, N] rows of each round's children
         for t, width in enumerate(plan.widths()):
-            child = plan.slots[:, t, :width]  # [B, W] this round's children (n: none)
-            parent, x, s = fields.gather(2, child[:, None, :].expand(b, 3, width)).unbind(1)  # [B, W] each (padding: n, 0, 0)
+            child = slots[:, t, :width]  # [B, W] this round's children (the spare row: none)
+            parent, x, s = fields[:, child]  # [B, W] each (padding: the spare row, 0, 0)
             s = s.bool()
-            rows = parent[:, :, None].expand(b, width, vocab)  # [B, W, V]
-            w = weight.gather(1, parent)  # [B, W] the parents' weights
-            p_rows = target.gather(1, rows)  # [B, W, V] the parents' P
+            w = weight[parent]  # [B, W] the parents' weights
+            p_rows = target_rows[parent]  # [B, W, V] the parents' P
             p_x = p_rows.gather(2, x[:, :, None]).squeeze(2)  # [B, W]
             proposal, q_rows, q_x = None, None, one
-            if draft_left is not None:
-                q_rows = draft_left.gather(1, rows)  # [B, W, V] the parents' draft without earlier drawn children
+            if draft_rows is not None:
+                q_rows = draft_rows[parent]  # [B, W, V] the parents' draft without earlier drawn children
                 proposal = q_rows / self.proposal_mass(q_rows)[:, :, None]  # [B, W, V]
                 q_x = torch.where(s, proposal.gather(2, x[:, :, None]).squeeze(2), one)  # [B, W]: 1 for a point mass
-            entry = (w * p_x / q_x.clamp(min=_EPS)).clamp_(max=1.0)  # [B, W] the child's weight min(1, w p / q)
-            weight.scatter_(1, child, entry)
+            weight[child] = (w * p_x / q_x.clamp(min=_EPS)).clamp_(max=1.0)  # the child's weight min(1, w p / q)
             # as if that child was rejected (the next sibling and the parent's own test only happen then)
             res = self.weighted_residual(p_rows, w, proposal, x, s)  # [B, W, V] unnormalised
             mass = res.sum(dim=2)  # [B, W]
             denominator = mass + 1.0 - w
-            weight.scatter_(1, parent, torch.where(denominator > _EPS, mass / denominator.clamp(min=_EPS), one))
+            # (padding slots write the same values to their row's spare row: duplicates agree)
+            weight[parent] = torch.where(denominator > _EPS, mass / denominator.clamp(min=_EPS), one)
             move = (mass > _EPS)[:, :, None]  # nothing left: P stays (the test could not have rejected); padding: 0 left
-            target.scatter_(1, rows, torch.where(move, res.div_(mass.clamp(min=_EPS)[:, :, None]), p_rows))
-            if draft_left is not None and q_rows is not None:
+            target_rows[parent] = torch.where(move, res.div_(mass.clamp(min=_EPS)[:, :, None]), p_rows)
+            if draft_rows is not None and q_rows is not None:
                 self.remove_drawn(q_rows, x, s)
-                draft_left.scatter_(1, rows, q_rows)
-        return weight[:, :n]
+                draft_rows[parent] = q_rows
+        return weight.view(b, stride)[:, :n]
 
     @staticmethod
     def post_order(tree: TokenTree, table: ChildTable) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 import specdec.verification.sampling as current
 from specdec.api import SpeculativeDecoder
-from specdec.bench.prompts import STDLIB_HELDOUT, load_prompts
+from specdec.bench.prompts import STDLIB_HELDOUT, load_prompts, resolve_prompt_source
 from specdec.sampling import SamplingParams
 
 
@@ -54,7 +54,7 @@ def capture(method: str, batch: int, trees: int) -> list[tuple]:
 
     current.TraversalTreeTests.verify = keep
     try:
-        prompts = [p.turns[0] for p in load_prompts(STDLIB_HELDOUT)][:batch]
+        prompts = [p.turns[0] for p in load_prompts(resolve_prompt_source(STDLIB_HELDOUT))][:batch]
         decoder = SpeculativeDecoder.from_pretrained(method=method, verify="sampling", verify_options={"walk": "device"})
         decoder.generate(prompts, max_new_tokens=24, temperature=1.0, seed=0, batch_size=batch)
     finally:
