@@ -968,8 +968,13 @@ class Wavefront:
 
     table: ChildTable
     """the tree's children by rank (`TraversalTreeTests.accepted_node` reads it)"""
-    slots: torch.Tensor
-    """[B, N, N] int64: slots[b, t, j] is the j-th child row b handles in round t (N: none)"""
+    order: torch.Tensor
+    """[B, N] int64 each row's nodes by the round they are handled in, then by index (the root and
+    padding last)"""
+    round_of: torch.Tensor
+    """[B, N] int64 the round of each node in `order` (N: never handled)"""
+    position: torch.Tensor
+    """[B, N] int64 each node's place in `order` among its round's"""
     counts: torch.Tensor
     """[N] int64 per round t, the most children a row handles in it: on the host (pinned memory
     on CUDA) or on its way there"""
@@ -989,17 +994,24 @@ class Wavefront:
         cols = constants.arange(n, dev)
         order = (handled * n + cols).argsort(dim=1)  # [B, N] children by round, then by index
         round_of = handled.gather(1, order)  # [B, N] non-decreasing
-        first = (per_round.cumsum(dim=1) - per_round).gather(1, round_of)  # [B, N] where each one's round begins in `order`
-        slot = torch.where(round_of < n, round_of * n + cols - first, n * n)  # [B, N] (n * n: a spare slot)
-        slots = torch.full((b, n * n + 1), n, dtype=torch.long, device=dev).scatter_(1, slot, order)[:, : n * n].view(b, n, n)
+        position = cols - (per_round.cumsum(dim=1) - per_round).gather(1, round_of)  # [B, N] minus where each one's round begins in `order`
         counts = per_round[:, :n].amax(dim=0)  # [N]
         if dev.type != "cuda":
-            return cls(table=table, slots=slots, counts=counts)
+            return cls(table=table, order=order, round_of=round_of, position=position, counts=counts)
         host = torch.empty(n, dtype=torch.long, pin_memory=True)
         host.copy_(counts, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(table=table, slots=slots, counts=host, copied=copied)
+        return cls(table=table, order=order, round_of=round_of, position=position, counts=host, copied=copied)
+
+    def slots(self, widths: list[int]) -> torch.Tensor:
+        """[B, R, W] int64: [b, t, j] the j-th child row b handles in round t (N: none), R the
+        rounds and W the widest (`widths`): sized by the tree's rounds, not N x N."""
+        b, n = self.order.shape
+        rounds, wide = len(widths), max(widths, default=0)
+        slot = torch.where(self.round_of < rounds, self.round_of * wide + self.position, rounds * wide)  # [B, N] (the last: a spare slot)
+        table = torch.full((b, rounds * wide + 1), n, dtype=torch.long, device=self.order.device)
+        return table.scatter_(1, slot, self.order)[:, : rounds * wide].view(b, rounds, wide)
 
     def widths(self) -> list[int]:
         """Per round, the most children a row handles in it, up to the last round with any (the one host read)."""
@@ -1101,8 +1113,9 @@ class TraversalTreeTests(TreeTests):
         # per node (the spare rows: a padding slot's): its parent's row, its token, whether it was drawn
         fields = torch.stack([tree.parents.clamp(min=0) + offsets, tree.tokens, (tree.sampled & tree.valid).long()])  # [3, B, N]
         fields = torch.cat([fields, torch.stack([offsets + n, offsets * 0, offsets * 0])], dim=2).view(3, b * stride)  # [3, B * (N + 1)]
-        slots = plan.slots + offsets[:, :, None]  # [B, N, N] rows of each round's children
-        for t, width in enumerate(plan.widths()):
+        widths = plan.widths()
+        slots = plan.slots(widths) + offsets[:, :, None]  # [B, R, W] rows of each round's children
+        for t, width in enumerate(widths):
             child = slots[:, t, :width]  # [B, W] this round's children (the spare row: none)
             parent, x, s = fields[:, child]  # [B, W] each (padding: the spare row, 0, 0)
             s = s.bool()
