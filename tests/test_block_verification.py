@@ -16,6 +16,7 @@ in some rows.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 
 import numpy as np
@@ -564,3 +565,46 @@ def test_prepared_wavefront_gives_the_same_verdicts():
         fresh, _ = tree_with_distributions("branching", 2, 1)
         other.prepare(fresh, p)
         assert fresh.verify_plan is None
+
+
+def test_device_traversal_of_a_batch_equals_each_row_alone():
+    """Rows of different shapes in one batch (a branching tree and a chain padded with invalid
+    nodes): the rounds' padding slots (rows with fewer children in a round than the widest)
+    change no real node, so each row's weights and final distributions are the ones it gets alone."""
+    (wide, wide_logits), (chain, chain_logits) = tree_with_distributions("branching", 1, 4), tree_with_distributions("chain", 1, 5)
+    pad = wide.tokens.shape[1] - chain.tokens.shape[1]
+
+    def padded(t: torch.Tensor, value: float | int | bool) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, pad), value=value) if t.dim() == 2 else torch.nn.functional.pad(t, (0, 0, 0, pad), value=value)
+
+    fields = {f.name: getattr(chain, f.name) for f in dataclasses.fields(TokenTree) if isinstance(getattr(chain, f.name), torch.Tensor)}
+    fill = {"parents": 0, "valid": False, "sampled": False, "logq": float("-inf"), "cum_logq": float("-inf"), "draft_logprobs": 0.0}
+    chain_padded = dataclasses.replace(chain, **{k: padded(v, fill.get(k, 0)) for k, v in fields.items()})
+    batch = dataclasses.replace(
+        wide, **{k: torch.cat([getattr(wide, k), getattr(chain_padded, k)]) for k in fields}, ancestors=None
+    )
+    rule = TraversalTreeTests()
+    logits = torch.cat([wide_logits, padded(chain_logits, 0.0)])
+    probs = logits.softmax(dim=-1)
+    draft = batch.draft_logprobs.exp()
+    plan = Wavefront.of(batch)
+    weight = rule.states(batch, plan, probs, draft)
+    assert max(plan.widths()) > 1  # the branching row handles two children in a round where the chain's handles one: a padding slot
+    for row, (tree, lg) in enumerate(((wide, wide_logits), (chain, chain_logits))):
+        alone_probs = lg.softmax(dim=-1).clone()
+        alone = rule.states(tree, Wavefront.of(tree), alone_probs, tree.draft_logprobs.exp())
+        m = tree.tokens.shape[1]
+        torch.testing.assert_close(weight[row, :m], alone[0])
+        torch.testing.assert_close(probs[row, :m], alone_probs[0])
+
+
+def test_device_traversal_of_a_root_only_tree_tests_nothing():
+    """A tree with no children has no rounds: weight 1 at the root, its P unchanged."""
+    tree, logits = tree_with_distributions("chain", 2, 0)
+    root = dataclasses.replace(tree, **{k: getattr(tree, k)[:, :1] for k in ("tokens", "parents", "depths", "logq", "cum_logq", "valid", "sampled")}, draft_logprobs=tree.draft_logprobs[:, :1], ancestors=None)
+    probs = logits[:, :1].softmax(dim=-1)
+    before = probs.clone()
+    plan = Wavefront.of(root)
+    assert plan.widths() == []
+    weight = TraversalTreeTests().states(root, plan, probs, root.draft_logprobs.exp())
+    assert torch.equal(weight, torch.ones(2, 1)) and torch.equal(probs, before)

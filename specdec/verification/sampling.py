@@ -1102,6 +1102,9 @@ class TraversalTreeTests(TreeTests):
                 draft_left[:, :n].copy_(spare_draft[:, :n])
             return weight
         dev = target.device
+        widths = plan.widths()
+        if not widths:  # no node has a child: every weight 1, every P its own
+            return torch.ones(b, n, dtype=target.dtype, device=dev)
         vocab = target.shape[2]
         stride = n + 1
         # rows of [B * (N + 1)]: node j of row b at b * (N + 1) + j, a row's padding slots at its spare row N
@@ -1112,8 +1115,8 @@ class TraversalTreeTests(TreeTests):
         offsets = constants.arange(b, dev)[:, None] * stride  # [B, 1]
         # per node (the spare rows: a padding slot's): its parent's row, its token, whether it was drawn
         fields = torch.stack([tree.parents.clamp(min=0) + offsets, tree.tokens, (tree.sampled & tree.valid).long()])  # [3, B, N]
-        fields = torch.cat([fields, torch.stack([offsets + n, offsets * 0, offsets * 0])], dim=2).view(3, b * stride)  # [3, B * (N + 1)]
-        widths = plan.widths()
+        spare_fields = torch.stack([offsets + n, torch.zeros_like(offsets), torch.zeros_like(offsets)])  # [3, B, 1]
+        fields = torch.cat([fields, spare_fields], dim=2).view(3, b * stride)  # [3, B * (N + 1)]
         slots = plan.slots(widths) + offsets[:, :, None]  # [B, R, W] rows of each round's children
         for t, width in enumerate(widths):
             child = slots[:, t, :width]  # [B, W] this round's children (the spare row: none)
