@@ -519,7 +519,7 @@ class DecodeSession:
         path, accepted_len = verdict.path, verdict.accepted_len  # [B, D], [B]
         keep = torch.nn.functional.pad(path[:, :longest], (1, 0))  # [B, 1 + longest]: step slot 0 is the root
         keep_valid = constants.arange(1 + longest, dev)[None, :] <= accepted_len[:, None]
-        engine.target.commit(keep, keep_valid, dense=len(set(lengths)) == 1)
+        engine.target.commit(keep, keep_valid, dense=len(set(lengths)) == 1, in_place=tree.chain)  # a chain's accepted nodes lead the step already
         if engine.source is not None:  # the verdict in the source's own node numbering (`Draft.accepted_paths`)
             engine.source.end_step(
                 draft.accepted_paths(

@@ -99,13 +99,15 @@ class Draft:
 
         path: [B, D] int64 the accepted tree nodes, root excluded (`Verdict.path`); length: [B]
         accepted draft tokens per row; host_tokens, host_active, target: as in `AcceptedPaths`."""
+        chain = self.builder is not None and self.builder.chain  # every node kept, in builder order
         return AcceptedPaths(
-            nodes=self.builder_nodes.gather(1, path),  # [B, D]
+            nodes=path if chain else self.builder_nodes.gather(1, path),  # [B, D]
             length=length,
             tokens=self.tree.tokens if self.builder is None else self.builder.tokens,  # [B, N_builder]
             host_tokens=host_tokens,
             host_active=host_active,
             target=target,
+            chain=chain,
         )
 
 
@@ -140,24 +142,29 @@ class TreeBuilder:
     A row that is not active gets a root with cum_logq -inf: every node added under it is invalid.
     """
 
-    def __init__(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext, keep_draft_probs: bool, capacity: int = 64) -> None:
+    def __init__(
+        self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext, keep_draft_probs: bool, capacity: int = 64, chain: bool = False
+    ) -> None:
+        """capacity: nodes the buffers hold before they grow. chain: the tree will be a chain
+        grown by `add_chain_child` alone (node i the only child of node i - 1), at most
+        `capacity` nodes: every node's parent, depth and ancestor row are laid out up front."""
         self.source = source
         self.ctx = ctx
         self.device = dev = roots.device
         b = roots.shape[0]
         cap = max(2, capacity)
+        self.chain = chain
         self._n = 1  # nodes so far (the root)
         self._last = (0, 1)  # columns of the nodes the last `add` appended
-        self._ints = torch.zeros(b, 3, cap, dtype=torch.long, device=dev)
+        # each buffer is one copy of a shared initial layout (`_initial_buffers`), then the roots
+        ints, floats, flags, anc = _initial_buffers(b, cap, chain, dev)
+        self._ints = ints.clone()
         self._ints[:, _TOKEN, 0] = roots
-        self._ints[:, _PARENT, 0] = -1
-        self._floats = torch.zeros(b, 3, cap, device=dev)
+        self._floats = floats.clone()
         if ctx.host_active is None or not all(ctx.host_active):  # finished rows: nothing grows under their roots
             self._floats[:, _CUM:, 0].masked_fill_(~ctx.active[:, None], float("-inf"))
-        self._flags = torch.zeros(b, 2, cap, dtype=torch.bool, device=dev)
-        self._flags[:, _VALID, 0] = True
-        self._anc = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)
-        torch.diagonal(self._anc, dim1=1, dim2=2).fill_(True)  # every node is its own ancestor
+        self._flags = flags.clone()
+        self._anc = anc.clone()
         self.levels = 0
         """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
         self.max_children = 0
@@ -174,7 +181,8 @@ class TreeBuilder:
         self._dist_rows = 0
         if keep_draft_probs:
             self._dist_chunks.append(self.root_logprobs[:, None, :])
-            self._dist_slot = torch.zeros(b, cap, dtype=torch.long, device=dev)
+            if not chain:  # a chain's chunk i is node i's (every node but the last is expanded, in order)
+                self._dist_slot = torch.zeros(b, cap, dtype=torch.long, device=dev)
             self._dist_rows = 1
         self.draft_forwards = 1
 
@@ -334,6 +342,8 @@ class TreeBuilder:
         no extra op). depth: the children's depth when every entry of `nodes` is at depth - 1
         (a level-by-level policy knows it), else None (read from the parents).
         """
+        if self.chain:
+            raise RuntimeError("a builder made with chain=True grows by add_chain_child only (its ancestor rows are laid out up front)")
         b, m, k = tokens.shape
         start, end = self._n, self._n + m * k
         self.max_children = max(self.max_children, k)
@@ -367,6 +377,34 @@ class TreeBuilder:
         self.levels += 1
         return constants.arange(end, self.device)[start:end].expand(b, m * k)
 
+    def add_chain_child(self, tokens: torch.Tensor, logq: torch.Tensor, sampled: bool = False) -> torch.Tensor:
+        """Append one node per row, the only child of the newest node, in a builder made with
+        `chain=True` (its parent, depth and ancestors are laid out already): 5 tensor ops,
+        against `add`'s 10. tokens, logq: [B, 1] (logq the token's draft log-prob under its
+        parent's distribution); sampled: as in `add`. A node is valid when its parent is and
+        its logq is finite. Returns its index [B, 1] (`last_valid` is its validity)."""
+        if not self.chain:
+            raise RuntimeError("add_chain_child needs a builder made with chain=True")
+        parent, node = self._n - 1, self._n
+        if node >= self._ints.shape[2]:
+            raise RuntimeError(f"a chain builder of capacity {self._ints.shape[2]} is full")
+        b = tokens.shape[0]
+        cum = self._floats[:, _CUM, parent : parent + 1] + logq  # [B, 1]
+        if sampled:  # the valid and sampled flags at once: [B, 2, 1]
+            torch.gt(cum[:, None].expand(b, 2, 1), float("-inf"), out=self._flags[:, :, node : node + 1])
+            self._any_sampled = True
+        else:
+            torch.gt(cum, float("-inf"), out=self._flags[:, _VALID, node : node + 1])
+        valid = self._flags[:, _VALID, node : node + 1]  # [B, 1]
+        neg_inf = constants.full((), float("-inf"), cum.dtype, self.device)
+        torch.where(valid[:, None], torch.stack([logq, cum, cum], dim=1), neg_inf, out=self._floats[:, :, node : node + 1])
+        self._ints[:, _TOKEN, node : node + 1] = tokens
+        self.max_children = 1
+        self._n = node + 1
+        self._last = (node, node + 1)
+        self.levels += 1
+        return constants.arange(node + 1, self.device)[node:].expand(tokens.shape[0], 1)
+
     def add_top_children(self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor | None, depth: int | None = None) -> torch.Tensor:
         """Append the k most likely children of each node [B, m] (distributions logprobs
         [B, m, V], valid [B, m] or None, depth as in `add_children`) with `add_children`;
@@ -381,10 +419,12 @@ class TreeBuilder:
         valid: [B, k] bool, False for padding entries and for every invalid node (callers pass
         `last_valid` or `valid.gather(1, nodes)`); the outputs of invalid entries are ignored.
         depth: the nodes' depth when they all share one (a level-by-level policy), else None."""
-        batch = NodeBatch(nodes=nodes, valid=valid, tokens=self.tokens, depths=self.depths, ancestors=self.ancestors, depth=depth)
+        batch = NodeBatch(nodes=nodes, valid=valid, tokens=self.tokens, depths=self.depths, ancestors=self.ancestors, depth=depth, chain=self.chain)
         logprobs = self.source.expand(batch, self.ctx.params)
         self.draft_forwards += 1
-        if self._dist_slot is not None:
+        if self.chain and self.keep_draft_probs:
+            self._dist_chunks.append(logprobs)
+        elif self._dist_slot is not None:
             k = nodes.shape[1]
             rows = constants.arange(self._dist_rows + k, self.device)[self._dist_rows :].expand_as(nodes)
             self._dist_slot.scatter_(1, nodes, torch.where(valid, rows, self._dist_slot.gather(1, nodes)))
@@ -467,27 +507,35 @@ class TreeBuilder:
         return parents, top.indices, logq, child_valid, top.values
 
     # ----- emitting ------------------------------------------------------------------------
-    def finish(self, keep: torch.Tensor | None = None, width: int | None = None) -> Draft:
+    def finish(self, keep: torch.Tensor | None = None, width: int | None = None, all_valid: bool = False) -> Draft:
         """The step's `Draft`: the TokenTree of the kept nodes and, for each of its nodes, the
         builder index it came from (`Draft.builder_nodes`, [B, N'] int64).
 
         keep: [B, N] bool, closed under parents, with the root (as `top_by_score` gives);
         None keeps every node as it is (no selection at all). width: N' when keep is given
         (at least the largest kept count; the policy's node budget + 1 reads nothing from
-        the device); None = the largest kept count (a host read).
+        the device); None = the largest kept count (a host read). all_valid (keep None only):
+        the caller knows every node is valid (every row active, every logq finite), so the
+        tree is the builder's buffers as they are, with no padding to mask (no op).
         """
         n, b = self._n, self.batch_size
+        if keep is not None and self.chain:
+            raise RuntimeError("a chain builder's tree is verified whole (finish with keep=None)")
         if keep is None:
             builder_nodes = constants.arange(n, self.device).expand(b, n)
-            valid, invalid = self.valid, ~self.valid
-            # padding nodes: parent -1, only themselves as ancestors (TokenTree's contract)
-            ancestors = self.ancestors.masked_fill(invalid[:, :, None], False)
-            torch.diagonal(ancestors, dim1=1, dim2=2).fill_(True)
+            valid = self.valid
+            if all_valid:
+                parents, ancestors, logq = self.parents, self.ancestors, self.logq
+            else:  # padding nodes: parent -1, only themselves as ancestors, logq 0 (TokenTree's contract)
+                invalid = ~valid
+                ancestors = self.ancestors.masked_fill(invalid[:, :, None], False)
+                torch.diagonal(ancestors, dim1=1, dim2=2).fill_(True)
+                parents, logq = self.parents.masked_fill(invalid, -1), self.logq.masked_fill(invalid, 0.0)
             tree = TokenTree(
                 tokens=self.tokens,
-                parents=self.parents.masked_fill(invalid, -1),
+                parents=parents,
                 depths=self.depths,
-                logq=self.logq.masked_fill(invalid, 0.0),
+                logq=logq,
                 cum_logq=self.cum_logq,
                 valid=valid,
                 sampled=self._flags[:, _SAMPLED, :n],
@@ -497,7 +545,10 @@ class TreeBuilder:
             )
         else:
             tree, builder_nodes = self._select(keep & self.valid, width)
-        if self._dist_slot is not None:  # only the kept nodes' draft distributions are gathered
+        if self.chain and self.keep_draft_probs:  # node i's distribution is chunk i; the last node's (never expanded) is the root's, unread
+            chunks = self._dist_chunks + self._dist_chunks[:1] * (n - len(self._dist_chunks))
+            tree.draft_logprobs = torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0]  # [B, N, V]
+        elif self._dist_slot is not None:  # only the kept nodes' draft distributions are gathered
             dists = torch.cat(self._dist_chunks, dim=1) if len(self._dist_chunks) > 1 else self._dist_chunks[0]  # [B, S, V]
             slot = self._dist_slot[:, :n].gather(1, builder_nodes)  # [B, N']
             tree.draft_logprobs = dists.gather(1, slot[:, :, None].expand(-1, -1, dists.shape[-1]))
@@ -565,6 +616,37 @@ _LOGQ, _CUM, _SCORE = 0, 1, 2
 """rows of `TreeBuilder._floats`"""
 _VALID, _SAMPLED = 0, 1
 """rows of `TreeBuilder._flags`"""
+
+def _initial_buffers(b: int, cap: int, chain: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A builder's buffers before its roots are written (`TreeBuilder`'s layout), made once per
+    (B, capacity, chain, device) and shared read-only: each step copies them (one op each)
+    instead of zero-filling and writing the fixed entries. The root's parent is -1, every
+    node its own ancestor and the root valid; in a chain, node i's parent is i - 1, its depth
+    i and its ancestors the nodes 0..i (the nodes not added yet are never read)."""
+    key = ("tree_builder", b, cap, chain, device)
+    cached = _BUFFERS.get(key)
+    if cached is not None:
+        return cached
+    ints = torch.zeros(b, 3, cap, dtype=torch.long, device=device)
+    ints[:, _PARENT, 0] = -1
+    anc = torch.eye(cap, dtype=torch.bool, device=device)
+    if chain:
+        cols = torch.arange(cap, device=device)
+        ints[:, _PARENT] = cols - 1
+        ints[:, _DEPTH] = cols
+        anc = torch.tril(torch.ones(cap, cap, dtype=torch.bool, device=device))
+    flags = torch.zeros(b, 2, cap, dtype=torch.bool, device=device)
+    flags[:, _VALID, 0] = True
+    cached = (ints, torch.zeros(b, 3, cap, device=device), flags, anc.expand(b, cap, cap))
+    if len(_BUFFERS) >= _MAX_BUFFER_LAYOUTS:  # batch sizes and capacities vary: keep the cache small
+        _BUFFERS.clear()
+    _BUFFERS[key] = cached
+    return cached
+
+
+_BUFFERS: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_MAX_BUFFER_LAYOUTS = 64
+
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x <= 0 (-inf at x = 0, 0 at -inf). One branch, three ops: for x far below

@@ -58,9 +58,8 @@ class ChainPolicy(_Stateless):
         sampling = not ctx.params.greedy
         may_be_empty = sampling and not getattr(source, "always_proposes", False)  # rows of all -inf: nothing to draft there
         depth = min(self.k, ctx.max_depth)
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + depth)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + depth, chain=True)
         logprobs = builder.root_logprobs  # [B, V]
-        parent = builder.root  # [B, 1]
         for level in range(1, depth + 1):
             if sampling:
                 probs = logprobs.exp()  # [B, V]
@@ -70,11 +69,13 @@ class ChainPolicy(_Stateless):
                 logq = logprobs.gather(1, tok)
             else:
                 logq, tok = logprobs.max(dim=-1, keepdim=True)  # [B, 1] each
-            node = builder.add(parent, tok, logq, None, sampled=sampling, depth=level)  # a finished row's root has cum_logq -inf: its nodes are invalid
+            node = builder.add_chain_child(tok, logq, sampled=sampling)  # a finished row's root has cum_logq -inf: its nodes are invalid
             if level < depth:
                 logprobs = builder.expand(node, builder.last_valid, depth=level)[:, 0]
-            parent = node
-        drafted = builder.finish()
+        # a source that always proposes gives every token a finite logq (a greedy maximum or a
+        # sampled token with mass), so with every row active no node is padding
+        all_active = ctx.host_active is not None and all(ctx.host_active)
+        drafted = builder.finish(all_valid=all_active and bool(getattr(source, "always_proposes", False)))
         drafted.tree.chain = True  # node i's parent is node i - 1
         return drafted
 

@@ -645,7 +645,7 @@ class ModelRunner:
         self._cache().length = self.past_len
 
     @torch.inference_mode()
-    def commit(self, keep: torch.Tensor, keep_valid: torch.Tensor, dense: bool = False) -> None:
+    def commit(self, keep: torch.Tensor, keep_valid: torch.Tensor, dense: bool = False, in_place: bool = False) -> None:
         """Keep step slots `keep` (in order) after the committed prefix; drop the others.
 
         keep:       [B, K] int64 step-slot indices (0 = first slot appended this step)
@@ -654,12 +654,14 @@ class ModelRunner:
         One gather and one in-place copy for all layers (a few more for odd-shaped layers).
         dense: the caller knows keep_valid is all True (no new holes), so a cache without
         holes stays one (then a single-token forward needs no attention mask).
+        in_place: the caller knows keep[b, j] == j wherever keep_valid[b, j] (the kept slots lead
+        the step already, as a chain's accepted prefix does): nothing is gathered or copied.
         """
         cache = self._cache()
         s_past, k = self.past_len, keep.shape[1]
         if k > self.step_len:  # padding columns past the step's slots (a chain keeps a path column for the leaf it never forwarded)
             self.reserve(s_past + k)
-        if k > 0:
+        if k > 0 and not in_place:
             src = s_past + keep.clamp(0, max(self.step_len - 1, 0))  # [B, K]
             for t, batch_dim, slot_dim in cache.tensors():
                 # idx: src broadcast over every dim but batch and slot

@@ -33,6 +33,10 @@ class NodeBatch:
     """[B, N, N] bool: [b, i, j] when node j is node i or one of its ancestors"""
     depth: int | None = None
     """the depth of every entry of `nodes` when they share one (level-by-level policies), else None"""
+    chain: bool = False
+    """the tree is a chain (`TreeBuilder(chain=True)`) and `nodes` [B, 1] is its newest node,
+    every earlier one expanded by this step's earlier forwards: a node's ancestors are then
+    exactly the nodes forwarded so far, and a source may skip reading `ancestors`"""
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class AcceptedPaths:
     target: TargetPath
     """the target's distributions at the root and on the accepted path (adaptive sources learn
     from them; nothing is computed unless a source calls `target.logprobs()`)"""
+    chain: bool = False
+    """the step's tree was a chain (`NodeBatch.chain`): nodes[:, j] is node j + 1 wherever j < length"""
 
     def repeat_rows(self, m: int) -> AcceptedPaths:
         """Each row repeated m times in place (row r -> rows r*m .. r*m + m - 1), for a source
@@ -90,6 +96,7 @@ class AcceptedPaths:
             host_tokens=[t for t in self.host_tokens for _ in range(m)],
             host_active=[a for a in self.host_active for _ in range(m)],
             target=self.target.repeat_rows(m),
+            chain=self.chain,
         )
 
 

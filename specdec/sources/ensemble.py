@@ -267,7 +267,7 @@ class EnsembleDraftSource:
         nodes, valid = batch.nodes, batch.valid
         b, k = nodes.shape
         m = self.m
-        repeated = NodeBatch(*(_repeat_rows(t, m) for t in (batch.nodes, batch.valid, batch.tokens, batch.depths, batch.ancestors)), depth=batch.depth)
+        repeated = NodeBatch(*(_repeat_rows(t, m) for t in (batch.nodes, batch.valid, batch.tokens, batch.depths, batch.ancestors)), depth=batch.depth, chain=batch.chain)
         view_logprobs = self.inner.expand(repeated, params)
         view_logprobs = view_logprobs.reshape(b, self.m, k, -1)  # [B, m, k, V]
         self._expanded.append((nodes, valid, view_logprobs))

@@ -156,13 +156,18 @@ class ModelDraftSource:
             self._slot_ok = torch.cat([self._slot_ok, self._slot_ok.new_zeros(b, grow)], dim=1)
         # a node sees the step slots that hold its ancestors (the pending and root slots for every
         # node); an invalid entry's row is never used (its slot stays invisible to everyone)
-        anc_rows = batch.ancestors.gather(1, nodes[:, :, None].expand(b, k, n_alloc))  # [B, k, N]
-        seen = anc_rows.gather(2, self._slot_node[:, None, :s_step].expand(b, k, s_step)).logical_and_(self._slot_ok[:, None, :s_step])  # [B, k, S_step]
+        if batch.chain:  # the newest node of a chain: its ancestors are every slot so far
+            seen = self._slot_ok[:, None, :s_step]  # [B, 1, S_step]
+            ids = batch.tokens[:, -1:]  # [B, 1] (= nodes' tokens)
+        else:
+            anc_rows = batch.ancestors.gather(1, nodes[:, :, None].expand(b, k, n_alloc))  # [B, k, N]
+            seen = anc_rows.gather(2, self._slot_node[:, None, :s_step].expand(b, k, s_step)).logical_and_(self._slot_ok[:, None, :s_step])  # [B, k, S_step]
+            ids = batch.tokens.gather(1, nodes)  # [B, k]
         if batch.depth is None:
             positions = batch.depths.gather(1, nodes).add_(self._root_pos[:, None])  # [B, k]
         else:
             positions = (self._root_pos + batch.depth)[:, None].expand(b, k)
-        logits = self.runner.forward(batch.tokens.gather(1, nodes), positions, seen)  # [B, k, V]; the runner adds each node's own slot
+        logits = self.runner.forward(ids, positions, seen)  # [B, k, V]; the runner adds each node's own slot
         self._slot_node[:, s_step : s_step + k] = nodes
         self._slot_ok[:, s_step : s_step + k] = valid
         return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
@@ -180,6 +185,15 @@ class ModelDraftSource:
         b, d = path.shape
         p = self.pending_token.shape[1]
         s_step = self.runner.step_len
+        if accepted.chain:  # nodes 1..f sit in slots p + 1.., in order: the accepted ones already lead the step
+            f = s_step - (p + 1)  # chain nodes forwarded (every one but the last)
+            forwarded = constants.arange(f, path.device)[None, :] < length[:, None]  # [B, f]: node j + 1 accepted
+            keep_valid = torch.cat([self._slot_ok[:, : p + 1], forwarded], dim=1)  # [B, S_step]
+            self.pending_valid = (length > f)[:, None]  # [B, 1]: the last node, accepted but never forwarded
+            leaf = min(f + 1, accepted.tokens.shape[1] - 1)
+            self.pending_token = accepted.tokens[:, leaf : leaf + 1]  # [B, 1], only read when pending
+            self.runner.commit(constants.arange(s_step, path.device).expand(b, s_step), keep_valid, in_place=True)
+            return
         on_path = constants.arange(d, path.device)[None, :] < length[:, None]  # [B, D]
         # the step slot that holds each path node, if the draft forwarded it
         hit = (path[:, :, None] == self._slot_node[:, None, :s_step]).logical_and_(self._slot_ok[:, None, :s_step])  # [B, D, S_step]

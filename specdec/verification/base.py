@@ -78,6 +78,13 @@ def deepest_path(tree: TokenTree, ok: torch.Tensor) -> tuple[torch.Tensor, torch
     Example: parents [-1, 0, 0, 1], ok [T, T, F, T] -> deepest 3, path [1, 3], accepted_len 2.
     """
     b, n = tree.tokens.shape
+    if tree.chain and n > 1:  # node i is the only child of node i - 1: the accepted path is the leading run of ok nodes
+        run = (ok[:, 1:] & tree.valid[:, 1:]).cumprod(dim=1)  # [B, N - 1] int64: 1 while every node so far is ok
+        accepted_len = run.sum(dim=1)  # [B], = the deepest node's index
+        cols = constants.arange(n, ok.device)
+        on_path = cols[None, :] <= accepted_len[:, None]  # [B, N]
+        path = torch.where(on_path[:, 1:], cols[1:], 0)  # [B, N - 1], padded with 0
+        return accepted_len, on_path, path, accepted_len
     anc = tree.ancestor_mask()  # [B, N, N]
     # a node is on an all-ok path when no non-root node on its way is bad (invalid nodes are
     # bad: their ancestor row holds only themselves); the root is always ok

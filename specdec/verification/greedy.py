@@ -23,8 +23,11 @@ def greedy_accept(tree: TokenTree, target_argmax: torch.Tensor) -> Verdict:
     if tree.num_nodes == 1:  # a root-only tree (AR): nothing to accept, the bonus is the target's choice at the root
         zeros = constants.full((tree.batch_size,), 0, torch.long, target_argmax.device)
         return Verdict(path=zeros[:, None], accepted_len=zeros, bonus_tokens=target_argmax[:, 0], relaxed_count=zeros, fallback_count=zeros)
-    parent_argmax = target_argmax.gather(1, tree.parents.clamp(min=0))  # [B, N]
-    match = tree.tokens == parent_argmax  # the root's entry is unused (deepest_path never checks the root)
+    if tree.chain:  # node i's parent is node i - 1 (column 0, the root's, is never checked)
+        match = torch.nn.functional.pad(tree.tokens[:, 1:] == target_argmax[:, :-1], (1, 0))  # [B, N]
+    else:
+        parent_argmax = target_argmax.gather(1, tree.parents.clamp(min=0))  # [B, N]
+        match = tree.tokens == parent_argmax  # the root's entry is unused (deepest_path never checks the root)
     deepest, _, path, accepted_len = deepest_path(tree, match)
     bonus = target_argmax.gather(1, deepest[:, None]).squeeze(1)
     zeros = constants.full((accepted_len.shape[0],), 0, torch.long, accepted_len.device)
