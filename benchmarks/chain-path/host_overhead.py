@@ -35,7 +35,7 @@ for method, temperature in cases:
     decoder = SpeculativeDecoder.from_pretrained(method=method)
     decoder.generate(prompts[:1], max_new_tokens=16, temperature=temperature, seed=0)  # warm-up
     with HostWorkCounter() as counter:
-        counted = decoder.generate(prompts[:2], max_new_tokens=32, temperature=temperature, seed=0)
+        counted = decoder.generate(prompts[:2], max_new_tokens=32, temperature=temperature, seed=0, batch_size=1)
     counted_steps = sum(r.stats.steps for r in counted)
     steps = tokens = 0
     outside = wall = 0.0

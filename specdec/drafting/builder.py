@@ -638,6 +638,8 @@ def _initial_buffers(b: int, cap: int, chain: bool, device: torch.device) -> tup
     flags = torch.zeros(b, 2, cap, dtype=torch.bool, device=device)
     flags[:, _VALID, 0] = True
     cached = (ints, torch.zeros(b, 3, cap, device=device), flags, anc.expand(b, cap, cap))
+    if cap * cap > _MAX_CACHED_ANCESTORS:  # a huge tree: its [capacity, capacity] layout is not kept between steps
+        return cached
     if len(_BUFFERS) >= _MAX_BUFFER_LAYOUTS:  # batch sizes and capacities vary: keep the cache small
         _BUFFERS.clear()
     _BUFFERS[key] = cached
@@ -646,6 +648,8 @@ def _initial_buffers(b: int, cap: int, chain: bool, device: torch.device) -> tup
 
 _BUFFERS: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _MAX_BUFFER_LAYOUTS = 64
+_MAX_CACHED_ANCESTORS = 1 << 20
+"""layouts whose ancestor matrix has more entries (1 MiB of bool; capacity above 1024) are made afresh each step"""
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
