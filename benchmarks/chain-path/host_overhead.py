@@ -107,7 +107,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"| case | ops/step base → now | reads/step base → now | outside ms/step base → now | ratio | tok/s base → now | ratio |")
+    print("| case | ops/step base → now | reads/step base → now | outside ms/step base → now | ratio | tok/s base → now | ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for case, r in table.items():
         print(
