@@ -29,7 +29,7 @@ from specdec.cost import CostTable
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder
 from specdec.engine import SpeculativeEngine
 from specdec.methods import make_policy
-from specdec.sampling import SamplingParams, logits_to_logprobs
+from specdec.sampling import SamplingParams, logits_to_logprobs, sample_from_probs
 from specdec.sources import ModelDraftSource
 from specdec.sources.lookup import LookupDraftSource
 from specdec.verification import MarsRule, SamplingRule, Verdict
@@ -51,6 +51,21 @@ SEEDS = 8
 """batches of BATCH rows, seeds 1000.. (4000 samples per case)"""
 TOKENS = 4
 P_PASS = 1e-3
+
+
+def test_sample_from_probs_draws_each_row_from_its_distribution():
+    """The exponential race every sampled draft token and bonus token goes through: each row of
+    a batch from its own (unnormalised) distribution, never a token of probability 0."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.05, 0.0, 0.15, 0.8], [2.0, 2.0, 2.0, 2.0]])
+    draws = 30000
+    tokens = sample_from_probs(probs[:, None, :].expand(3, draws, 4), generator)  # [3, draws]
+    assert tokens.shape == (3, draws)
+    for row in range(3):
+        counts = torch.bincount(tokens[row], minlength=4).double()
+        want = probs[row].double() / probs[row].sum()
+        assert counts[want == 0].sum() == 0, (row, counts)
+        assert chi2_pvalue(counts.numpy(), want.numpy()) > P_PASS, (row, counts)
 P_FAIL = 1e-6
 
 

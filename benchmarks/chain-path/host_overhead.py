@@ -64,9 +64,9 @@ def checkout(rev: str) -> Path:
     return root
 
 
-def measure(src: Path, prompts: int, new: int) -> dict:
+def measure(src: Path, cases: list[tuple[str, float]], prompts: int, new: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(CASES), str(prompts), str(new)], capture_output=True, text=True, env=env, check=True, cwd=src)
+    result = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(cases), str(prompts), str(new)], capture_output=True, text=True, env=env, check=True, cwd=src)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -76,13 +76,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--cases", default=",".join(f"{m}@{t:g}" for m, t in CASES), help="method@temperature, comma-separated")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    cases = [(item.split("@")[0], float(item.split("@")[1])) for item in args.cases.split(",")]
     sources = {"base": checkout(args.base), "current": Path.cwd()}
     runs: dict[str, list[dict]] = {"base": [], "current": []}
     for round_ in range(args.rounds):
         for name in ("base", "current") if round_ % 2 == 0 else ("current", "base"):
-            runs[name].append(measure(sources[name], args.prompts, args.max_new_tokens))
+            runs[name].append(measure(sources[name], cases, args.prompts, args.max_new_tokens))
             print(f"round {round_ + 1} {name} done", file=sys.stderr)
     table = {}
     for case in runs["base"][0]:

@@ -65,7 +65,7 @@ import torch
 from specdec import constants
 from specdec.errors import SpecDecError
 from specdec.hostwork import read_together
-from specdec.sampling import SamplingParams, logits_to_logprobs
+from specdec.sampling import SamplingParams, logits_to_logprobs, sample_from_probs
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict, deepest_path
 
@@ -554,7 +554,7 @@ class ChainTests:
         drafts = None if draft_probs is None else draft_probs.gather(1, at[:, :, None].expand_as(probs[:, None, :])).squeeze(1)
         residual = self.residual(probs, drafts, tree.tokens.gather(1, nxt).squeeze(1), tree.sampled.gather(1, nxt).squeeze(1))
         probs = torch.where(rejected[:, None], residual, probs)
-        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs (exponential race)
+        bonus = sample_from_probs(probs, generator)  # a draw from probs (exponential race)
         zeros = constants.full((b,), 0, torch.long, p.device)
         return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
 
@@ -640,7 +640,7 @@ class BlockChainTests(ChainTests):
         res = residual.gather(1, at.clamp(max=k - 1)[:, :, None].expand(b, 1, residual.shape[2])).squeeze(1)  # [B, V] R_tau
         use_residual = (accepted_len < gamma).logical_and_(res.sum(dim=1) > _EPS)  # [B]
         probs = torch.where(use_residual[:, None], res, probs)
-        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs (exponential race)
+        bonus = sample_from_probs(probs, generator)  # a draw from probs (exponential race)
         zeros = constants.full((b,), 0, torch.long, dev)
         return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
 
@@ -772,7 +772,7 @@ class TreeTests:
         ok_nodes[:, 0] = True
         deepest, on_path, path, accepted_len = deepest_path(tree, ok_nodes)
         probs = self.final_residual(target, draft_left, table, deepest, zero)  # [B, V]
-        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs
+        bonus = sample_from_probs(probs, generator)  # a draw from probs (exponential race)
         zeros = constants.full((b,), 0, torch.long, dev)
         relaxed_count = zeros if relaxed is None else (relaxed & on_path).sum(dim=1)
         fallback_count = zeros if fallback is None or k == 0 else (fallback & has[:, :, 0] & on_path).sum(dim=1)
@@ -945,7 +945,7 @@ class BlockTreeTests(TreeTests):
         stop = residual.gather(1, at).squeeze(1)  # [B, V] unnormalised (the draw below needs no normalising)
         mid = inner.gather(1, deepest[:, None]).squeeze(1) & (stop.sum(dim=1) > _EPS)  # [B]; nothing left: the node's target
         probs = torch.where(mid[:, None], stop, torch.where(inner.gather(1, deepest[:, None]), target.gather(1, at).squeeze(1), probs))
-        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs
+        bonus = sample_from_probs(probs, generator)  # a draw from probs (exponential race)
         zeros = constants.full((b,), 0, torch.long, dev)
         return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
 
@@ -1181,7 +1181,7 @@ class TraversalTreeTests(TreeTests):
         on_path = tree.ancestor_mask().gather(1, at[:, None, None].expand(b, 1, n)).squeeze(1)  # [B, N] root..at
         _, _, path, accepted_len = deepest_path(tree, on_path)
         probs = target.gather(1, at[:, None, None].expand(b, 1, target.shape[2])).squeeze(1)  # [B, V] the node's final P
-        bonus = (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=1)  # a draw from probs
+        bonus = sample_from_probs(probs, generator)  # a draw from probs (exponential race)
         zeros = constants.full((b,), 0, torch.long, dev)
         return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
 
