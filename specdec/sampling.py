@@ -83,8 +83,8 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
     The exponential race: with E_v = -log(u_v) i.i.d. Exp(1), argmax_v probs_v / E_v is v with
     probability probs_v / sum(probs) (the smallest of independent exponentials of rates probs_v).
     Uniforms are drawn with `rand` and no input check runs, so nothing waits for the device:
-    `torch.multinomial` draws the same race with `exponential_`, 3-4x slower on a CPU (150 against
-    45 us a draw at V = 8192, 17.5 against 6.2 ms for 8 rows at V = 131072), and checks its input
+    `torch.multinomial` draws the same race with `exponential_`, 3-5x slower on a CPU (150 against
+    49 us a draw at V = 8192, 17.5 against 3.7 ms for 8 rows at V = 131072), and checks its input
     first (a device read in older PyTorch versions). Float32 uniforms are multiples of 2^-24, so
     each E_v is cut at 16.6 and a token is left out of a draw with probability 2^-24: changes to
     the distribution below 1e-7, far under any test's resolution (as for `exponential_`)."""
