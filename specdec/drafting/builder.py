@@ -302,7 +302,7 @@ class TreeBuilder:
         None = their cum_logq. depth: as in `add_children`. children_per_parent: the most entries
         that share one parent (the k of `draw_children`), known to the caller; None: any number,
         up to k (`TokenTree.max_children` bounds what a device-side verifier loops over).
-        `add_children` with one child per entry: 9 to 12 tensor ops whatever k, no host reads.
+        `add_children` with one child per entry: 8 to 12 tensor ops whatever k, no host reads.
         """
         self.max_children = max(self.max_children, tokens.shape[1] if children_per_parent is None else children_per_parent)
         # each node is the one child (k = 1) of its own parent entry: [B, k] -> [B, k, 1] views
@@ -330,8 +330,9 @@ class TreeBuilder:
         """Append k children under each of m nodes per row, node-major (the children of
         nodes[:, 0] first); returns their indices [B, m*k]. The same nodes as
         `add(parents=nodes repeated k times, ...)` with the parents' fields gathered once per
-        parent and broadcast, not copied k times (12 tensor ops whatever m and k; 9 with
-        `valid` None and `depth` given).
+        parent and broadcast, not copied k times (8 tensor ops whatever m and k with `valid`
+        None and `depth` given, 11 with both, one more for drawn children; the validity is
+        computed straight into the flags buffer).
 
         nodes: [B, m] int64 existing nodes; valid: [B, m] bool (False: no children under that
         entry), [B, m, k] (per child), or None: every entry may have children (an invalid
@@ -349,7 +350,12 @@ class TreeBuilder:
         self.max_children = max(self.max_children, k)
         self._reserve(end)
         cum = self._floats[:, _CUM].gather(1, nodes)[:, :, None] + logq  # [B, m, k]
-        child_valid = (cum >= min_cum_logq) if min_cum_logq > float("-inf") else (cum > float("-inf"))  # [B, m, k]
+        flags = self._flags[:, :, start:end].view(b, 2, m, k)
+        child_valid = flags[:, _VALID]  # [B, m, k], written in place
+        if min_cum_logq > float("-inf"):
+            torch.ge(cum, min_cum_logq, out=child_valid)
+        else:
+            torch.gt(cum, float("-inf"), out=child_valid)
         if valid is not None:
             child_valid.logical_and_(valid if valid.dim() == 3 else valid[:, :, None])
         floats = self._floats[:, :, start:end].view(b, 3, m, k)  # written in place, -inf at invalid children
@@ -360,15 +366,12 @@ class TreeBuilder:
         else:
             depths = constants.full((1, 1, 1), depth, torch.long, self.device).expand(b, m, k)
         torch.stack([tokens, nodes[:, :, None].expand(b, m, k), depths], dim=1, out=self._ints[:, :, start:end].view(b, 3, m, k))
-        flags = self._flags[:, :, start:end].view(b, 2, m, k)
         if isinstance(sampled, torch.Tensor):
-            torch.stack([child_valid, sampled & child_valid], dim=1, out=flags)
+            torch.logical_and(sampled, child_valid, out=flags[:, _SAMPLED])
             self._any_sampled = True
         elif sampled:
-            torch.stack([child_valid, child_valid], dim=1, out=flags)
+            flags[:, _SAMPLED] = child_valid
             self._any_sampled = True
-        else:
-            flags[:, _VALID] = child_valid
         cap = self._anc.shape[2]
         parent_rows = self._anc.gather(1, nodes[:, :, None].expand(b, m, cap))  # [B, m, cap]
         self._anc[:, start:end].view(b, m, k, cap).logical_or_(parent_rows[:, :, None, :])
