@@ -414,8 +414,9 @@ def check_same_tokenizer(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrai
     t_items, d_items = set(t_vocab.items()), set(d_vocab.items())
     # an entry only one side has is excused only when that side added it (a target's regular token
     # that the draft re-adds under another id is still a regular token moved)
-    regular = sorted((tok, i) for tok, i in t_items - d_items if tok not in target_tok.get_added_vocab())
-    regular_draft = [(tok, i) for tok, i in d_items - t_items if tok not in draft_tok.get_added_vocab()]
+    t_added, d_added = target_tok.get_added_vocab(), draft_tok.get_added_vocab()  # (built anew on every call: once each)
+    regular = sorted((tok, i) for tok, i in t_items - d_items if tok not in t_added)
+    regular_draft = [(tok, i) for tok, i in d_items - t_items if tok not in d_added]
     if regular or regular_draft:
         example = ", ".join(f"{tok!r} = {i}" for tok, i in (regular or sorted(regular_draft))[:3])
         raise SpecDecError(
