@@ -687,6 +687,35 @@ def test_a_drain_lets_running_work_finish_within_its_grace(decoder):
     assert running.finish_reason == "length" and running.completion_tokens == 24 and running.text == offline(decoder, PROMPTS[0], 24)
 
 
+def test_a_job_that_has_produced_a_token_is_not_counted_as_waiting(decoder):
+    """queue_depth is accepted jobs less running rows. The running count was published only after
+    a lane's step, so a client that had its first token could still read the job as waiting
+    (queue_depth 1 with one job running) and act on it (the full-queue test failed so under load).
+    An admitted job holds its row before its prefill."""
+    from specdec.serve.scheduler import Finished, Job, Scheduler, resolve_lane
+
+    async def run() -> tuple[list[tuple[int, int]], object]:
+        scheduler = Scheduler(decoder, max_batch_size=1, max_queue=4)
+        seen: list[tuple[int, int]] = []
+        on_tokens = scheduler._on_tokens
+
+        def recording(lane, job, request, tokens):  # what a handler would read as the tokens go out
+            seen.append((scheduler.queue_depth, scheduler.running_rows))
+            on_tokens(lane, job, request, tokens)
+
+        scheduler._on_tokens = recording
+        scheduler.start()
+        job = Job(list(decoder.encode(PROMPTS[1])), 4, resolve_lane(decoder, 0.0, 1.0, None), decoder.tokenizer)
+        scheduler.submit(job)
+        end = await _next_end(job)
+        scheduler.stop()
+        return seen, end
+
+    seen, end = asyncio.run(run())
+    assert isinstance(end, Finished) and seen
+    assert all(state == (0, 1) for state in seen), seen
+
+
 def test_idle_lanes_beyond_the_kept_ones_are_dropped(decoder):
     """Six lanes (six temperatures) used one after another: once idle they free their caches, and
     only the IDLE_LANES_KEPT most recently used are kept."""

@@ -351,6 +351,7 @@ class Scheduler:
                     self._waiting.clear()
                 else:
                     self._admit()
+                    self._publish()  # an admitted job holds its row before its first token reaches anyone
                 self._step_next_lane()
             except Exception as err:  # a bug outside any one lane: fail what is in flight, keep serving
                 log.exception("decode worker error")
@@ -362,7 +363,8 @@ class Scheduler:
         self._publish()
 
     def _publish(self) -> None:
-        running = sum(lane.session.running for lane in self._lanes.values())
+        # a job admitted to a lane holds a row from then on, before its prefill (`_rows_in_use`)
+        running = self._rows_in_use()
         busy = sum(1 for lane in self._lanes.values() if not lane.session.idle or lane.jobs)
         with self._cond:
             self._running_rows = running
