@@ -203,12 +203,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def note_greedy_filters(args: argparse.Namespace) -> None:
     """A note on stderr when --top-k/--top-p are set at --temperature 0, where decoding is greedy
     and they change nothing (not an error: greedy is their limit, as in transformers' generate)."""
+    from specdec.sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_p, args.top_k)  # a bad value is an error, before any note
     if args.temperature != 0:
         return
     unused = [f"--top-k {args.top_k}"] if args.top_k else []
     unused += [f"--top-p {args.top_p}"] if args.top_p != 1.0 else []
     if unused:
-        print(f"specdec: note: {' and '.join(unused)} only filter sampling; at --temperature 0 decoding is greedy and ignores them", file=sys.stderr)
+        verb, pronoun = ("filters", "it") if len(unused) == 1 else ("filter", "them")
+        print(f"specdec: note: {' and '.join(unused)} only {verb} sampling; at --temperature 0 decoding is greedy and ignores {pronoun}", file=sys.stderr)
 
 
 def read_prompt_file(name: str) -> str:

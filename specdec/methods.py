@@ -37,7 +37,10 @@ def method_uses_draft(method: str) -> bool:
 
 def _policy_class(method: str) -> type[TreePolicy]:
     if method not in POLICY_CLASSES:
-        raise SpecDecError(f"--method {method!r} is not known; choose one of {', '.join(POLICY_CLASSES)}")
+        hint = ""
+        if ":" in method:  # bench's `--methods name:option=value` form
+            hint = "; a method's options are their own flags here (for example --k, --depth, --total-tokens: see --help), `name:option=value` is bench's --methods form"
+        raise SpecDecError(f"--method {method!r} is not known; choose one of {', '.join(POLICY_CLASSES)}{hint}")
     return POLICY_CLASSES[method]
 
 

@@ -158,9 +158,21 @@ def test_top_k_at_temperature_zero_is_noted(capsys):
     parser = cli.build_parser()
     cli.note_greedy_filters(parser.parse_args(["generate", "--prompt", "x", "--top-k", "5", "--top-p", "0.5"]))
     assert "--top-k 5 and --top-p 0.5 only filter sampling; at --temperature 0 decoding is greedy" in capsys.readouterr().err
+    cli.note_greedy_filters(parser.parse_args(["generate", "--prompt", "x", "--top-k", "5"]))
+    assert "--top-k 5 only filters sampling; at --temperature 0 decoding is greedy and ignores it" in capsys.readouterr().err
     cli.note_greedy_filters(parser.parse_args(["generate", "--prompt", "x", "--top-k", "5", "--temperature", "1"]))
     cli.note_greedy_filters(parser.parse_args(["generate", "--prompt", "x"]))
     assert capsys.readouterr().err == ""
+
+
+def test_bad_filter_is_an_error_not_a_note(capsys, tiny_pair_dir, no_loading):
+    code, err = run_cli(capsys, "generate", "--prompt", "x", "--top-p", "1.5", *pair_args(tiny_pair_dir))
+    assert code != 0 and "top_p=1.5 must be a number in (0, 1]" in err and "note" not in err
+
+
+def test_method_with_bench_options_names_the_flags(capsys, tiny_pair_dir, no_loading):
+    code, err = run_cli(capsys, "generate", "--prompt", "x", "--method", "eagle2:top_k=4", *pair_args(tiny_pair_dir))
+    assert code != 0 and "is not known" in err and "their own flags" in err
 
 
 def test_largest_seed_works(capsys, tiny_pair_dir):
