@@ -17,8 +17,10 @@ So on x86 CPUs whose vendor is not Intel, importing specdec sets `MKL_CBWR=AUTO`
 environment already sets `MKL_CBWR`. MKL reads the variable at its first matrix product, so
 this takes effect when specdec is imported before the process multiplies anything on the CPU
 (the `specdec` command always does); it changes nothing on GPUs, on CPUs without MKL (ARM) or
-on Intel CPUs (not measured there: MKL's default mode is tuned for them, and the
-reproducibility mode may cost speed). `SPECDEC_MKL_CBWR=off` leaves MKL alone; any other value
+on Intel CPUs, where the mode was measured to change nothing: on a 2-core Intel Xeon (Sapphire
+Rapids) the target's forward cost 8.2 / 8.9 / 12.3 / 15.4 ms for 1 / 2 / 6 / 16 new tokens in
+the default mode and 8.3 / 9.1 / 12.8 / 15.6 with `MKL_CBWR=AUTO`: there the slope is float32
+compute on two cores, which no MKL branch removes (`benchmarks/cpu-blas/forward_cost_intel_xeon.json`). `SPECDEC_MKL_CBWR=off` leaves MKL alone; any other value
 of it is used as `MKL_CBWR` on every CPU.
 
 No torch import here: `specdec/__init__.py` calls `configure_mkl` before anything loads torch.
