@@ -45,7 +45,7 @@ from specdec.multimodal.views import (
     TruncatedView,
     parse_views,
 )
-from specdec.parsing import check_seed
+from specdec.parsing import check_max_draft_rows, check_seed
 from specdec.sampling import SamplingParams
 from specdec.sources.base import DraftSource
 from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, EnsemblePrior
@@ -170,6 +170,7 @@ class SpeculativeDecoder:
         *,
         cuda_graphs: str | bool = "auto",
         static_shapes: bool = False,
+        max_draft_rows: int | None = None,
         **method_options: Any,
     ) -> None:
         """cuda_graphs: 'auto' (on for a target on one CUDA device, off elsewhere), 'on' (needs
@@ -183,8 +184,11 @@ class SpeculativeDecoder:
         verify_options: options of the accept rule, e.g. {"theta": 0.9} for verify="mars";
         mars_theta: shorthand for verify_options={"theta": mars_theta};
         draft_source: "model" (the draft model) or "lookup" (n-gram prompt lookup, no draft
-        model; `lookup_ngram` is the longest n-gram matched)."""
+        model; `lookup_ngram` is the longest n-gram matched);
+        max_draft_rows: a step with more active rows than this drafts nothing (a plain step, as
+        AR; `specdec.parsing.check_max_draft_rows`); None (default): every step drafts."""
         check_draft_source(draft_source, lookup_ngram)
+        self.max_draft_rows = check_max_draft_rows(max_draft_rows)
         self.cuda_graphs = _resolve_graphs(cuda_graphs, target)
         self.static_shapes = static_shapes or self.cuda_graphs
         self.draft_source = draft_source
@@ -241,6 +245,7 @@ class SpeculativeDecoder:
         trust_remote_code: bool = False,
         cuda_graphs: str | bool = "auto",
         static_shapes: bool = False,
+        max_draft_rows: int | None = None,
         **method_options: Any,
     ) -> SpeculativeDecoder:
         """Load from local folders or hub ids, or take models already loaded; with no target,
@@ -261,11 +266,12 @@ class SpeculativeDecoder:
         attn_implementation: 'eager' or 'sdpa' for both models (tree masks rule out flash attention).
         revision / draft_revision: hub branch, tag or commit of the target / draft.
         trust_remote_code: run modelling code shipped with either checkpoint.
-        cuda_graphs: 'auto' (on for CUDA), 'on' (needs CUDA) or 'off'; static_shapes: see `__init__`.
+        cuda_graphs: 'auto' (on for CUDA), 'on' (needs CUDA) or 'off'; static_shapes, max_draft_rows: see `__init__`.
         verify="mars" with mars_theta=0.9 (or verify_options={"theta": 0.9}) selects MARS.
         """
         policy = make_policy(method, **method_options)  # fail on bad options before loading anything
         check_cuda_graphs(cuda_graphs, device)  # a bad mode, or 'on' with a CPU device: fail before loading
+        check_max_draft_rows(max_draft_rows)
         options = rule_options(verify, verify_options, mars_theta)
         check_draft_source(draft_source, lookup_ngram)
         check_costs_available(policy, draft_source)
@@ -315,7 +321,8 @@ class SpeculativeDecoder:
         return cls(
             target_model, tokenizer, draft_model, method=method, verify=verify, verify_options=options,
             draft_source=draft_source, lookup_ngram=lookup_ngram, processor=processor, draft_processor=draft_processor,
-            views=views, ensemble_options=ensemble_options, cuda_graphs=cuda_graphs, static_shapes=static_shapes, **method_options,
+            views=views, ensemble_options=ensemble_options, cuda_graphs=cuda_graphs, static_shapes=static_shapes,
+            max_draft_rows=max_draft_rows, **method_options,
         )
 
     def draft_view(self) -> PromptView | None:
@@ -442,6 +449,7 @@ class SpeculativeDecoder:
             max_context=self.max_context,
             static_shapes=self.static_shapes,
             cuda_graphs=self.cuda_graphs,
+            max_draft_rows=self.max_draft_rows,
         )
 
     def encode(self, prompt: str, images: Sequence[str | Path | Image.Image] | None = None) -> Sequence[int]:

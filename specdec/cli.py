@@ -75,6 +75,15 @@ def add_graphs_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_draft_rows_arg(p: argparse.ArgumentParser) -> None:
+    """--max-draft-rows, for the commands that decode batches."""
+    p.add_argument(
+        "--max-draft-rows", type=int, default=None, metavar="N",
+        help="a step with more than N active rows drafts nothing: the target alone decodes one token a row, as AR "
+        "(speculation pays at small batches and loses once the batch fills the device; find N with bench --batch-sizes). Default: no limit",
+    )
+
+
 def check_graphs_arg(args: argparse.Namespace) -> None:
     """`--cuda-graphs on` with a device that is not CUDA: a one-line error before loading."""
     from specdec.models.graphs import check_cuda_graphs
@@ -277,6 +286,7 @@ def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="continue a prompt with speculative decoding")
     add_model_args(gen)
     add_graphs_arg(gen)
+    add_draft_rows_arg(gen)
     add_method_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", default=[], help="the text to continue (repeat for several prompts)")
@@ -318,7 +328,7 @@ def _decoder_for(args: argparse.Namespace, target: str | None, draft: str | None
     return SpeculativeDecoder.from_pretrained(
         target, draft, method=args.method, verify=args.verify, device=args.device, dtype=args.dtype, mars_theta=args.mars_theta,
         draft_source=args.draft_source, lookup_ngram=args.lookup_ngram, views=args.views, ensemble_options=ensemble_options(args),
-        cuda_graphs=args.cuda_graphs, **load_kwargs(args), **options,
+        cuda_graphs=args.cuda_graphs, max_draft_rows=args.max_draft_rows, **load_kwargs(args), **options,
     )
 
 
@@ -431,6 +441,7 @@ def _add_serve(sub) -> None:
     )
     add_model_args(srv)
     add_graphs_arg(srv)
+    add_draft_rows_arg(srv)
     add_method_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 for every interface)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port (8000)")
@@ -496,6 +507,7 @@ def _add_bench_serve(sub) -> None:
     bench.add_argument("--prompts", default="stdlib-heldout", help="'stdlib-heldout' (the bundled set) or a JSONL(.gz) file with 'prompt' or 'turns' lines")
     add_model_args(bench)
     add_graphs_arg(bench)
+    add_draft_rows_arg(bench)
     add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS)
     bench.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help=f"comma-separated numbers of concurrent clients ({DEFAULT_CONCURRENCY})")
     bench.add_argument("--requests-per-client", type=int, default=4, help="requests each client sends, one after another (4)")
@@ -540,7 +552,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         verify=args.verify,
         decoder_options={
             "draft_source": args.draft_source, "lookup_ngram": args.lookup_ngram, "views": args.views, "ensemble_options": ensemble_options(args),
-            "cuda_graphs": args.cuda_graphs,
+            "cuda_graphs": args.cuda_graphs, "max_draft_rows": args.max_draft_rows,
         },
     )
     outputs = run_serve_bench(config, getattr(args, "argv", ()))
@@ -559,6 +571,7 @@ def _add_bench(sub) -> None:
     )
     add_model_args(bench)
     add_graphs_arg(bench)
+    add_draft_rows_arg(bench)
     add_method_args(bench, multi=True, methods_default=DEFAULT_METHODS, extra_methods=PEERS)
     add_sampling_args(bench)
     bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by the engine (hf runs them as one batched generate(); hf-assisted and hf-lookup only at 1)")
@@ -708,6 +721,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         draft_source=args.draft_source,
         lookup_ngram=args.lookup_ngram,
         cuda_graphs=args.cuda_graphs,
+        max_draft_rows=args.max_draft_rows,
         chat=args.chat or args.system is not None,
         system=args.system,
     )

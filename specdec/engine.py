@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from specdec import constants
 from specdec.drafting.base import TreePolicy
-from specdec.drafting.builder import DraftContext
+from specdec.drafting.builder import DraftContext, root_only_draft
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.loading import context_length
@@ -30,6 +30,7 @@ from specdec.models.runner import ModelRunner, hole_filling_order
 from specdec.models.static import WARM_UP_TOKENS
 from specdec.models.support import image_prompt_problem
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
+from specdec.parsing import check_max_draft_rows
 from specdec.sampling import SamplingParams, choose_tokens
 from specdec.sources.base import DraftSource, TargetPath
 from specdec.stats import GenerationStats, StepRecord
@@ -182,11 +183,14 @@ class SpeculativeEngine:
         max_context: int | None = None,
         static_shapes: bool = False,
         cuda_graphs: bool = False,
+        max_draft_rows: int | None = None,
     ) -> None:
         """static_shapes, cuda_graphs: the target runner's forward mode (`ModelRunner`; the
-        draft source's runner gets its own)."""
+        draft source's runner gets its own). max_draft_rows: a step with more active rows than
+        this drafts nothing (`check_max_draft_rows`); None: no limit."""
         if policy.uses_draft and source is None:
             raise SpecDecError(f"method {policy.name!r} needs a draft model; pass --draft or use --method ar")
+        self.max_draft_rows = check_max_draft_rows(max_draft_rows)
         self.target = ModelRunner(target, static_shapes=static_shapes, cuda_graphs=cuda_graphs)
         self.policy = policy
         self.rule = rule
@@ -500,7 +504,10 @@ class DecodeSession:
         )
         clock = self._clock
         t0 = clock.mark(0)
-        draft = engine.policy.draft(engine.source, self.roots, ctx)
+        # too many rows to draft for (`max_draft_rows`): a plain step, the policy not asked; the
+        # draft source owes the root (forwarded with the next drafted step's tokens)
+        limited = engine.source is not None and engine.max_draft_rows is not None and sum(was_active) > engine.max_draft_rows and engine.source.defer(self.roots)
+        draft = root_only_draft(self.roots) if limited else engine.policy.draft(engine.source, self.roots, ctx)
         tree = draft.tree
         clock.mark(1)
         prepare = getattr(engine.rule, "prepare", None)
@@ -560,7 +567,12 @@ class DecodeSession:
                 stats.verify_s += record.verify_s
         if self.keep_steps:
             self.records.append(record)
-        engine.policy.feedback(record)
+        if not limited:
+            engine.policy.feedback(record)
+        else:  # the policy drafted nothing it could learn from; one that tracks what the draft owes is told
+            note = getattr(engine.policy, "note_plain_step", None)
+            if callable(note):
+                note()
         if engine.source is not None:
             engine.source.feedback(record)
         self.roots = verdict.bonus_tokens

@@ -61,3 +61,20 @@ def check_seed(seed: object, flag: str = "--seed") -> None:
         raise SpecDecError(f"{flag} {seed} must be at least 0; give an integer from 0 to {SEED_MAX}")
     if seed > SEED_MAX:
         raise SpecDecError(f"{flag} {seed} does not fit in 64 bits; give an integer from 0 to {SEED_MAX}")
+
+
+def check_max_draft_rows(value: object) -> int | None:
+    """`value` if it is None (no limit) or a positive integer, else a SpecDecError naming it.
+
+    max_draft_rows: a decoding step with more active rows than this drafts nothing: the target
+    alone decodes one token a row (a plain step, as AR), and the draft catches up on those
+    tokens at the next drafted step. Speculation pays at small batches and loses once the batch
+    fills the device (vLLM's `disable_by_batch_size` is the same knob); measure where with
+    `specdec bench --batch-sizes`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecDecError(
+            f"max_draft_rows={value!r} must be a positive integer (steps with more active rows than this draft nothing), or None for no limit"
+        )
+    return value

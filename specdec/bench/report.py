@@ -558,7 +558,7 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         f"- **Prompts**: `{result.prompt_file}`: {len(result.prompts)} prompt(s), {turns} turn(s) in all",
         f"- **Config**: max_new_tokens {cfg.max_new_tokens}, temperature {cfg.temperature}, top_p {cfg.top_p}, top_k {cfg.top_k}, "
         f"batch size {cfg.batch_size}, repeats {cfg.repeats} (medians; warm-up call per method; method order shuffled per prompt, seed {cfg.seed}), "
-        f"verify {', '.join(cfg.verify)}",
+        f"verify {', '.join(cfg.verify)}" + (f", max_draft_rows {cfg.max_draft_rows} (steps with more active rows draft nothing)" if cfg.max_draft_rows is not None else ""),
     ]
     options = {m: o for m, o in cfg.method_options.items() if o}
     if options:

@@ -42,6 +42,7 @@ from specdec.errors import SpecDecError
 from specdec.hostwork import HostWorkCounter, sync_device
 from specdec.methods import method_uses_draft
 from specdec.multimodal.inputs import MultimodalPrompt
+from specdec.parsing import check_max_draft_rows
 from specdec.progress import progress_bar
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats, StepRecord, batch_stats, mean_nll
@@ -102,6 +103,8 @@ class BenchConfig(MeasuredRunConfig):
     lookup_ngram: int = 3
     cuda_graphs: str = "auto"
     """CUDA graphs of the engine methods' forwards: auto (on for CUDA), on, off"""
+    max_draft_rows: int | None = None
+    """engine methods: a step with more active rows than this drafts nothing (`check_max_draft_rows`); None: no limit"""
     chat: bool = False
     """send every prompt (each turn a user message) through the tokenizer's chat template (instruct models)"""
     system: str | None = None
@@ -255,6 +258,7 @@ def validate_config(config: BenchConfig) -> None:
     if config.code_prompts not in CODE_PROMPT_MODES:
         raise SpecDecError(f"--code-prompts {config.code_prompts!r}: choose one of {', '.join(CODE_PROMPT_MODES)}")
     SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+    check_max_draft_rows(config.max_draft_rows)
     config_variants(config)
 
 
@@ -349,7 +353,7 @@ class _Runner:
                 self.decoders[v.label] = SpeculativeDecoder(
                     models.target, models.tokenizer, draft, method=v.method, verify=v.verify, verify_options=v.rule_options,
                     draft_source=config.draft_source, lookup_ngram=config.lookup_ngram, processor=models.processor,
-                    cuda_graphs=config.cuda_graphs, **v.options,
+                    cuda_graphs=config.cuda_graphs, max_draft_rows=config.max_draft_rows, **v.options,
                 )
         probe = SpeculativeDecoder(models.target, models.tokenizer, models.draft, method=BASELINE, processor=models.processor)
         self.probe = probe

@@ -37,6 +37,7 @@ from specdec.bench.prompts import load_prompts, resolve_prompt_source
 from specdec.bench.variants import BASELINE, Variant, make_variants
 from specdec.errors import SpecDecError
 from specdec.methods import POLICY_CLASSES, method_uses_draft
+from specdec.parsing import check_max_draft_rows
 
 DEFAULT_METHODS = SERVE_METHODS
 WARMUP_TOKENS = 8
@@ -272,6 +273,7 @@ def check_config(config: ServeBenchConfig) -> list[Variant]:
         raise SpecDecError(f"--max-batch-size {config.max_batch_size} must be a positive integer")
     if not config.concurrency or any(c < 1 for c in config.concurrency):
         raise SpecDecError(f"--concurrency {config.concurrency} must be positive integers, e.g. 1,2,4,8,16")
+    check_max_draft_rows(config.decoder_options.get("max_draft_rows"))
     unknown = [m for m in config.methods if m.split("@")[0].split(":")[0] not in POLICY_CLASSES]
     if unknown:
         raise SpecDecError(f"--methods {', '.join(unknown)}: bench-serve runs the engine's methods only ({', '.join(POLICY_CLASSES)})")
@@ -386,7 +388,8 @@ def render_markdown(
         "- **Versions**: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
         f"- **Load**: concurrency {', '.join(map(str, config.concurrency))}; each client sends {config.requests_per_client} streaming "
         f"/v1/completions requests one after another; {config.max_tokens} max tokens, temperature {config.temperature:g}; "
-        f"{n_prompts} prompts from `{config.prompts}`; server --max-batch-size {max_batch}",
+        f"{n_prompts} prompts from `{config.prompts}`; server --max-batch-size {max_batch}"
+        + (f", --max-draft-rows {rows} (steps with more active rows draft nothing)" if (rows := config.decoder_options.get("max_draft_rows")) is not None else ""),
         "- **Figures**: throughput = completion tokens / wall time of the level; TTFT = request sent -> first text chunk; "
         "TPOT = (last chunk - first chunk) / (tokens - 1); p50/p90 over the level's requests; speedup = throughput / AR's at the same concurrency",
         "",

@@ -1282,6 +1282,13 @@ class CastPolicy:
         """Break-even rules correct the tables with the engine's measured step times (unless `deterministic`)."""
         return (self.prune_rule == "break-even" or self.rerank_rule == "break-even") and not self.deterministic
 
+    def note_plain_step(self) -> None:
+        """The engine ran a plain step without asking (`max_draft_rows`): the draft owes its root,
+        so the next drafted step is a catch-up, neither an overhead to learn nor a drafted step to
+        time (as after a plain step of CAST's own)."""
+        self._owed = True
+        self.plain_check._discard_next = True
+
     def feedback(self, record: StepRecord) -> None:
         """Calibration: every verified node whose parent was reached (the root, or a node on the
         accepted path) is one observation of (draft probability, sibling rank) -> accepted.
