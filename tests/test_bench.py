@@ -239,6 +239,25 @@ def test_bench_batch_sizes_sweep(tiny_pair_dir, tmp_path):
     assert sweep["methods"]["ar"]["2"]["speedup"] == 1.0
     assert (out / "batch-2" / "report.md").is_file() and (out / "speedup_vs_batch.png").read_bytes()[:8] == PNG_MAGIC
     assert "| chain |" in (out / "batch_sweep.md").read_text()
+    assert "`--max-draft-rows` from this sweep" in (out / "batch_sweep.md").read_text()
+
+
+def test_draft_row_limits_are_the_first_run_of_sizes_at_or_above_ar():
+    from types import SimpleNamespace
+
+    from specdec.bench.batch_sweep import draft_row_limits
+
+    def row(*speedups, peer=False):
+        return {b: SimpleNamespace(speedup=x, peer=peer) for b, x in zip([1, 2, 4, 8], speedups, strict=False)}
+
+    table = {
+        "ar": row(1.0, 1.0, 1.0, 1.0),
+        "chain": row(1.3, 1.1, 0.9, 1.05),  # ahead again at 8 after falling behind at 4: the limit stays 2
+        "eagle2": row(0.95, 1.2, 1.2, 1.2),
+        "cast": row(1.2, 1.1, 1.0, 1.01),
+        "hf-assisted": row(1.4, peer=True),
+    }
+    assert draft_row_limits(table, [1, 2, 4, 8]) == {"chain": 2, "eagle2": None, "cast": 8}
 
 
 def test_bench_batched_sampling_skips_single_row_peers(tiny_pair_dir, tmp_path):

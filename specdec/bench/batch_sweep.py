@@ -29,6 +29,24 @@ def run_batch_sweep(config: BenchConfig, batch_sizes: Sequence[int], argv: Seque
     return write_batch_sweep(per_batch, out, argv)
 
 
+def draft_row_limits(table: dict[str, dict[int, MethodSummary]], sizes: Sequence[int]) -> dict[str, int | None]:
+    """Per engine method (AR and Hugging Face peers left out): the largest measured batch size B
+    such that the method's speedup over batched AR was at least 1 at every measured size up to
+    B (None when it was below AR at the smallest), a value for `--max-draft-rows`."""
+    limits: dict[str, int | None] = {}
+    for label, by_batch in table.items():
+        if label == "ar" or any(s.peer for s in by_batch.values()):
+            continue
+        limit = None
+        for b in sizes:
+            summary = by_batch.get(b)
+            if summary is None or summary.speedup < 1.0:
+                break
+            limit = b
+        limits[label] = limit
+    return limits
+
+
 def write_batch_sweep(per_batch: dict[int, list[MethodSummary]], out: Path, argv: Sequence[str] = ()) -> Path:
     """The cross-batch table, JSON and plot from per-batch summaries."""
     from specdec.bench.plots import pyplot, save_figure
@@ -71,6 +89,15 @@ def write_batch_sweep(per_batch: dict[int, list[MethodSummary]], out: Path, argv
             top = max(engine, key=lambda s: s.speedup)
             best.append(f"B={b}: {top.label} {top.speedup:.2f}x")
     lines += ["", "Fastest method per batch size: " + "; ".join(best) + "." if best else ""]
+    limits = draft_row_limits(table, sizes)
+    if limits:
+        lines += [
+            "",
+            "`--max-draft-rows` from this sweep (the largest batch size up to which a method stayed at or above batched AR at "
+            "every size measured; steps with more rows would then decode as AR): "
+            + "; ".join(f"{lab}: {n}" if n is not None else f"{lab}: below AR already at B={sizes[0]}" for lab, n in limits.items())
+            + ".",
+        ]
     md = out / "batch_sweep.md"
     md.write_text("\n".join(lines) + "\n")
     data = {
