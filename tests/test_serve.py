@@ -236,6 +236,8 @@ def test_metrics_move_after_requests(client):
     assert moved('specdec_prompt_tokens_total{method="ar"}') == 3
     assert moved('specdec_verify_steps_total{method="ar"}') == 7  # the first token comes from the prefill
     assert moved('specdec_drafted_tokens_total{method="chain"}') > 0 and moved('specdec_drafted_tokens_total{method="ar"}') == 0
+    assert moved('specdec_plain_row_steps_total{method="ar"}') == 7  # AR drafts nothing at any step
+    assert moved('specdec_plain_row_steps_total{method="chain"}') < moved('specdec_verify_steps_total{method="chain"}')
     assert after['specdec_tau{method="ar"}'] == 1.0 and after['specdec_tau{method="chain"}'] >= 1.0
     assert 0 <= after['specdec_acceptance_rate{method="chain"}'] <= 1
     assert after["specdec_tokens_per_second"] > 0 and after["specdec_running_rows"] == 0 and after["specdec_queue_depth"] == 0

@@ -46,6 +46,11 @@ class ServerMetrics:
         self.steps = Counter("specdec_verify_steps", "Row-steps: one batch row in one verification step, by method.", ["method"], registry=registry)
         self.accepted = Counter("specdec_accepted_tokens", "Accepted draft tokens, by method.", ["method"], registry=registry)
         self.drafted = Counter("specdec_drafted_tokens", "Drafted tokens sent to verification, by method.", ["method"], registry=registry)
+        self.plain_steps = Counter(
+            "specdec_plain_row_steps",
+            "Row-steps that drafted nothing (the target alone, as AR: --max-draft-rows, CAST's plain steps, a last token), by method.",
+            ["method"], registry=registry,
+        )
         self.tau = Gauge(
             "specdec_tau", f"Mean tokens committed per step (accepted + 1, specdec.stats.tau) over the method's last {STEP_WINDOW} row-steps.",
             ["method"], registry=registry,
@@ -85,6 +90,7 @@ class ServerMetrics:
         self.steps.labels(method).inc(len(pairs))
         self.accepted.labels(method).inc(sum(acc for acc, _ in pairs))
         self.drafted.labels(method).inc(sum(dr for _, dr in pairs))
+        self.plain_steps.labels(method).inc(sum(1 for _, dr in pairs if dr == 0))
 
     def observe_tokens(self, committed: int) -> None:
         """Tokens committed to some request (its first token at prefill, or a step's accepted + bonus)."""
