@@ -126,3 +126,17 @@ def test_cli_flag(tiny_pair_dir, capsys):
     assert main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--max-draft-rows", "-1", *pair_args]) != 0
     assert "max_draft_rows=-1 must be a positive integer" in capsys.readouterr().err
     assert main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--max-draft-rows", "1", *pair_args]) == 0
+
+
+def test_a_draft_owed_its_most_tokens_drafts_once_and_catches_up(pair):
+    """Past `max_pending` owed tokens the source refuses to defer: that step drafts (its first
+    forward catches up on everything owed), and the output is still the target's own."""
+    target, draft = pair
+    source = ModelDraftSource(draft)
+    source.max_pending = 3
+    eng = engine(pair, "chain", 1, source=source)
+    outputs, records = decode(eng)
+    assert outputs == ar_outputs(pair)
+    over = [max(r.drafted) for r in records if sum(r.active) > 1]
+    assert any(d > 0 for d in over), "some step over the limit drafted: the source could not owe more"
+    assert sum(d == 0 for d in over) > sum(d > 0 for d in over)
