@@ -258,6 +258,19 @@ def test_given_profile_of_another_cpu_is_used_with_a_warning(tmp_path, monkeypat
     assert "batch sizes 1, 2)" in resolver.source.describe()  # a loaded profile names the sizes it holds
 
 
+def test_other_models_without_a_profile_are_measured_without_a_mismatch_warning(caplog):
+    """No profile asked for, and models that are not the bundled pair: the shipped profile (the
+    bundled pair's) is skipped quietly; the quick measurement is announced, nothing calls it a mismatch."""
+    forget_measured()
+    target, draft = pair()
+    resolver = CostTableResolver(target, draft, None, progress=False)
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        resolver.prepare(1)
+    assert "measuring a quick cost profile" in caplog.text
+    assert "does not fit" not in caplog.text and "shipped" not in caplog.text
+    assert resolver.source.kind == "measured"
+
+
 def test_mismatched_file_is_measured_before_decoding_with_the_reason(tmp_path, caplog):
     forget_measured()
     target, draft = pair()

@@ -414,8 +414,9 @@ class CostTableResolver:
     Order: `path` (an explicit profile) else the shipped bundled-pair profile. A file that
     is missing or was measured for other models, device type, GPU or dtype is replaced by a
     quick measurement (`quick_grid`), announced with a warning that names every differing
-    field with both values; a file from another CPU model or thread count is used, with a
-    warning. `prepare(max_batch)` does all of this, and extends a measured table to batch
+    field with both values (the shipped profile is skipped without one when the models are not
+    the bundled pair: measuring is then the normal path); a file from another CPU model or
+    thread count is used, with a warning. `prepare(max_batch)` does all of this, and extends a measured table to batch
     sizes up to `max_batch` (`batch_grid`); `table_for` only looks up and never measures:
     a batch size between or beyond the measured ones is interpolated. A measured table is
     written back when `path` was given (never over a full profile or one of other models).
@@ -511,6 +512,11 @@ class CostTableResolver:
         diffs = table.differences(self.target, self.draft)
         blocking = [d for d in diffs if d.blocking]
         shipped = " (the shipped profile of the bundled pair)" if self.path is None else ""
+        if blocking and self.path is None and any(d.field.startswith(("target ", "draft ")) for d in blocking):
+            # no profile was asked for and the shipped one is the bundled pair's: these are other
+            # models, so the quick measurement `prepare` announces next is the normal path, not a mismatch
+            LOG.debug("the shipped cost profile is for the bundled pair, not these models (%s)", "; ".join(map(str, blocking)))
+            return None
         if blocking:
             also = [d for d in diffs if not d.blocking]
             LOG.warning(
