@@ -800,6 +800,25 @@ def test_load_32_clients_5_requests_each(server, decoder):
     assert not wrong, f"{len(wrong)} responses differ from offline greedy decoding, e.g. {wrong[0]}"
 
 
+def test_max_draft_rows_behind_the_server(tiny_pair_dir, decoder):
+    """A server whose decoder drafts only while at most one row runs: 8 concurrent clients get
+    the offline greedy text, and the metrics count the rows' plain steps."""
+    limited = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), method="chain", device="cpu", max_draft_rows=1)
+    expected = {p: offline(decoder, p, 16) for p in PROMPTS}
+
+    async def run(url: str) -> list[tuple[str, str]]:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+            responses = await asyncio.gather(*(http.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0}) for p in PROMPTS))
+        return [(p, r.json()["choices"][0]["text"]) for p, r in zip(PROMPTS, responses, strict=True)]
+
+    with BackgroundServer(create_app(limited, model_name="tiny", max_batch_size=8)) as srv, httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+        pairs = asyncio.run(run(srv.url))
+        metrics = scrape(c)
+    assert [t for _, t in pairs] == [expected[p] for p, _ in pairs]
+    plain, steps = metrics['specdec_plain_row_steps_total{method="chain"}'], metrics['specdec_verify_steps_total{method="chain"}']
+    assert plain > steps / 2, f"{plain} of {steps} row-steps plain: 8 rows at once should draft nothing"
+
+
 # ----- command line -----------------------------------------------------------------------------
 
 
