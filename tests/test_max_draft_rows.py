@@ -37,11 +37,11 @@ def pair():
     return close_pair("llama")
 
 
-def engine(pair, method: str, limit: int | None, rule=None, source=None) -> SpeculativeEngine:
+def engine(pair, method: str, limit: int | None, rule=None, source=None, static_shapes: bool = False) -> SpeculativeEngine:
     target, draft = pair
     return SpeculativeEngine(
-        target, make_policy(method, **OPTIONS[method]), rule or GreedyRule(), source or ModelDraftSource(draft),
-        eos_token_ids=[EOS], max_context=256, max_draft_rows=limit,
+        target, make_policy(method, **OPTIONS[method]), rule or GreedyRule(), source or ModelDraftSource(draft, static_shapes=static_shapes),
+        eos_token_ids=[EOS], max_context=256, max_draft_rows=limit, static_shapes=static_shapes,
     )
 
 
@@ -73,6 +73,16 @@ def test_greedy_output_is_the_targets_and_large_batches_draft_nothing(pair, meth
     assert over and under, "the rolling batch passes both sides of the limit"
     assert all(max(r.drafted) == 0 for r in over), "a step with more active rows than the limit drafts nothing"
     assert any(max(r.drafted) > 0 for r in under), "at or below the limit the policy drafts again"
+
+
+@pytest.mark.parametrize("method", ["chain", "eagle2"])
+def test_static_shapes_with_a_limit(pair, method):
+    """The capturable forward mode (CUDA graphs' shapes): finished rows ride along inactive and
+    do not count towards the limit; outputs stay the target's."""
+    outputs, records = decode(engine(pair, method, 2, static_shapes=True))
+    assert outputs == ar_outputs(pair)
+    assert all(max(r.drafted) == 0 for r in records if sum(r.active) > 2)
+    assert any(max(r.drafted) > 0 for r in records if len(r.active) > 2 and sum(r.active) <= 2), "riders do not count"
 
 
 def test_without_a_limit_large_batches_draft(pair):
