@@ -69,7 +69,7 @@ def check_max_draft_rows(value: object) -> int | None:
     max_draft_rows: a decoding step with more active rows than this drafts nothing: the target
     alone decodes one token a row (a plain step, as AR), and the draft catches up on those
     tokens at the next drafted step. Speculation pays at small batches and loses once the batch
-    fills the device (vLLM's `disable_by_batch_size` is the same knob); measure where with
+    fills the device (vLLM's `speculative_disable_by_batch_size` is a similar knob); measure where with
     `specdec bench --batch-sizes`."""
     if value is None:
         return None
