@@ -33,6 +33,7 @@ from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_m
 from specdec.parsing import check_max_draft_rows
 from specdec.sampling import SamplingParams, choose_tokens
 from specdec.sources.base import DraftSource, TargetPath
+from specdec.sources.model import ModelDraftSource
 from specdec.stats import GenerationStats, StepRecord
 from specdec.tree import TokenTree
 from specdec.verification.base import AcceptRule, Verdict
@@ -79,6 +80,9 @@ class DecodeRequest:
     forward_s_at_admission: float = 0.0
     finished_step: int | None = None
     """the session's step count when the request finished (a row that rides along grows from there)"""
+    draft_prefill_owed: bool = False
+    """admitted while its batch ran more rows than `max_draft_rows`: its prompt was not prefilled into
+    the draft model then (steps that large draft nothing), but before the first step that drafts"""
 
     @property
     def done(self) -> bool:
@@ -191,6 +195,9 @@ class SpeculativeEngine:
         if policy.uses_draft and source is None:
             raise SpecDecError(f"method {policy.name!r} needs a draft model; pass --draft or use --method ar")
         self.max_draft_rows = check_max_draft_rows(max_draft_rows)
+        self.lazy_draft_prefill = True
+        """with `max_draft_rows`: a prompt admitted into a batch over the limit is prefilled into the
+        draft model only before the first step that drafts (False: at admission, as without a limit)"""
         self.target = ModelRunner(target, static_shapes=static_shapes, cuda_graphs=cuda_graphs)
         self.policy = policy
         self.rule = rule
@@ -502,11 +509,13 @@ class DecodeSession:
             host_active=was_active,
             host_context_len=self._host_context_lens(),
         )
-        clock = self._clock
-        t0 = clock.mark(0)
         # too many rows to draft for (`max_draft_rows`): a plain step, the policy not asked; the
         # draft source owes the root (forwarded with the next drafted step's tokens)
         limited = engine.source is not None and engine.max_draft_rows is not None and sum(was_active) > engine.max_draft_rows and engine.source.defer(self.roots)
+        if not limited and engine.source is not None:
+            self._prefill_owed_drafts()
+        clock = self._clock
+        t0 = clock.mark(0)
         draft = root_only_draft(self.roots) if limited else engine.policy.draft(engine.source, self.roots, ctx)
         tree = draft.tree
         clock.mark(1)
@@ -610,7 +619,10 @@ class DecodeSession:
             target_logits = engine.target.prefill(ids, mask, model_inputs, dense=len({len(p) for p in prompts}) == 1)
         else:
             target_logits = engine.target.replace_rows(batch_rows, ids, mask, model_inputs)
-        if engine.source is not None:
+        if engine.source is not None and batch_rows is not None and self._defers_draft_prefill(incoming):
+            for request in incoming:  # its batch is over `max_draft_rows`: the draft sees the prompt when it drafts again
+                request.draft_prefill_owed = True
+        elif engine.source is not None:
             engine.source.prefill(ids, mask, batch_rows, prompts=prompts)
         first = choose_tokens(target_logits, self.params, self.generator)  # [B']
         first_ids = first.tolist()  # one read; on a GPU the prefill is done only here, so time to first token ends after it
@@ -623,6 +635,34 @@ class DecodeSession:
             request.forward_s_at_admission = forward_s0
             self._append(request, [first_ids[r]])
         return first
+
+    def _defers_draft_prefill(self, incoming: list[DecodeRequest]) -> bool:
+        """Whether prompts joining the running batch skip the draft's prefill for now: the batch
+        will run more active rows than `max_draft_rows` (its steps draft nothing), and the draft
+        is one model reading the target's token ids (`_prefill_owed_drafts` catches up)."""
+        engine = self.engine
+        limit = engine.max_draft_rows
+        if limit is None or not engine.lazy_draft_prefill or type(engine.source) is not ModelDraftSource or engine.source.view is not None:
+            return False
+        if any(isinstance(r.prompt, MultimodalPrompt) for r in incoming):
+            return False
+        others = sum(1 for r in self.rows if not r.done and all(r is not i for i in incoming))
+        return others + len(incoming) > limit
+
+    def _prefill_owed_drafts(self) -> None:
+        """Before a step that drafts: prefill into the draft every running row admitted while the
+        batch was over `max_draft_rows`, with all it has committed but its root (which the step's
+        first draft forward reads); the rows' owed roots are dropped (the prefill holds them)."""
+        owed = [r for r, request in enumerate(self.rows) if request.draft_prefill_owed and not request.done]
+        if not owed:
+            return
+        engine = self.engine
+        assert engine.source is not None
+        with uncounted():  # a prefill, not a decoding step's own work (`specdec.hostwork`)
+            ids, mask = engine._left_pad([[*self.rows[r].prompt, *self.rows[r].token_ids[:-1]] for r in owed])
+            engine.source.prefill(ids, mask, owed)
+        for r in owed:
+            self.rows[r].draft_prefill_owed = False
 
     def _fill_rows(self) -> None:
         """Admit waiting prompts while rows are free: a new batch when none runs, otherwise

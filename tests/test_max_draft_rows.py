@@ -45,19 +45,19 @@ def engine(pair, method: str, limit: int | None, rule=None, source=None, static_
     )
 
 
-def decode(eng: SpeculativeEngine, params: SamplingParams | None = None, seed: int | None = None, max_rows: int = 4):
+def decode(eng: SpeculativeEngine, params: SamplingParams | None = None, seed: int | None = None, max_rows: int = 4, budgets: list[int] = BUDGETS):
     session = eng.session(params, seed=seed, max_rows=max_rows, keep_steps=True)
-    requests = [session.submit(p, n) for p, n in zip(PROMPTS, BUDGETS, strict=True)]
+    requests = [session.submit(p, n) for p, n in zip(PROMPTS, budgets, strict=True)]
     while session.unfinished:
         session.step()
     return [r.token_ids for r in requests], session.records
 
 
-def ar_outputs(pair) -> list[list[int]]:
+def ar_outputs(pair, budgets: list[int] = BUDGETS) -> list[list[int]]:
     """transformers' own greedy generate() of each prompt alone"""
     target, _ = pair
     outputs = []
-    for prompt, budget in zip(PROMPTS, BUDGETS, strict=True):
+    for prompt, budget in zip(PROMPTS, budgets, strict=True):
         out = target.generate(torch.tensor([prompt]), max_new_tokens=budget, do_sample=False, eos_token_id=EOS, pad_token_id=0)
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs
@@ -150,3 +150,35 @@ def test_a_draft_owed_its_most_tokens_drafts_once_and_catches_up(pair):
     over = [max(r.drafted) for r in records if sum(r.active) > 1]
     assert any(d > 0 for d in over), "some step over the limit drafted: the source could not owe more"
     assert sum(d == 0 for d in over) > sum(d > 0 for d in over)
+
+
+@pytest.mark.parametrize("method", ["chain", "eagle2"])
+def test_prompts_admitted_over_the_limit_are_prefilled_into_the_draft_when_it_drafts_again(pair, method):
+    """A prompt that joins a batch running more rows than the limit is not prefilled into the
+    draft at admission (those steps draft nothing); before the next step that drafts, it is, with
+    everything committed but the root. The draft then proposes exactly what an eager prefill
+    would have let it propose: every step's accepted lengths equal the eager engine's."""
+    budgets = [10, 12, 9, 14, 30, 28]  # the last two join a batch of four and outlive it
+    lazy_engine, eager_engine = engine(pair, method, 2), engine(pair, method, 2)
+    eager_engine.lazy_draft_prefill = False
+    calls: list[int] = []  # rows per draft prefill (0: a new batch)
+    real = ModelDraftSource.prefill_rows
+
+    def counting(self, input_ids, attention_mask, rows, model_inputs=None):
+        calls.append(0 if rows is None else len(rows))
+        return real(self, input_ids, attention_mask, rows, model_inputs)
+
+    ModelDraftSource.prefill_rows = counting
+    try:
+        lazy_out, lazy_records = decode(lazy_engine, budgets=budgets)
+        lazy_calls, calls[:] = list(calls), []
+        eager_out, eager_records = decode(eager_engine, budgets=budgets)
+        eager_calls = list(calls)
+    finally:
+        ModelDraftSource.prefill_rows = real
+    assert lazy_out == eager_out == ar_outputs(pair, budgets)
+    assert eager_calls == [0, 1, 1], "eager: the first batch, then each prompt at its admission"
+    assert lazy_calls == [0, 2], "lazy: both late prompts at once, when the batch drafts again"
+    assert [r.accepted_len for r in lazy_records] == [r.accepted_len for r in eager_records]
+    assert [r.drafted for r in lazy_records] == [r.drafted for r in eager_records]
+    assert any(max(r.drafted) > 0 for r in lazy_records[-5:]), "the late prompts drafted after the catch-up"
