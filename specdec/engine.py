@@ -512,7 +512,7 @@ class DecodeSession:
         # too many rows to draft for (`max_draft_rows`): a plain step, the policy not asked; the
         # draft source owes the root (forwarded with the next drafted step's tokens)
         limited = engine.source is not None and engine.max_draft_rows is not None and sum(was_active) > engine.max_draft_rows and engine.source.defer(self.roots)
-        if not limited and engine.source is not None:
+        if not limited and engine.source is not None and engine.max_draft_rows is not None:
             self._prefill_owed_drafts()
         clock = self._clock
         t0 = clock.mark(0)

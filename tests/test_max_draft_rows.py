@@ -103,7 +103,6 @@ def test_sampling_with_a_limit_is_reproducible(pair):
     first, records = decode(engine(pair, "eagle2", 2, rule=SamplingRule()), params, seed=3)
     again, _ = decode(engine(pair, "eagle2", 2, rule=SamplingRule()), params, seed=3)
     assert first == again
-    assert [len(o) for o in first] == [len(o) for o in again]
     assert all(max(r.drafted) == 0 for r in records if sum(r.active) > 2)
 
 

@@ -512,7 +512,7 @@ class CostTableResolver:
         diffs = table.differences(self.target, self.draft)
         blocking = [d for d in diffs if d.blocking]
         shipped = " (the shipped profile of the bundled pair)" if self.path is None else ""
-        if blocking and self.path is None and any(d.field.startswith(("target ", "draft ")) for d in blocking):
+        if blocking and self.path is None and any(d.about_models for d in blocking):
             # no profile was asked for and the shipped one is the bundled pair's: these are other
             # models, so the quick measurement `prepare` announces next is the normal path, not a mismatch
             LOG.debug("the shipped cost profile is for the bundled pair, not these models (%s)", "; ".join(map(str, blocking)))

@@ -161,6 +161,12 @@ class FieldDiff:
     """True: the profile's timings do not describe these models (it is not used); False: they
     come from another machine of the same kind (used, with a warning)"""
 
+    @property
+    def about_models(self) -> bool:
+        """The difference is in the target or draft model itself (type, shape, parameters, config),
+        not in the device, dtype or machine (`CostTable.differences` names those fields so)."""
+        return self.field.startswith(("target ", "draft "))
+
     def __str__(self) -> str:
         return f"{self.field}: profile {_show(self.profile)}, here {_show(self.here)}"
 

@@ -641,7 +641,7 @@ class PlainDecodingCheck:
         if plain:
             t.since_drafted += 1
             t.since_plain = 0
-            self._discard_next = True
+            self.expect_catch_up()
         else:
             t.since_plain += 1
             t.since_drafted = 0
@@ -654,6 +654,10 @@ class PlainDecodingCheck:
         if mean_ms is not None:
             step_ms = min(step_ms, 3.0 * mean_ms)
         t.add(plain, step_ms, tokens_per_row, self.decay, expected_tokens, self.long_decay)
+
+    def expect_catch_up(self) -> None:
+        """The next drafted step forwards tokens the draft owes from plain steps: it is not timed."""
+        self._discard_next = True
 
     def state(self) -> dict[int, dict[str, float | None]]:
         """Per batch bucket: ms per committed token of drafted and plain steps."""
@@ -1287,7 +1291,7 @@ class CastPolicy:
         so the next drafted step is a catch-up, neither an overhead to learn nor a drafted step to
         time (as after a plain step of CAST's own)."""
         self._owed = True
-        self.plain_check._discard_next = True
+        self.plain_check.expect_catch_up()
 
     def feedback(self, record: StepRecord) -> None:
         """Calibration: every verified node whose parent was reached (the root, or a node on the
