@@ -13,7 +13,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|b1|sweep|sampling}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -37,7 +37,26 @@ pair() {  # the synthetic pair, built once per machine (a fresh machine starts b
 
 case "$stage" in
   tests)
-    $PY -m pytest -q --maxfail=20 -p no:cacheprovider tests --ignore=tests/test_serve.py --ignore=tests/test_serve_text.py --ignore=tests/test_light_imports.py -rs 2>&1 | tee "$OUT/tests.log"
+    # the synthetic pair is built beside the tests (the GPU is idle during most of them), so a
+    # bench stage in the same call finds it; pytest-xdist (in the image) spreads the tests over
+    # WORKERS processes of 2 threads each
+    ( pair ) > "$OUT/pair-bg.log" 2>&1 &
+    ignore=(--ignore=tests/test_serve.py --ignore=tests/test_serve_text.py --ignore=tests/test_light_imports.py)
+    # the bundled vision-language pair's weights (19 MB) stay behind when the working tree must fit
+    # the device tool's 64 MiB
+    [ -f specdec/assets/lvlm/target/model.safetensors ] || ignore+=(--ignore=tests/test_bundled_lvlm.py)
+    xdist=()
+    $PY -c "import xdist" 2>/dev/null && xdist=(-n "${WORKERS:-8}" --dist loadfile)
+    OMP_NUM_THREADS=2 timeout "${TESTS_LIMIT_S:-420}" $PY -m pytest -q --maxfail=30 -p no:cacheprovider "${xdist[@]}" tests "${ignore[@]}" -rs --durations=15 2>&1 | tee "$OUT/tests.log"
+    wait
+    cat "$OUT/pair-bg.log"
+    ;;
+  smoke)  # a few prompts of the main methods on the pair: does every path run at this size, and what it costs
+    pair
+    timeout "${SMOKE_LIMIT_S:-240}" specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods ar,hf,hf-assisted,chain,eagle2,dynatree,cast --num-prompts 4 --max-new-tokens 48 --repeats 1 \
+      --no-progress --out "$OUT/smoke" 2>&1 | tee "$OUT/smoke.log"
+    tar -czf "$OUT/smoke.tar.gz" -C "$OUT" smoke && rm -rf "$OUT/smoke"
     ;;
   b1)
     pair
@@ -60,5 +79,5 @@ case "$stage" in
       --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/sampling" 2>&1 | tee "$OUT/sampling.log"
     tar -czf "$OUT/sampling.tar.gz" -C "$OUT" sampling && rm -rf "$OUT/sampling"
     ;;
-  *) echo "unknown stage $stage (tests, b1, sweep, sampling)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling)"; exit 2 ;;
 esac
