@@ -342,6 +342,14 @@ class SpeculativeEngine:
             runners.append(draft_runner)
         return sum(runner.warm_up(batch_sizes, context=context, max_tokens=max_tokens) for runner in runners)
 
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far for the target and the draft model (0 without graphs)."""
+        captures = self.target.graph_captures
+        draft_runner = getattr(self.source, "runner", None)
+        if isinstance(draft_runner, ModelRunner) and draft_runner.graphs is not self.target.graphs:
+            captures += draft_runner.graph_captures
+        return captures
+
     def _forward_s(self) -> float:
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
 
@@ -515,6 +523,7 @@ class DecodeSession:
         if not limited and engine.source is not None and engine.max_draft_rows is not None:
             self._prefill_owed_drafts()
         clock = self._clock
+        captures = engine.graph_captures()
         t0 = clock.mark(0)
         draft = root_only_draft(self.roots) if limited else engine.policy.draft(engine.source, self.roots, ctx)
         tree = draft.tree
@@ -567,6 +576,7 @@ class DecodeSession:
             accepted_nodes=[list(p) if a else [] for p, a in zip(result.accepted_nodes, was_active, strict=True)],
             tree_parents=result.tree_parents,
             step_s=time.perf_counter() - t0,
+            graph_captures=engine.graph_captures() - captures,
         )
         for r, request in enumerate(rows):
             if was_active[r]:

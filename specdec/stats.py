@@ -87,6 +87,10 @@ class StepRecord:
     step_s: float = 0.0
     """wall time of the step from the start of drafting to this record: draft, verification,
     cache commits and bookkeeping (the policy's feedback comes after it); 0 when unmeasured"""
+    graph_captures: int = 0
+    """CUDA graphs the target and draft runners captured during the step: their capture time
+    is in the step's times, which then say nothing of a typical step (policies that learn from
+    the wall clock skip it); 0 once every shape the decode meets is captured"""
 
 
 @dataclass

@@ -179,19 +179,21 @@ def test_forward_without_logits_to_keep():
     every forward raised a TypeError. The old name is passed where it is the one taken."""
     from transformers import LlamaForCausalLM
 
-    from specdec.models.support import logits_keep_argument
+    from specdec.models.support import cache_argument, logits_keep_argument
+
+    base = tiny("llama", seed=0)
+    base_cache = cache_argument(base)  # the name this transformers takes ('cache' from 5.24, 'past_key_values' before)
 
     class NoKeep(LlamaForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None):  # type: ignore[override]
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache)
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, **{base_cache: cache})
 
     class OldName(LlamaForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None, num_logits_to_keep=0):  # type: ignore[override]
             return super().forward(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache, logits_to_keep=num_logits_to_keep,
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, logits_to_keep=num_logits_to_keep, **{base_cache: cache},
             )
 
-    base = tiny("llama", seed=0)
     assert (logits_keep_argument(base), logits_keep_argument(NoKeep(base.config)), logits_keep_argument(OldName(base.config))) == ("logits_to_keep", None, "num_logits_to_keep")
     with torch.no_grad():
         refs = [base.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist() for p in PROMPTS]

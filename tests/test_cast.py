@@ -1010,3 +1010,29 @@ def test_cast_plain_steps_keep_greedy_output(arch):
     engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
     out = engine.generate([PROMPTS[0]], 20, keep_steps=True)[0]
     assert out.token_ids == refs[0] and not hasattr(policy.plain_check, "calls")
+
+
+def test_steps_that_capture_cuda_graphs_teach_cast_no_times(monkeypatch):
+    """A step whose forwards captured CUDA graphs (a shape the warm-up missed) is timed with the
+    captures in it: tens of ms on a GPU, where a step takes a few. Neither the plain-or-draft
+    check nor the learned overheads may take it in (on an H100 a warm-up call's captures made
+    drafting look slower than plain steps, and CAST's first timed call ran every step plain).
+    Emulated here by an engine that reports a capture at every step."""
+    target, draft = close_pair("llama")
+    refs = [reference(target, PROMPTS[0], 12)]
+
+    def run(capturing: bool) -> CastPolicy:
+        policy = make_policy("cast", cost_table=linear_table())
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+        if capturing:
+            counter = iter(range(10**6))
+            monkeypatch.setattr(engine, "graph_captures", lambda: next(counter))
+        out = engine.generate([PROMPTS[0]], 12, keep_steps=True)[0]
+        assert out.token_ids == refs[0]
+        assert all((rec.graph_captures > 0) == capturing for rec in out.steps)
+        return policy
+
+    timed, skipped = run(capturing=False), run(capturing=True)
+    assert timed.plain_check.times(1).drafted is not None and timed.overheads.other_ms > 0
+    assert skipped.plain_check.times(1).drafted is None and skipped.plain_check.times(1).plain is None
+    assert skipped.overheads.other_ms == 0 and skipped.overheads.draft_ms == 0

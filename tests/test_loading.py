@@ -230,7 +230,8 @@ def test_quantization_and_device_map_are_passed_through_and_never_moved(monkeypa
     load_model(str(tiny_pair_dir / "target"), "target", None, "float16", LoadOptions(quantization="4bit"))
     qc = captured.kwargs["quantization_config"]
     assert isinstance(qc, BitsAndBytesConfig) and qc.load_in_4bit and qc.bnb_4bit_compute_dtype == torch.float16
-    assert captured.kwargs["device_map"] == {"": "cpu"}  # quantized, no map: the whole model on the device
+    default = "cuda" if torch.cuda.is_available() else "cpu"  # device None: the default device
+    assert captured.kwargs["device_map"] == {"": default}  # quantized, no map: the whole model on the device
     load_model(str(tiny_pair_dir / "target"), "target", None, None, LoadOptions(quantization="8bit", device_map="auto", attn_implementation="sdpa"))
     assert captured.kwargs["quantization_config"].load_in_8bit and captured.kwargs["device_map"] == "auto"
     assert captured.kwargs["attn_implementation"] == "sdpa"

@@ -3,6 +3,7 @@ graph capture, replay and fallback (those tests skip without CUDA); the --cuda-g
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -348,6 +349,23 @@ def test_graph_replay_equals_eager(arch):
             assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
     assert graphed.graphs is not None and graphed.graphs.failed is None
     assert graphed.graphs.captures > 0 and graphed.graphs.replays > 0
+
+
+@needs_cuda
+def test_graphs_are_captured_after_every_earlier_graph_is_gone():
+    """The graph pool outlives the graphs captured into it. Before its anchor graph, a model
+    captured after every earlier model's graphs were freed (a bench's next method, a server's
+    next model) hit the caching allocator's `use_count > 0` assert and ran eagerly for good
+    (seen on an H100: test_graph_replay_equals_eager[gpt2] after [llama] in one process)."""
+    for arch in ("llama", "gpt2", "llama"):
+        model = sharpen(tiny_model(arch, seed=0)).cuda()
+        graphed, eager = ModelRunner(model, cuda_graphs=True), ModelRunner(model)
+        for got, ref in zip(scripted_steps(graphed), scripted_steps(eager), strict=True):
+            assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+        assert graphed.graphs is not None and graphed.graphs.failed is None and graphed.graphs.captures > 0, arch
+        del model, graphed, eager
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @needs_cuda

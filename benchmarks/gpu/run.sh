@@ -13,7 +13,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -68,16 +68,24 @@ case "$stage" in
   sweep)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods ar,hf,chain,eagle2,dynatree,dynatree:free_tokens=64,dynatree:free_tokens=0,cast --batch-sizes 4,16 --num-prompts 32 --max-new-tokens 64 --repeats 1 \
+      --methods "${SWEEP_METHODS:-ar,hf,chain,eagle2,dynatree,dynatree:free_tokens=64,dynatree:free_tokens=0,cast}" --batch-sizes "${BATCH_SIZES:-4,16}" \
+      --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens 64 --repeats 1 \
       --no-progress --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log"
     tar -czf "$OUT/sweep.tar.gz" -C "$OUT" sweep && rm -rf "$OUT/sweep"
     ;;
   sampling)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods ar,hf,chain,chain@sampling:chains=token,eagle2,eagle2@sampling:segments=token,eagle2@sampling:walk=host,dynatree@sampling:segments=block,dynatree@sampling:segments=token,eagle2@mars,dynatree,dynatree:calibrate=off,cast --temperature 1 --seed 0 --num-prompts 12 \
+      --methods "${SAMPLING_METHODS:-ar,hf,chain,chain@sampling:chains=token,eagle2,eagle2@sampling:segments=token,eagle2@sampling:walk=host,dynatree@sampling:segments=block,dynatree@sampling:segments=token,eagle2@mars,dynatree,dynatree:calibrate=off,cast}" \
+      --temperature 1 --seed 0 --num-prompts 12 \
       --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/sampling" 2>&1 | tee "$OUT/sampling.log"
     tar -czf "$OUT/sampling.tar.gz" -C "$OUT" sampling && rm -rf "$OUT/sampling"
     ;;
-  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling)"; exit 2 ;;
+  pair)  # the synthetic pair alone (for a call that runs other things beside its build)
+    pair
+    ;;
+  costs)  # the cost profiles measured on this machine (CAST's tables, DynaTree's free width), for reading back
+    tar -czf "$OUT/costs.tar.gz" -C "$SPECDEC_CACHE_DIR" cost-profiles
+    ;;
+  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, pair, costs)"; exit 2 ;;
 esac

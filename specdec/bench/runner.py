@@ -134,6 +134,9 @@ class CallRecord:
     """per verification step: tree depth + 1 (tokens the step would commit if all were accepted)"""
     step_draft_s: list[float] = field(default_factory=list)
     step_verify_s: list[float] = field(default_factory=list)
+    graph_captures: int = 0
+    """CUDA graphs captured during the call's steps (each one's capture time is in `wall_s`; 0 when
+    the warm-up captured every shape the call met)"""
     rss_bytes: int = 0
     """process resident set size right after the call"""
     gpu_peak_bytes: int | None = None
@@ -175,6 +178,7 @@ class CallRecord:
             "step_tau_max": self.step_tau_max,
             "step_draft_s": self.step_draft_s,
             "step_verify_s": self.step_verify_s,
+            "graph_captures": self.graph_captures,
             "rss_bytes": self.rss_bytes,
             "gpu_peak_bytes": self.gpu_peak_bytes,
             "nll": [mean_nll(lp) for lp in self.token_logprobs] if self.token_logprobs is not None else None,
@@ -531,6 +535,7 @@ class _Runner:
             step_tau_max=[s.tree_depth + 1 for s in steps],
             step_draft_s=[s.draft_s for s in steps],
             step_verify_s=[s.verify_s for s in steps],
+            graph_captures=sum(s.graph_captures for s in steps),
         )
 
 
@@ -608,6 +613,16 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
                     progress.update(task, description=f"repeat {repeat + 1}/{config.repeats} prompt group {g + 1}/{len(groups)} {escape(v.label)}")
                     records.extend(runner.run_group(v, group, repeat, g))
                     progress.advance(task)
+    captured: dict[str, int] = {}
+    for record in records:
+        if record.graph_captures:
+            captured[record.label] = captured.get(record.label, 0) + record.graph_captures
+    if captured:
+        notes.append(
+            "CUDA graphs were captured inside timed calls, so their capture time counts against the method: "
+            + ", ".join(f"{label} {count}" for label, count in captured.items())
+            + " (shapes the warm-up did not meet)."
+        )
     policy_states = runner.policy_states(variants)  # before the host-work calls below add to what they learned
     host_work = {v.label: runner.count_host_work(v, groups) for v in variants if not v.peer}
     if config.temperature == 0:

@@ -1305,17 +1305,18 @@ class CastPolicy:
             self._feedback_ms = (time.perf_counter() - started) * 1e3
 
     def _feedback(self, record: StepRecord) -> None:
+        one_off = record.graph_captures > 0  # the step's times include capturing CUDA graphs: learn no time from it
         if self._step_plain is not None and record.step_s > 0:
             active = sum(record.active)
-            if active:
+            if active and not one_off:
                 tokens = sum(c for c, a in zip(record.committed, record.active, strict=True) if a) / active
                 expected = None if self._step_plain else self._expected_tokens
                 self.plain_check.observe(len(record.active), self._step_plain, record.step_s * 1e3 + self._feedback_ms, tokens, expected)
             self._step_plain = None
-        if self._catching_up:  # this step's draft forwarded the tokens owed by plain steps: not a drafting overhead
+        if self._catching_up or one_off:  # this step's draft forwarded the tokens owed by plain steps, or it captured graphs: not an overhead
             self.overheads.skip()
             self._catching_up = False
-        if self._learns_costs:
+        if self._learns_costs and not one_off:
             self.overheads.observe(record.draft_s * 1e3, record.verify_s * 1e3)
             if record.step_s > 0:  # outside drafting and verification: commits, bookkeeping, the last feedback
                 self.overheads.observe_other((record.step_s - record.draft_s - record.verify_s) * 1e3 + self._feedback_ms)

@@ -449,6 +449,7 @@ class DynaTreePolicy:
             "rho_deep": self.cur_rho_deep,
             "adjustments": self.adjustments,
             "last_window_ratio": self._last_ratio,
+            "free_widths": {f"batch {b}, context bucket {c}": n for (b, c), n in self._free_widths.items()},
             "calibration": {"top-k": self._calibrators[False].state(), "drawn": self._calibrators[True].state()},
         }
 

@@ -12,8 +12,8 @@ If capturing or the first replay raises (an architecture whose forward reads dev
 the host, or copies from host memory, cannot be captured), the runner logs one warning naming
 the model class and the reason and runs that model eagerly from then on (still in static shapes).
 
-Built and tested on CPU only (the CUDA tests skip there; `tests/test_graph_replay_semantics.py`
-emulates capture and replay with make_fx traces); not run or measured on a GPU.
+Built on the CPU (`tests/test_graph_replay_semantics.py` emulates capture and replay with make_fx
+traces there); the CUDA tests in `tests/test_static_shapes.py` ran on an H100 on 2026-11-25.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ CUDA_GRAPH_MODES = ("auto", "on", "off")
 MAX_GRAPHS = 48
 """captured graphs kept per model (least recently used dropped first)"""
 
-_POOLS: dict[int, Any] = {}
-"""one graph memory pool per CUDA device index"""
+_POOLS: dict[int, _Pool] = {}
+"""one graph memory pool per CUDA device index, kept for the process"""
 
 
 def resolve_cuda_graphs(mode: str | bool | None, device: torch.device | str) -> bool:
@@ -68,12 +68,36 @@ def check_cuda_graphs(mode: str | bool | None, device: str | torch.device | None
     resolve_cuda_graphs(mode, torch_device)
 
 
+@dataclass(eq=False)
+class _Pool:
+    """A graph memory pool and the graph that keeps it alive.
+
+    `torch.cuda.graph_pool_handle()` is a bare id with no lifetime of its own: the caching
+    allocator keeps a pool's entry while some graph captured into it lives, and a capture into
+    an id whose graphs are all gone fails with `it->second->use_count > 0 INTERNAL ASSERT FAILED`
+    (`beginAllocateToPool`, CUDACachingAllocator.cpp). Graphs do all go: a model's
+    `CudaGraphRunner` dies with its last runner (a bench's next method, a server's next model),
+    and before this anchor the first capture after that gave up graphs for the model
+    (measured on an H100, 2026-11-25: every method of a batch-16 sweep then ran eagerly). The
+    anchor, a one-op graph captured into the pool when it is made and never dropped, keeps the
+    pool's use count above zero for the life of the process."""
+
+    handle: Any
+    anchor: torch.cuda.CUDAGraph
+    anchor_input: torch.Tensor
+
+
 def _graph_pool(device: torch.device) -> Any:
     index = device.index if device.index is not None else torch.cuda.current_device()
     pool = _POOLS.get(index)
     if pool is None:
-        pool = _POOLS[index] = torch.cuda.graph_pool_handle()
-    return pool
+        handle = torch.cuda.graph_pool_handle()
+        scratch = torch.zeros(1, device=torch.device("cuda", index))
+        anchor = torch.cuda.CUDAGraph()
+        with torch.cuda.device(index), torch.cuda.graph(anchor, pool=handle, capture_error_mode="thread_local"):
+            scratch.add_(1)  # in place: no allocation in the pool, one node so the graph is not empty
+        pool = _POOLS[index] = _Pool(handle=handle, anchor=anchor, anchor_input=scratch)
+    return pool.handle
 
 
 @dataclass(eq=False)

@@ -277,6 +277,11 @@ class ModelRunner:
         return self.slot_valid.shape[1]
 
     @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far for this runner's model (0 without graphs)."""
+        return self.graphs.captures if self.graphs is not None else 0
+
+    @property
     def forward_s(self) -> float:
         """Wall time inside model forwards (on CUDA from events, synchronised when read)."""
         if self._events:

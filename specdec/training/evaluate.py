@@ -54,9 +54,9 @@ def perplexity_and_agreement(target: PreTrainedModel, draft: PreTrainedModel, st
     n_windows = max(1, min(len(stream) - 1, max_tokens) // window)
     for w in range(n_windows):
         chunk = torch.from_numpy(stream[w * window : (w + 1) * window + 1].astype(np.int64))[None]  # [1, window + 1]
-        inputs, labels = chunk[:, :-1], chunk[:, 1:]
+        inputs, labels = chunk[:, :-1].to(target.device), chunk[:, 1:].to(target.device)
         t_logits = target(inputs).logits.float()  # [1, T, V]
-        d_logits = draft(inputs).logits.float()
+        d_logits = draft(inputs.to(draft.device)).logits.float().to(target.device)
         for name, logits in (("target", t_logits), ("draft", d_logits)):
             nll[name] += torch.nn.functional.cross_entropy(logits[0], labels[0], reduction="sum").item()
         agree += (t_logits.argmax(-1) == d_logits.argmax(-1)).sum().item()
