@@ -805,7 +805,7 @@ def test_best_with_many_equals_best_with_one_by_one():
 
 
 def test_plain_check_warms_up_then_times_one_plain_step():
-    check = PlainDecodingCheck(warm_up=4)
+    check = PlainDecodingCheck(cold_steps=0, warm_up=4)
     decisions = []
     for _ in range(6):
         plain = check.plain_next(1)
@@ -818,7 +818,7 @@ def test_plain_check_warms_up_then_times_one_plain_step():
 def test_plain_check_times_a_plain_step_early_when_the_cost_model_predicts_it_faster():
     """A rolling batch's last rows reach a small batch bucket late, for a few steps: a plain step
     is timed there before `warm_up` drafted steps when the cost model says it is faster."""
-    check = PlainDecodingCheck(warm_up=16, margin=0.1)
+    check = PlainDecodingCheck(cold_steps=0, warm_up=16, margin=0.1)
     check.observe(1, False, 40.0, 2.0)  # drafted: 20 ms per token
     asked = []
 
@@ -836,7 +836,7 @@ def test_plain_check_times_a_plain_step_early_when_the_cost_model_predicts_it_fa
 
 
 def test_plain_check_runs_the_faster_mode_and_probes_the_other():
-    check = PlainDecodingCheck(warm_up=2, probe_every=5, margin=0.0)
+    check = PlainDecodingCheck(cold_steps=0, warm_up=2, probe_every=5, margin=0.0)
     trace = []
     for _ in range(60):
         plain = check.plain_next(2)
@@ -848,7 +848,7 @@ def test_plain_check_runs_the_faster_mode_and_probes_the_other():
     assert {len(r) for r in runs if r} == {2}  # ... with drafted probes in pairs (the first pays the draft's catch-up)
     assert "p" * 5 + "dd" in "".join("p" if p else "d" for p in tail) and "p" * 6 not in "".join("p" if p else "d" for p in tail)
     # plain steps ahead by more than sure_lead: drafted pairs 4x less often
-    check = PlainDecodingCheck(warm_up=2, probe_every=5, margin=0.0)
+    check = PlainDecodingCheck(cold_steps=0, warm_up=2, probe_every=5, margin=0.0)
     trace = []
     for _ in range(100):
         plain = check.plain_next(2)
@@ -856,7 +856,7 @@ def test_plain_check_runs_the_faster_mode_and_probes_the_other():
         check.observe(2, plain, 10.0 if plain else 40.0, 1.0 if plain else 2.0)  # drafted 20 ms/token
     assert "p" * 20 + "dd" in "".join("p" if p else "d" for p in trace[20:])
     # the other way round: drafting ahead by more than clear_lead probes plain once per 4 * probe_every
-    check = PlainDecodingCheck(warm_up=2, probe_every=5)
+    check = PlainDecodingCheck(cold_steps=0, warm_up=2, probe_every=5)
     trace = []
     for _ in range(200):
         plain = check.plain_next(2)
@@ -868,7 +868,7 @@ def test_plain_check_runs_the_faster_mode_and_probes_the_other():
 def test_plain_check_divides_sums_not_per_step_ratios():
     """Drafted steps that commit 1 token in 10 ms and 5 tokens in 12 ms run at 22 / 6 = 3.7 ms per
     token; the mean of per-step ratios (10 and 2.4: 6.2) would lose to plain steps at 5 ms."""
-    check = PlainDecodingCheck(warm_up=2, probe_every=4, decay=1.0)
+    check = PlainDecodingCheck(cold_steps=0, warm_up=2, probe_every=4, decay=1.0)
     for i in range(40):
         plain = check.plain_next(1)
         check.observe(1, plain, 5.0 if plain else (10.0 if i % 2 else 12.0), 1.0 if plain else (1.0 if i % 2 else 5.0))
@@ -927,10 +927,11 @@ def test_plain_check_goes_plain_on_a_steady_small_lead_but_not_on_noise():
     def noisy():
         return rng.gauss(34.2, 2.0), float(rng.randint(1, 5))  # 11.4 ms per token over many steps
 
-    assert _plain_share(PlainDecodingCheck(warm_up=8), steady, plain) > 0.8
-    assert _plain_share(PlainDecodingCheck(warm_up=8, margin=0.10, z=0.0), steady, plain) < 0.1  # the old fixed 10% lead
-    assert _plain_share(PlainDecodingCheck(warm_up=8), noisy, plain) < 0.15  # plain probes only (one every probe_every)
-    assert _plain_share(PlainDecodingCheck(warm_up=8, margin=0.03, z=0.0), noisy, plain) > 0.5  # a fixed 3% lead
+    assert _plain_share(PlainDecodingCheck(cold_steps=0, warm_up=8), steady, plain) > 0.8
+    assert _plain_share(PlainDecodingCheck(cold_steps=0, warm_up=8, margin=0.10, z=0.0), steady, plain) < 0.1  # the old fixed 10% lead
+    assert _plain_share(PlainDecodingCheck(cold_steps=0, warm_up=8), noisy, plain) < 0.15  # plain probes only (one every probe_every)
+    # a fixed 3% lead goes plain on noise (less often since a probe that beats plain steps is followed by more drafted steps)
+    assert _plain_share(PlainDecodingCheck(cold_steps=0, warm_up=8, margin=0.03, z=0.0), noisy, plain) > 0.4
 
 
 def test_plain_check_times_drafted_steps_by_their_expected_tokens():
@@ -951,7 +952,7 @@ def test_plain_check_times_drafted_steps_by_their_expected_tokens():
 
     def plain_share(seed: int) -> float:
         rng = random.Random(seed)
-        check = PlainDecodingCheck(warm_up=8)
+        check = PlainDecodingCheck(cold_steps=0, warm_up=8)
         trace = []
         for _ in range(2000):
             go_plain = check.plain_next(8)
@@ -967,7 +968,7 @@ def test_plain_check_times_drafted_steps_by_their_expected_tokens():
 
 def test_plain_check_buckets_and_stalls():
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
-    check = PlainDecodingCheck(warm_up=1, probe_every=100)
+    check = PlainDecodingCheck(cold_steps=0, warm_up=1, probe_every=100)
     check.observe(3, False, 10.0, 2.0)
     assert check.times(4).drafted == pytest.approx(5.0) and check.times(8).drafted is None  # 3 and 4 share a bucket
     check.observe(4, True, 6.0, 1.0)
@@ -1036,3 +1037,41 @@ def test_steps_that_capture_cuda_graphs_teach_cast_no_times(monkeypatch):
     assert timed.plain_check.times(1).drafted is not None and timed.overheads.other_ms > 0
     assert skipped.plain_check.times(1).drafted is None and skipped.plain_check.times(1).plain is None
     assert skipped.overheads.other_ms == 0 and skipped.overheads.draft_ms == 0
+
+
+def test_plain_check_times_no_cold_drafted_step_and_drafts_on_after_a_winning_probe():
+    """The first `cold_steps` drafted steps at a bucket are not timed (a process's first steps
+    load kernels): slow ones there do not send the check plain. And once plain steps lead, a
+    drafted probe faster than plain steps is followed by another drafted step, so a drafted
+    mean inflated by old steps is replaced by new timings instead of waiting 4 * probe_every
+    plain steps for each probe (on an H200 CAST at batch 1 ran 54 of 56 steps plain)."""
+    check = PlainDecodingCheck(warm_up=8, cold_steps=3)
+    for _ in range(3):
+        check.observe(1, False, 500.0, 1.0)  # cold: 500 ms a token
+    assert check.times(1).drafted is None
+    for _ in range(2):
+        assert not check.plain_next(1)
+        check.observe(1, False, 20.0, 5.0)  # 4 ms a token
+    assert check.times(1).drafted == pytest.approx(4.0)
+    # plain steps lead by far (an inflated drafted mean): probes come rarely ...
+    check = PlainDecodingCheck(warm_up=1, cold_steps=0, probe_every=4)
+    check.observe(1, False, 100.0, 1.0)
+    for _ in range(3):
+        check.observe(1, True, 6.0, 1.0)
+    t = check.times(1)
+    assert check.plain_ahead(t) and check.plain_next(1)
+    check.observe(1, True, 6.0, 1.0)
+    # ... until a probe is timed faster than plain steps: then drafting goes on, step after step
+    check.expect_catch_up()
+    check.observe(1, False, 20.0, 5.0)  # the probe's first step pays the draft's catch-up: untimed
+    assert t.last_drafted_beat_plain is False and not check.plain_next(1)  # a probe is two drafted steps
+    check.observe(1, False, 20.0, 5.0)  # 4 ms a token against 6
+    assert t.last_drafted_beat_plain and not check.plain_next(1)
+    drafted = 0
+    while check.plain_ahead(t) and drafted < 200:
+        assert not check.plain_next(1)
+        check.observe(1, False, 20.0, 5.0)
+        drafted += 1
+    assert not check.plain_ahead(t) and drafted < 60
+    check.observe(1, False, 60.0, 5.0)  # a slow probe (12 ms a token): no follow-up on its strength
+    assert not t.last_drafted_beat_plain

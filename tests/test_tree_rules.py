@@ -248,6 +248,41 @@ def test_cost_knee_holds_under_measurement_noise():
     assert cost_knee([1, 2, 4, 8, 16], [1.0, 2.0, 4.0, 8.0, 16.0], 16) == 1  # every token costs
 
 
+H200_TARGET_MS = {  # a synthetic 3B Llama pair's quick profile on an H200 (bf16, CUDA graphs, context 256; 2026-11-25)
+    1: [5.47, 5.64, 5.75, 5.91, 6.16, 6.27, 6.35, 6.56],
+    4: [6.40, 6.62, 6.88, 6.96, 6.98, 7.39, 8.24, 9.90],
+    16: [9.88, 10.13, 10.17, 10.64, 11.48, 14.19, 20.42, 27.69],
+}
+"""ms per target forward at n = 1, 2, 4, 8, 16, 32, 64, 96 tokens a row"""
+
+
+def _measured_gpu_table() -> CostTable:
+    grid = (1, 2, 4, 8, 16, 32, 64, 96)
+
+    def target(b: int, c: int, n: int) -> float:
+        row = H200_TARGET_MS[min(H200_TARGET_MS, key=lambda k: abs(k - b))]
+        for i in range(1, len(grid)):
+            if n <= grid[i]:
+                return row[i - 1] + (row[i] - row[i - 1]) * (n - grid[i - 1]) / (grid[i] - grid[i - 1])
+        return row[-1]
+
+    return CostTable.synthetic(target, lambda b, c, n: 0.6 + 0.03 * n * b, batch_sizes=(1, 4, 16), num_contexts=2, n_grid=grid)
+
+
+def test_dynatree_free_width_on_a_gently_rising_gpu_curve():
+    """A GPU's forward cost at small batches rises slowly from the first token (about with log n),
+    with no flat-then-linear hinge: the knee fit alone put the width at 1-2 tokens there, so
+    DynaTree ran the paper's rules on an H100 and an H200 at batch 1 (where a 64-token verification
+    costs 16% more than a one-token one). The 10% tolerance sets the width instead; where the
+    costs do rise steeply (batch 16 past 16 tokens), the knee still cuts it."""
+    table = _measured_gpu_table()
+    assert cost_knee([1, 2, 4, 8, 16, 32, 64, 96], H200_TARGET_MS[1], 128) < MIN_MEASURED_FREE  # no hinge
+    policy = make_policy("dynatree", cost_table=table)
+    widths = {b: policy.free_width(b, torch.device("cuda"), 256) for b in (1, 4, 16)}
+    assert 8 <= widths[1] <= 16 and 8 <= widths[4] <= 24, widths  # within 10% of one forward: 13 and 20 tokens a row
+    assert 0 < widths[16] <= 16, widths
+
+
 @pytest.mark.parametrize("flat_tokens", [40, 100])
 def test_dynatree_measured_free_width_is_not_below_a_fixed_one(flat_tokens):
     """Where the knee is not at the fixed 64 tokens (a smaller or larger model, another GPU), the

@@ -496,6 +496,10 @@ class _ModeTimes:
     """drafted steps since the last plain one"""
     since_drafted: int = 0
     """plain steps since the last drafted one"""
+    drafted_seen: int = 0
+    """drafted steps observed at this bucket, timed or not (`PlainDecodingCheck.cold_steps`)"""
+    last_drafted_beat_plain: bool = False
+    """the last timed drafted step committed its tokens faster than plain steps do on average"""
 
     def add(self, plain: bool, step_ms: float, tokens: float, decay: float, expected: float | None = None, long_decay: float = 0.995) -> None:
         """One timed step of a mode that committed `tokens` per row (the policy expected
@@ -590,6 +594,11 @@ class PlainDecodingCheck:
     """per timed step of a mode: the weight of its older steps in how many tokens a step
     commits per expected token (about the last 400 count: `_ModeTimes`)"""
     warm_up: int = 16
+    cold_steps: int = 4
+    """the first drafted steps at each bucket are not timed: a process's first steps load
+    kernels and fill caches (on an H200, 2026-11-25, CAST's first timed call at batch 1 ran 54
+    of its 56 steps plain after its warm-up call's first drafted steps timed slow; drafting was
+    1.9x faster than plain steps once timed again)"""
     _buckets: dict[int, _ModeTimes] = field(default_factory=dict, repr=False)
     _discard_next: bool = field(default=False, repr=False)
     """the next drafted step pays the draft's catch-up: not timed"""
@@ -616,6 +625,8 @@ class PlainDecodingCheck:
             predicted = predicted_plain() if predicted_plain is not None else None
             return predicted is not None and predicted * (1 + self.unknown_noise_margin) < t.drafted
         if self.plain_ahead(t):  # plain steps are ahead: probe drafting now and then, two steps in a row
+            if t.since_drafted == 0 and t.last_drafted_beat_plain:  # the probe just timed beat plain steps: draft on until the means agree
+                return False
             interval = self.probe_every * (4 if t.drafted > self.sure_lead * t.plain else 1)
             return t.since_plain != 1 and t.since_drafted < interval
         interval = self.probe_every * (4 if t.plain > self.clear_lead * t.drafted else 1)
@@ -645,11 +656,17 @@ class PlainDecodingCheck:
         else:
             t.since_plain += 1
             t.since_drafted = 0
+            t.drafted_seen += 1
             if self._discard_next:
                 self._discard_next = False
                 return
+            if t.drafted_seen <= self.cold_steps:
+                return
         if step_ms <= 0 or tokens_per_row <= 0:
             return
+        if not plain:
+            plain_rate = t.plain
+            t.last_drafted_beat_plain = plain_rate is not None and step_ms / tokens_per_row < plain_rate
         mean_ms = t.mean_ms(plain)
         if mean_ms is not None:
             step_ms = min(step_ms, 3.0 * mean_ms)
