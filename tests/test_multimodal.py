@@ -17,7 +17,7 @@ from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.multimodal.inputs import MultimodalPrompt, encode_multimodal
-from specdec.multimodal.views import PassThroughView, PooledImageView, TextOnlyView
+from specdec.multimodal.views import PassThroughView, PooledImageView, TextOnlyView, takes_encoder_outputs
 from specdec.sources import ModelDraftSource
 from specdec.training.lvlm import make_processor
 from specdec.verification import GreedyRule
@@ -92,9 +92,24 @@ def test_text_only_view_replaces_each_image_by_a_newline(lvlm):
     assert TextOnlyView(lvlm["tok"]).encode([5, 6, 7]) == ([5, 6, 7], {})
 
 
+def test_pooled_view_needs_a_transformers_that_takes_encoder_outputs(lvlm, monkeypatch):
+    """transformers 5.17's LLaVA forward has no `mm_encoder_outputs` and drops it into **kwargs
+    without a word (the draft then sees no image: test_pooled_view failed that way on the GPU
+    machine's image). A forward without the parameter is refused with a clear error instead."""
+    draft, processor = lvlm["draft"], make_processor(lvlm["tok"], SIZE_D)
+    inner = draft.model
+    assert takes_encoder_outputs(inner) == ("mm_encoder_outputs" in __import__("inspect").signature(type(inner).forward).parameters)
+    monkeypatch.setattr(inner, "forward", lambda input_ids=None, pixel_values=None, **kwargs: None)
+    assert not takes_encoder_outputs(inner)
+    with pytest.raises(SpecDecError, match="mm_encoder_outputs.*--views M,T"):
+        PooledImageView(draft, processor, pool=2)
+
+
 def test_pooled_view(lvlm):
     """pool=1 reproduces the full view's draft logits; pool=2 keeps a quarter of the image tokens."""
     draft, processor = lvlm["draft"], make_processor(lvlm["tok"], SIZE_D)
+    if not takes_encoder_outputs(draft.model):
+        pytest.skip("this transformers takes no precomputed image features (mm_encoder_outputs): the view is refused")
     prompt = lvlm["prompts"][1]
     image_id = draft.config.image_token_index
 

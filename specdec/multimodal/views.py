@@ -163,6 +163,18 @@ class CaptionView:
         return self.tokenizer(text)["input_ids"], {}
 
 
+def takes_encoder_outputs(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes precomputed image features as `mm_encoder_outputs`.
+    Older transformers (5.17, say) take **kwargs and would drop them without a word: the draft
+    would then see its image tokens' plain embeddings, not the image."""
+    import inspect
+
+    try:
+        return "mm_encoder_outputs" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class PooledImageView:
     """P: the draft's image features average-pooled `pool`x`pool` before its projector.
 
@@ -178,6 +190,14 @@ class PooledImageView:
             raise SpecDecError(f"the pooled-image view needs a LLaVA-style draft (vision_tower + multi_modal_projector); {type(model).__name__} has none")
         if pool < 1:
             raise SpecDecError(f"pool={pool} must be a positive integer")
+        if not takes_encoder_outputs(inner):
+            import transformers
+
+            raise SpecDecError(
+                f"the pooled-image view (P) hands the draft precomputed image features, which {type(inner).__name__}.forward "
+                f"takes as `mm_encoder_outputs` from a later transformers than the installed {transformers.__version__} "
+                "(5.24 has it); upgrade transformers, or use views without P (e.g. --views M,T)"
+            )
         self.model = model
         self.inner = inner
         self.processor = processor
