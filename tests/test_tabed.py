@@ -14,7 +14,16 @@ from specdec.api import SpeculativeDecoder, make_ensemble_config
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
-from specdec.multimodal.views import CaptionView, ModelCaptioner, PassThroughView, PooledImageView, TextOnlyView, TruncatedView, parse_views
+from specdec.multimodal.views import (
+    CaptionView,
+    ModelCaptioner,
+    PassThroughView,
+    PooledImageView,
+    TextOnlyView,
+    TruncatedView,
+    parse_views,
+    takes_encoder_outputs,
+)
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources.base import AcceptedPaths, TargetPath
 from specdec.sources.ensemble import (
@@ -28,6 +37,17 @@ from specdec.sources.ensemble import (
 )
 from specdec.training.lvlm import make_processor
 from specdec.verification import GreedyRule, SamplingRule
+
+
+def _llava_takes_encoder_outputs() -> bool:
+    from transformers.models.llava.modeling_llava import LlavaModel
+
+    return takes_encoder_outputs(LlavaModel)
+
+
+needs_pooled_view = pytest.mark.skipif(
+    not _llava_takes_encoder_outputs(), reason="this transformers takes no precomputed image features (mm_encoder_outputs): the P view is refused"
+)
 
 POLICIES = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "dynatree": {"free_tokens": 16}}  # dynatree: CUDA's free width
 
@@ -118,7 +138,10 @@ def _engine(lvlm, views, config=None, method="chain", draft=None):
 
 def _all_views(lvlm):
     draft, processor, tok = lvlm["draft"], make_processor(lvlm["tok"], SIZE_D), lvlm["tok"]
-    return [PassThroughView(), TextOnlyView(tok), CaptionView(tok, ModelCaptioner(draft, processor, max_new_tokens=6)), PooledImageView(draft, processor)]
+    views = [PassThroughView(), TextOnlyView(tok), CaptionView(tok, ModelCaptioner(draft, processor, max_new_tokens=6))]
+    if takes_encoder_outputs(draft.model):  # (an older transformers takes no precomputed features: P is refused there)
+        views.append(PooledImageView(draft, processor))
+    return views
 
 
 @pytest.mark.parametrize("method", list(POLICIES))
@@ -210,6 +233,7 @@ def test_sampling_with_the_ensemble_is_lossless():
     assert pvalue > 1e-3, pvalue
 
 
+@needs_pooled_view
 def test_api_and_errors(lvlm, tiny_pair_dir):
     root = lvlm["root"]
     dec = SpeculativeDecoder.from_pretrained(str(root / "target"), str(root / "draft"), method="chain", device="cpu", k=3, draft_source="tabed", views="M,T,P")
@@ -229,6 +253,7 @@ def test_api_and_errors(lvlm, tiny_pair_dir):
         SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), device="cpu", draft_source="tabed", views="M,C").make_source()
 
 
+@needs_pooled_view
 def test_bench_tabed_small(lvlm, tmp_path):
     """The benchmark matrix on the tiny pair: every greedy output equals AR's, Eq. (1) is
     applied with the measured cost ratio, and the report and plots are written."""
