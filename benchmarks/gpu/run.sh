@@ -13,7 +13,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|pair|costs}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -81,11 +81,17 @@ case "$stage" in
       --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/sampling" 2>&1 | tee "$OUT/sampling.log"
     tar -czf "$OUT/sampling.tar.gz" -C "$OUT" sampling && rm -rf "$OUT/sampling"
     ;;
+  profile)  # where a step's time goes (GPU busy or idle, kernels and host syncs a step): profile_step.py
+    pair
+    $PY benchmarks/gpu/profile_step.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods "${PROFILE_METHODS:-chain,eagle2,cast,dynatree}" --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log"
+    tar -czf "$OUT/profile.tar.gz" -C "$OUT" profile && rm -rf "$OUT/profile"
+    ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
     pair
     ;;
   costs)  # the cost profiles measured on this machine (CAST's tables, DynaTree's free width), for reading back
     tar -czf "$OUT/costs.tar.gz" -C "$SPECDEC_CACHE_DIR" cost-profiles
     ;;
-  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, pair, costs)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, pair, costs)"; exit 2 ;;
 esac
