@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included)
 #   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
-#   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), chain, eagle2, dynatree (free width / paper rules), cast at B = 4 and 16
+#   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), chain, static, eagle2, dynatree (measured / 64-token free width), cast (break-even / paper rules) at B = 1-16
 #   bash benchmarks/gpu/run.sh sampling  # the same pair at T = 1, B = 1: the trees' sampled rules against the chain (#19),
 #                                        # traversal on the device (the default) against child by child
 #
@@ -68,8 +68,8 @@ case "$stage" in
   sweep)
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods "${SWEEP_METHODS:-ar,hf,chain,eagle2,dynatree,dynatree:free_tokens=64,dynatree:free_tokens=0,cast}" --batch-sizes "${BATCH_SIZES:-4,16}" \
-      --num-prompts "${NUM_PROMPTS:-32}" --max-new-tokens 64 --repeats 1 \
+      --methods "${SWEEP_METHODS:-ar,hf,chain,static,eagle2,dynatree,dynatree:free_tokens=64,cast,cast:prune_rule=threshold}" --batch-sizes "${BATCH_SIZES:-1,2,4,8,16}" \
+      --num-prompts "${NUM_PROMPTS:-24}" --max-new-tokens 64 --repeats 1 \
       --no-progress --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log"
     tar -czf "$OUT/sweep.tar.gz" -C "$OUT" sweep && rm -rf "$OUT/sweep"
     ;;
