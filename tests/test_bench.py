@@ -211,6 +211,27 @@ def test_bench_lookup_draft_source(tiny_pair_dir, tmp_path):
     assert results["methods"]["chain"]["matches_ar"] is True
 
 
+def test_bench_notes_cuda_graphs_captured_inside_timed_calls(tiny_pair_dir, tmp_path, monkeypatch):
+    """A capture inside a timed call counts its time against the method: each call record carries
+    its steps' captures and the report names the methods. Emulated by an engine whose capture count
+    grows at every read (no GPU here: a CPU run captures nothing and notes nothing)."""
+    from specdec.engine import SpeculativeEngine
+
+    prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:1])
+    out = tmp_path / "quiet"
+    assert main(_bench_args(tiny_pair_dir, prompts, out, "--methods", "ar,chain", "--repeats", "1")) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert not any("CUDA graphs were captured" in n for n in results["notes"]) and all(r["graph_captures"] == 0 for r in results["records"])
+    counter = iter(range(10**9))
+    monkeypatch.setattr(SpeculativeEngine, "graph_captures", lambda self: next(counter))
+    out = tmp_path / "capturing"
+    assert main(_bench_args(tiny_pair_dir, prompts, out, "--methods", "ar,chain", "--repeats", "1")) == 0
+    results = json.loads((out / "results.json").read_text())
+    note = next(n for n in results["notes"] if "CUDA graphs were captured inside timed calls" in n)
+    assert "ar " in note and "chain " in note
+    assert all(r["graph_captures"] > 0 for r in results["records"] if r["label"] in ("ar", "chain"))
+
+
 def test_bench_reports_what_adaptive_methods_learned(tiny_pair_dir, tmp_path):
     """dynatree's and cast's learned state after the timed calls: in results.json and a report section.
     CAST runs its threshold rules at 0 (every top-k node kept): its default break-even rules may, on

@@ -98,7 +98,6 @@ def test_pooled_view_needs_a_transformers_that_takes_encoder_outputs(lvlm, monke
     machine's image). A forward without the parameter is refused with a clear error instead."""
     draft, processor = lvlm["draft"], make_processor(lvlm["tok"], SIZE_D)
     inner = draft.model
-    assert takes_encoder_outputs(inner) == ("mm_encoder_outputs" in __import__("inspect").signature(type(inner).forward).parameters)
     monkeypatch.setattr(inner, "forward", lambda input_ids=None, pixel_values=None, **kwargs: None)
     assert not takes_encoder_outputs(inner)
     with pytest.raises(SpecDecError, match="mm_encoder_outputs.*--views M,T"):
