@@ -534,6 +534,9 @@ class DecodeSession:
         logits = engine.target.forward(tree.tokens, context_len[:, None] + tree.depths, tree.ancestor_mask())  # [B, N, V]
         verdict = engine.rule.verify(tree, logits, params, self.generator)
         clock.mark(2)
+        plan_ahead = getattr(engine.policy, "plan_ahead", None)
+        if plan_ahead is not None and not limited:  # host work for the next step that needs no verdict: on a GPU it overlaps the verification forward
+            plan_ahead()
         result = StepResult.read(tree, verdict)  # the step's one host read
         draft_s, verify_s = clock.spans()  # (after the read: on a GPU every marked kernel is done)
         # keep the root and the accepted path in the target cache (their KV from the verify forward);

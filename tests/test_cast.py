@@ -326,6 +326,52 @@ def test_greedy_cast_matches_generate_batch_1_and_3(arch):
     assert accepted > 0 and deepest >= 2
 
 
+def test_next_plan_is_made_while_verifying_and_equals_the_deferred_one():
+    """Break-even CAST makes the next step's plan in `plan_ahead`, which the engine calls after the
+    verification forward is launched and before the verdict is read (so a GPU verifies while the
+    host plans). Called or not (the next draft then makes it), the plans and so the trees are the
+    same; greedy output stays the target's."""
+    target, draft = close_pair("llama")
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    refs = [reference(target, p, 24) for p in prompts]
+
+    def run(engine_calls_plan_ahead: bool) -> tuple[list[list[int]], list[str]]:
+        cheap_layers = linear_table(d_fixed=0.2, d_per_token=0.001, t_per_token=0.005)  # deeper plans
+        policy = make_policy("cast", cost_table=cheap_layers, deterministic=True, calibrate=True, depth=6, top_k=4, total_tokens=24)
+        events: list[str] = []
+        widths: list[list[int]] = []
+        feedback, draft_step, settle = policy.feedback, policy.draft, policy._settle_plan
+
+        def traced_draft(*args, **kwargs):
+            events.append("draft")
+            return draft_step(*args, **kwargs)
+
+        def traced_plan_ahead() -> None:
+            events.append("plan_ahead:" + ("pending" if policy._pending_plan is not None else "none"))
+            if engine_calls_plan_ahead:
+                settle()
+
+        def traced_feedback(record):
+            events.append("feedback")
+            widths.append(list(policy.last_widths))
+            feedback(record)
+
+        policy.draft, policy.plan_ahead, policy.feedback = traced_draft, traced_plan_ahead, traced_feedback
+        engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+        for prompt, ref in zip(prompts, refs, strict=True):
+            assert engine.generate([prompt], 24)[0].token_ids == ref
+        return widths, events
+
+    widths, events = run(True)
+    assert events[:3] == ["draft", "plan_ahead:pending", "feedback"]  # between the tree and the verdict's feedback
+    assert sum(e.startswith("plan_ahead") for e in events) == events.count("draft")  # once a step
+    assert events.count("plan_ahead:pending") > events.count("draft") / 2  # (a last token's step drafts nothing to plan from)
+    assert any(len(w) > 2 for w in widths)  # plans of several layers were made and followed
+    deferred, deferred_events = run(False)
+    assert deferred == widths  # the same plans, made at the next draft instead
+    assert len(deferred_events) == len(events)
+
+
 def test_tree_that_cannot_pay_is_root_only():
     target, draft = close_pair("llama")
     table = CostTable.synthetic(lambda b, c, n: 10.0 * n, lambda b, c, n: 50.0 * n)  # verifying k tokens costs k steps

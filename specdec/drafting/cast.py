@@ -822,7 +822,11 @@ class CastPolicy:
     _feedback_ms: float = field(default=0.0, init=False, repr=False)
     """how long the previous feedback took (part of the step's time outside drafting and verification)"""
     _plan: list[int] | None = field(default=None, init=False, repr=False)
-    """break-even pruning: the widths the next step expands, layer by layer (made at the end of a step)"""
+    """break-even pruning: the widths the next step expands, layer by layer (made after a step's tree, `plan_ahead`)"""
+    _pending_plan: tuple[_Step, list[list[float]], list[list[float]], list[float], tuple[float, float] | None] | None = field(default=None, init=False, repr=False)
+    """what `_replan` needs, from the step just drafted, until `plan_ahead` (or the next draft) makes the plan"""
+    _alphas_fixed: tuple[float, float] | None = field(default=None, init=False, repr=False)
+    """calibration's child rates as of the drafted step, while a deferred `_replan` runs"""
     _resolver: CostTableResolver | None = field(default=None, init=False, repr=False)
     _capacity: int = field(default=64, init=False, repr=False)
     """the largest builder capacity a step has needed (the next builder starts with it)"""
@@ -958,6 +962,7 @@ class CastPolicy:
 
     # ----- drafting ----------------------------------------------------------------------
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
+        self._settle_plan()  # the previous step's plan, if the engine did not ask for it while verifying (`plan_ahead`)
         self._sampled = ctx.samples_children(self.tree_sampling)
         b = roots.shape[0]
         depth = min(self.depth_for(b), ctx.max_depth)
@@ -1088,7 +1093,8 @@ class CastPolicy:
                 above = layers[i - 1][min(widths[i - 1], len(layers[i - 1])) - 1] if layers[i - 1] else 0.0
                 if above > 0 and layers[i]:
                     self._buffers.push(i, layers[i][min(below, len(layers[i])) - 1] / above)
-        self._plan = self._replan(st, layers, pools, drafted_at)
+        # the next step's plan is made in `plan_ahead`, while the target verifies this step's tree
+        self._pending_plan = (st, layers, pools, drafted_at, self._alphas(1) if self.calibrate else None)
         self.last_widths = [*widths, len(layers[-1])]
         return self._verify_count(st, pools[-1], st.drafted_ms)
 
@@ -1143,8 +1149,30 @@ class CastPolicy:
         learned P(rank-r child accepted | node reached) (observed at every verification); without
         it the paper's alpha_i (the FIFO buffer of layer gain ratios) for the best child only."""
         if self.calibrate:
+            if self._alphas_fixed is not None:
+                return self._alphas_fixed
             return self._calibrator.child_rate(1), self._calibrator.child_rate(2)
         return self._buffers.alpha(level), 0.0
+
+    def plan_ahead(self) -> None:
+        """Make the next step's plan (`_replan`) from the step just drafted. It needs no verdict,
+        so the engine calls this after launching the verification forward and before reading its
+        verdict: on a GPU the host's planning (0.2-0.4 ms a layer) overlaps the target's forward
+        instead of holding up drafting. Without the call (the tree simulator, direct callers) the
+        next `draft` makes the plan first, with the same inputs (the child rates as of this step)."""
+        self._settle_plan()
+
+    def _settle_plan(self) -> None:
+        """Make the pending plan, if a step left one (`plan_ahead`)."""
+        pending, self._pending_plan = self._pending_plan, None
+        if pending is None:
+            return
+        st, layers, pools, drafted_at, alphas = pending
+        self._alphas_fixed = alphas
+        try:
+            self._plan = self._replan(st, layers, pools, drafted_at)
+        finally:
+            self._alphas_fixed = None
 
     def _decide(
         self, st: _Step, level: int, utility: list[float], pool: list[float], drafted_ms: float, ctx_i: int, prev_utility: float | None
