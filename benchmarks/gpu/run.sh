@@ -13,7 +13,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|pair|costs}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -87,11 +87,26 @@ case "$stage" in
       --methods "${PROFILE_METHODS:-chain,eagle2,cast,dynatree}" --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log"
     tar -czf "$OUT/profile.tar.gz" -C "$OUT" profile && rm -rf "$OUT/profile"
     ;;
+  host)  # where the host's time goes in a step, by function (host_profile.py; pyinstrument from a carried wheel folder, WHEELS)
+    pair
+    $PY -c "import pyinstrument" 2>/dev/null || $PY -m pip install -q --no-index --no-deps "${WHEELS:-.gpuwheels}"/pyinstrument-*.whl >>"$OUT/install.log" 2>&1 || { echo "no pyinstrument: carry its wheel in ${WHEELS:-.gpuwheels}"; exit 1; }
+    $PY benchmarks/gpu/host_profile.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods "${HOST_METHODS:-chain,eagle2,cast,dynatree}" --out "$OUT/host" 2>&1 | grep -v "Loading weights" | tee "$OUT/host.log"
+    tar -czf "$OUT/host.tar.gz" -C "$OUT" host && rm -rf "$OUT/host"
+    ;;
+  trace)  # per-step draft forwards, nodes and times, and CAST's predictions beside them (step_trace.py), at B = 1 and TRACE_B
+    pair
+    for b in 1 ${TRACE_B:-8}; do
+      $PY benchmarks/gpu/step_trace.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+        --methods "${TRACE_METHODS:-chain,eagle2,cast,cast:prune_rule=threshold,dynatree}" --batch-size "$b" --num-prompts $((12 * b > 48 ? 48 : 12 * b)) --out "$OUT/trace/b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/trace.log"
+    done
+    tar -czf "$OUT/trace.tar.gz" -C "$OUT" trace && rm -rf "$OUT/trace"
+    ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
     pair
     ;;
   costs)  # the cost profiles measured on this machine (CAST's tables, DynaTree's free width), for reading back
     tar -czf "$OUT/costs.tar.gz" -C "$SPECDEC_CACHE_DIR" cost-profiles
     ;;
-  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, pair, costs)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, pair, costs)"; exit 2 ;;
 esac
