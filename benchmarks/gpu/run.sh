@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included)
 #   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
 #   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), chain, static, eagle2, dynatree (measured / 64-token free width), cast (break-even / paper rules) at B = 1-16
+#   bash benchmarks/gpu/run.sh ab      # the same bench with this tree and with an older package copy (OLD_PKG), in one call
+#   bash benchmarks/gpu/run.sh host    # where the host's time goes per step, by function (pyinstrument; carry its wheel)
+#   bash benchmarks/gpu/run.sh trace   # per-step draft forwards, nodes, times; CAST's predictions beside them
 #   bash benchmarks/gpu/run.sh sampling  # the same pair at T = 1, B = 1: the trees' sampled rules against the chain (#19),
 #                                        # traversal on the device (the default) against child by child
 #
@@ -13,7 +16,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|pair|costs}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -102,11 +105,25 @@ case "$stage" in
     done
     tar -czf "$OUT/trace.tar.gz" -C "$OUT" trace && rm -rf "$OUT/trace"
     ;;
+  ab)  # the same bench twice in one call: this tree's specdec, then an older copy of the package (OLD_PKG, a folder
+      # holding specdec/: `git archive REV specdec | tar -x -C .oldpkg --exclude='specdec/assets/*'`, carried)
+    pair
+    [ -d "${OLD_PKG:-.oldpkg}/specdec" ] || { echo "no older package at ${OLD_PKG:-.oldpkg}/specdec"; exit 1; }
+    for version in new old; do
+      pythonpath=""; [ "$version" = old ] && pythonpath="$(cd "${OLD_PKG:-.oldpkg}" && pwd)"
+      # from a neutral folder: the repository root first on sys.path would shadow PYTHONPATH
+      (cd /tmp && PYTHONPATH="$pythonpath" $PY -c "import specdec; print('$version: specdec from', specdec.__file__)") | tee -a "$OUT/ab.log"
+      (cd /tmp && PYTHONPATH="$pythonpath" timeout "${AB_LIMIT_S:-200}" specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+        --methods "${AB_METHODS:-ar,chain,eagle2,cast,dynatree}" --batch-sizes "${AB_BATCH_SIZES:-1,8}" --num-prompts "${NUM_PROMPTS:-24}" --max-new-tokens 64 --repeats 1 \
+        --no-progress --out "$OUT/ab-$version") 2>&1 | grep -v "Loading weights" | tail -40 | tee -a "$OUT/ab.log"
+      tar -czf "$OUT/ab-$version.tar.gz" -C "$OUT" "ab-$version" && rm -rf "$OUT/ab-$version"
+    done
+    ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
     pair
     ;;
   costs)  # the cost profiles measured on this machine (CAST's tables, DynaTree's free width), for reading back
     tar -czf "$OUT/costs.tar.gz" -C "$SPECDEC_CACHE_DIR" cost-profiles
     ;;
-  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, pair, costs)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, pair, costs)"; exit 2 ;;
 esac
