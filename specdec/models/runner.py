@@ -260,8 +260,6 @@ class ModelRunner:
         self.forward_tokens = 0
         self._forward_s = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed without a sync per forward
-        self._spare_events: list[torch.cuda.Event] = []  # read ones, recorded again (no new event per forward)
-        self._streams: dict[int, torch.cuda.Stream] = {}  # raw stream pointer -> its Stream (`_record_event`)
         self._eye: dict[int, torch.Tensor] = {}
         self._mask_values = (torch.zeros((), dtype=self.dtype, device=self.device), torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device))
         self._compact_checked_at = 0
@@ -289,8 +287,6 @@ class ModelRunner:
         if self._events:
             torch.cuda.synchronize(self.device)
             self._forward_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
-            if len(self._spare_events) < _SPARE_EVENTS:
-                self._spare_events += [event for pair in self._events for event in pair]
             self._events.clear()
         return self._forward_s
 
@@ -555,31 +551,18 @@ class ModelRunner:
 
     def _start_timer(self) -> Any:
         if self.device.type == "cuda":
-            return self._record_event()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
         return time.perf_counter()
 
     def _stop_timer(self, timer: Any) -> None:
         if self.device.type == "cuda":
-            self._events.append((timer, self._record_event()))
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((timer, end))
         else:
             self._forward_s += time.perf_counter() - timer
-
-    def _record_event(self) -> torch.cuda.Event:
-        """A timing event recorded on the current stream. `torch.cuda.current_stream()` builds a
-        Stream object per call, and with a new Event per call that was 0.2-0.3 ms of host time per
-        timed forward in a sampling profile on an H100 (2026-11-25), the GPU idle meanwhile in a
-        host-bound draft phase; here the Stream is looked up by the raw stream pointer (a C call)
-        and read events are reused."""
-        event = self._spare_events.pop() if self._spare_events else torch.cuda.Event(enable_timing=True)
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        raw = _current_raw_stream(index)
-        stream = self._streams.get(raw) if raw is not None else None
-        if stream is None:
-            stream = torch.cuda.current_stream(self.device)
-            if raw is not None:
-                self._streams[raw] = stream
-        event.record(stream)
-        return event
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None = None, dense: bool = False) -> torch.Tensor:
         """Run left-padded prompts and commit them; return the logits of the last position.
@@ -938,16 +921,6 @@ def _layer_types(model: PreTrainedModel) -> list[str] | None:
     if unknown:
         raise SpecDecError(f"{type(model).__name__} has attention layer types {unknown} that specdec cannot mask yet (supported: full_attention, sliding_attention)")
     return list(types)
-
-
-_SPARE_EVENTS = 512
-"""timing events a runner keeps for reuse once read"""
-
-
-def _current_raw_stream(index: int) -> int | None:
-    """The current CUDA stream of device `index` as a raw pointer (None where this torch build has no such call)."""
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return None if get is None else int(get(index))
 
 
 class _attention_backends:
