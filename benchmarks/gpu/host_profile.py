@@ -21,26 +21,13 @@ the prompts reach, costs measured), so the profile holds no one-off work.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
+from gpu_common import add_pair_arguments, parse_method, read_prompts, sync
 
 from specdec.api import SpeculativeDecoder
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def _value(text: str) -> object:
-    """A method option's value: JSON (numbers, true/false) or the text itself."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def main() -> None:
@@ -50,24 +37,16 @@ def main() -> None:
     except ImportError as e:  # pragma: no cover - an optional tool
         raise SystemExit(f"host_profile.py needs pyinstrument ({e}): pip install pyinstrument") from e
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--prompts", required=True, help="a JSONL file with a 'prompt' field per line")
-    ap.add_argument("--methods", default="eagle2,cast,dynatree")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--num-prompts", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    add_pair_arguments(ap, methods="eagle2,cast,dynatree", num_prompts=6)
     ap.add_argument("--interval-ms", type=float, default=0.2, help="sampling interval")
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.num_prompts]
+    prompts = read_prompts(args.prompts, args.num_prompts)
     cuda = args.device.startswith("cuda")
     rows = []
     for spec in args.methods.split(","):
-        method, _, opts_text = spec.partition(":")
-        opts = {key: _value(text) for key, _, text in (kv.partition("=") for kv in opts_text.split(";") if kv)}
+        method, opts, stem = parse_method(spec)
         dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, method=method, device=args.device, **opts)
 
         def run_all(dec: SpeculativeDecoder = dec) -> list:
@@ -78,15 +57,15 @@ def main() -> None:
 
         run_all()
         run_all()  # warm: every graph captured, every cost measured
-        _sync(cuda)
+        sync(args.device)
         t0 = time.perf_counter()
         timed = run_all()  # the engine's clocks, unprofiled
-        _sync(cuda)
+        sync(args.device)
         wall_s = time.perf_counter() - t0
         profiler = Profiler(interval=args.interval_ms / 1e3)
         profiler.start()
         profiled = run_all()
-        _sync(cuda)
+        sync(args.device)
         profiler.stop()
         steps = max(1, sum(r.stats.steps for r in timed))
         profiled_steps = max(1, sum(r.stats.steps for r in profiled))
@@ -95,8 +74,8 @@ def main() -> None:
         verify_ms = 1e3 * sum(r.stats.verify_s for r in timed) / steps
         session = profiler.last_session
         header = f"{spec}: {profiled_steps} profiled steps; times below are seconds over all of them (divide by the steps for a step's share)\n\n"
-        (out / f"{spec.replace(':', '_').replace('=', '-').replace(';', '_')}-tree.txt").write_text(header + ConsoleRenderer(show_all=False).render(session))
-        (out / f"{spec.replace(':', '_').replace('=', '-').replace(';', '_')}-flat.txt").write_text(header + ConsoleRenderer(flat=True).render(session))
+        (out / f"{stem}-tree.txt").write_text(header + ConsoleRenderer(show_all=False).render(session))
+        (out / f"{stem}-flat.txt").write_text(header + ConsoleRenderer(flat=True).render(session))
         rows.append((spec, steps, tau, 1e3 * wall_s / steps, draft_ms, verify_ms, 1e3 * session.duration / profiled_steps))
         del dec
         if cuda:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_common import gpu_us, host_us
 
 from specdec.drafting.builder import DraftContext, TreeBuilder
 from specdec.drafting.policies import ChainPolicy, Eagle2Policy
@@ -41,39 +40,6 @@ class FixedSource:
 
     def expand(self, batch: Any, params: SamplingParams) -> torch.Tensor:
         return self.logprobs[:, : batch.nodes.shape[1]]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def host_us(call: Callable[[], object], device: torch.device, reps: int, rounds: int = 5) -> float:
-    """Median over rounds of host wall µs per call (one sync per round, after the loop)."""
-    for _ in range(3):
-        call()
-    _sync(device)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            call()
-        _sync(device)
-        times.append((time.perf_counter() - t0) / reps * 1e6)
-    return statistics.median(times)
-
-
-def gpu_us(call: Callable[[], object], device: torch.device, reps: int) -> float | None:
-    """GPU µs per call (CUDA events around the loop), None off CUDA."""
-    if device.type != "cuda":
-        return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        call()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / reps * 1e3
 
 
 def main() -> None:

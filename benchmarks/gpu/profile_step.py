@@ -18,11 +18,11 @@ mean anything.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
+from gpu_common import add_pair_arguments, read_prompts
 from torch.profiler import ProfilerActivity, profile
 
 from specdec.api import SpeculativeDecoder
@@ -33,18 +33,11 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--prompts", required=True, help="a JSONL file with a 'prompt' field per line")
-    ap.add_argument("--methods", default="eagle2,cast,dynatree")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--num-prompts", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--out", required=True)
+    add_pair_arguments(ap, methods="eagle2,cast,dynatree", num_prompts=2, max_new_tokens=48)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.num_prompts + 1]
+    prompts = read_prompts(args.prompts, args.num_prompts + 1)
     cuda = args.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rows = []

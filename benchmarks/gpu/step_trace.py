@@ -22,34 +22,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpu_common import add_pair_arguments, parse_method, read_prompts
 
 from specdec.api import SpeculativeDecoder
 from specdec.drafting import cast as cast_module
 from specdec.sources import model as model_source
 
 
-def _value(text: str) -> object:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--prompts", required=True)
-    ap.add_argument("--methods", default="eagle2,cast,dynatree")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--num-prompts", type=int, default=12)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    add_pair_arguments(ap, methods="eagle2,cast,dynatree", num_prompts=12)
     ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.num_prompts]
+    prompts = read_prompts(args.prompts, args.num_prompts)
 
     counts = {"expand": 0, "nodes": 0}
     original_expand = model_source.ModelDraftSource.expand
@@ -80,8 +67,7 @@ def main() -> None:
 
     lines = ["| method | steps | τ | draft ms/step | verify ms/step | forwards/step | nodes/step | fit: ms + ms/forward + ms/node |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for spec in args.methods.split(","):
-        method, _, opts_text = spec.partition(":")
-        opts = {key: _value(text) for key, _, text in (kv.partition("=") for kv in opts_text.split(";") if kv)}
+        method, opts, stem = parse_method(spec)
         dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, method=method, device=args.device, **opts)
         for _ in range(2):  # warm: graphs captured, costs measured, adaptive state settled
             for group_start in range(0, len(prompts), args.batch_size):
@@ -113,7 +99,7 @@ def main() -> None:
         dec.policy.feedback = policy_feedback  # type: ignore[method-assign]
         for row, cast_row in zip(steps, cast_seen if method == "cast" else [], strict=False):
             row.update(cast_row)
-        with (out / f"{spec.replace(':', '_').replace('=', '-').replace(';', '_')}-steps.jsonl").open("w") as f:
+        with (out / f"{stem}-steps.jsonl").open("w") as f:
             for row in steps:
                 f.write(json.dumps(row) + "\n")
         drafted = [s for s in steps if s["forwards"] > 0]

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+from gpu_common import gpu_us
 
 _TOPK_CHUNK = (512, 2048)
 """the chunk lengths `chunked_topk` considers (a divisor of the vocabulary in this range, else padding)"""
@@ -70,22 +70,6 @@ def chunked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return second.values, candidates.gather(-1, second.indices)
 
 
-def gpu_us(call, device: torch.device, reps: int = 200) -> float:
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            call()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / reps * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -104,8 +88,8 @@ def main() -> None:
                 same_tokens = bool(torch.equal(x.gather(-1, indices), values))
                 row = {"shape": [*shape, args.vocab], "dtype": str(dtype).split(".")[-1], "k": k, "same_values": same_values, "indices_give_values": same_tokens}
                 if dev.type == "cuda":
-                    row["topk_us"] = gpu_us(lambda x=x, k=k: torch.topk(x, k, dim=-1), dev)
-                    row["chunked_us"] = gpu_us(lambda x=x, k=k: chunked_topk(x, k), dev)
+                    row["topk_us"] = gpu_us(lambda x=x, k=k: torch.topk(x, k, dim=-1), dev, reps=200)
+                    row["chunked_us"] = gpu_us(lambda x=x, k=k: chunked_topk(x, k), dev, reps=200)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "rows": rows}, indent=1) + "\n")

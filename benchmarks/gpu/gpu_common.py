@@ -1,0 +1,84 @@
+"""What the GPU scripts here share: a pair's command-line arguments, its prompts, `method:key=value`
+specs, and device timing. The scripts run as `python benchmarks/gpu/SCRIPT.py`, which puts this
+folder on sys.path."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def add_pair_arguments(ap: argparse.ArgumentParser, methods: str, num_prompts: int, max_new_tokens: int = 64) -> None:
+    """--target, --draft, --prompts, --methods, --device, --num-prompts, --max-new-tokens, --out."""
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--prompts", required=True, help="a JSONL file with a 'prompt' field per line")
+    ap.add_argument("--methods", default=methods, help="comma-separated METHOD or METHOD:key=value;key=value")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    ap.add_argument("--out", required=True)
+
+
+def read_prompts(path: str | Path, count: int) -> list[str]:
+    """The first `count` prompts of a JSONL file."""
+    return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()][:count]
+
+
+def parse_method(spec: str) -> tuple[str, dict[str, object], str]:
+    """`method:key=value;key=value` -> (method, options, a file-name stem); values are JSON where
+    they parse (numbers, true/false), else the text."""
+    method, _, options_text = spec.partition(":")
+    options: dict[str, object] = {}
+    for item in filter(None, options_text.split(";")):
+        key, _, text = item.partition("=")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return method, options, spec.replace(":", "_").replace("=", "-").replace(";", "_")
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us(call: Callable[[], object], device: torch.device, reps: int, rounds: int = 5) -> float:
+    """Median over rounds of host wall µs per call (one synchronisation per round, after its loop)."""
+    for _ in range(3):
+        call()
+    sync(device)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            call()
+        sync(device)
+        times.append((time.perf_counter() - t0) / reps * 1e6)
+    return statistics.median(times)
+
+
+def gpu_us(call: Callable[[], object], device: torch.device, reps: int, rounds: int = 5) -> float | None:
+    """Median over rounds of GPU µs per call (CUDA events around each round's loop); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            call()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / reps * 1e3)
+    return statistics.median(times)
