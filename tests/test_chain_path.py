@@ -159,3 +159,23 @@ def test_greedy_chain_step_ops_outside_forwards():
         out = engine.generate([[5, 6, 7, 8], [9, 10, 11]], 24)
     steps = max(o.stats.steps for o in out)
     assert counter.ops / steps < 100, counter.ops / steps
+
+
+def test_large_builder_layouts_are_kept_between_steps_within_a_memory_bound(monkeypatch):
+    """A builder's initial layout is made once per (B, capacity) and copied each step. CAST's
+    builders pass a capacity of 1024 with GPU-like costs (1352 on the bundled pair with an H200
+    table), so layouts up to 4096 nodes are kept too; the cached ancestor matrices stay under a
+    byte bound, past which the cache starts over."""
+    from specdec.drafting import builder as builder_module
+
+    monkeypatch.setattr(builder_module, "_BUFFERS", {})
+    big = builder_module._initial_buffers(1, 1352, False, torch.device("cpu"))
+    assert builder_module._initial_buffers(1, 1352, False, torch.device("cpu")) is big  # reused, not remade
+    assert big[3].shape == (1, 1352, 1352) and bool(big[3][0].diagonal().all()) and int(big[3][0].sum()) == 1352
+    monkeypatch.setattr(builder_module, "_MAX_CACHED_ANCESTOR_BYTES", 1352 * 1352 + 100 * 100)
+    builder_module._initial_buffers(1, 100, False, torch.device("cpu"))
+    assert len(builder_module._BUFFERS) == 2  # within the bound: both kept
+    builder_module._initial_buffers(1, 200, False, torch.device("cpu"))  # past it: the cache starts over
+    assert list(builder_module._BUFFERS) == [("tree_builder", 1, 200, False, torch.device("cpu"))]
+    huge = builder_module._initial_buffers(1, 4097, False, torch.device("cpu"))  # over 16 MiB of ancestors: never kept
+    assert huge[3].shape[-1] == 4097 and ("tree_builder", 1, 4097, False, torch.device("cpu")) not in builder_module._BUFFERS

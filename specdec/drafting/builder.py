@@ -643,7 +643,8 @@ def _initial_buffers(b: int, cap: int, chain: bool, device: torch.device) -> tup
     cached = (ints, torch.zeros(b, 3, cap, device=device), flags, anc.expand(b, cap, cap))
     if cap * cap > _MAX_CACHED_ANCESTORS:  # a huge tree: its [capacity, capacity] layout is not kept between steps
         return cached
-    if len(_BUFFERS) >= _MAX_BUFFER_LAYOUTS:  # batch sizes and capacities vary: keep the cache small
+    held = sum(layout[3].shape[-1] ** 2 for layout in _BUFFERS.values())  # bytes of the cached ancestor layouts (bool [cap, cap] each)
+    if len(_BUFFERS) >= _MAX_BUFFER_LAYOUTS or held + cap * cap > _MAX_CACHED_ANCESTOR_BYTES:  # batch sizes and capacities vary: keep the cache small
         _BUFFERS.clear()
     _BUFFERS[key] = cached
     return cached
@@ -651,8 +652,13 @@ def _initial_buffers(b: int, cap: int, chain: bool, device: torch.device) -> tup
 
 _BUFFERS: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _MAX_BUFFER_LAYOUTS = 64
-_MAX_CACHED_ANCESTORS = 1 << 20
-"""layouts whose ancestor matrix has more entries (1 MiB of bool; capacity above 1024) are made afresh each step"""
+_MAX_CACHED_ANCESTORS = 1 << 24
+"""layouts whose ancestor matrix has more entries (16 MiB of bool; capacity above 4096) are made afresh each step.
+CAST's builders reach capacities above 1024 with GPU-like costs (1352 on the bundled pair with an
+H200's table, wide layers of top-k children), where a 1 MiB limit remade the layout every step"""
+
+_MAX_CACHED_ANCESTOR_BYTES = 1 << 26
+"""all cached layouts' ancestor matrices together (64 MiB): past it the cache starts over"""
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
