@@ -19,7 +19,7 @@ def add_pair_arguments(ap: argparse.ArgumentParser, methods: str, num_prompts: i
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True)
     ap.add_argument("--prompts", required=True, help="a JSONL file with a 'prompt' field per line")
-    ap.add_argument("--methods", default=methods, help="comma-separated METHOD or METHOD:key=value;key=value")
+    ap.add_argument("--methods", default=methods, help="as specdec bench's: METHOD[:NAME=VALUE,...], comma-separated")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--num-prompts", type=int, default=num_prompts)
     ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
@@ -31,18 +31,20 @@ def read_prompts(path: str | Path, count: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()][:count]
 
 
-def parse_method(spec: str) -> tuple[str, dict[str, object], str]:
-    """`method:key=value;key=value` -> (method, options, a file-name stem); values are JSON where
-    they parse (numbers, true/false), else the text."""
-    method, _, options_text = spec.partition(":")
-    options: dict[str, object] = {}
-    for item in filter(None, options_text.split(";")):
-        key, _, text = item.partition("=")
-        try:
-            options[key] = json.loads(text)
-        except json.JSONDecodeError:
-            options[key] = text
-    return method, options, spec.replace(":", "_").replace("=", "-").replace(";", "_")
+def method_items(methods: str) -> list[tuple[str, str, dict[str, object], str]]:
+    """A `--methods` value as `specdec bench` reads it (`METHOD[:NAME=VALUE,...]`, parsed and
+    checked by `specdec.bench.variants`) -> per item (label, method, policy options, a file-name
+    stem). Accept rules (`@RULE`) are for the bench; these scripts run each method's default."""
+    from specdec.bench.variants import parse_method_item, split_method_list
+
+    items = []
+    for text in split_method_list(methods):
+        spec = parse_method_item(text)
+        if spec.rule is not None:
+            raise SystemExit(f"--methods item {text!r}: these scripts run the default accept rule; drop @{spec.rule}")
+        stem = spec.text.replace(":", "_").replace("=", "-").replace(",", "_")
+        items.append((spec.text, spec.method, dict(spec.options), stem))
+    return items
 
 
 def sync(device: torch.device | str) -> None:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_common import add_pair_arguments, parse_method, read_prompts, sync
+from gpu_common import add_pair_arguments, method_items, read_prompts, sync
 
 from specdec.api import SpeculativeDecoder
 
@@ -45,8 +45,7 @@ def main() -> None:
     prompts = read_prompts(args.prompts, args.num_prompts)
     cuda = args.device.startswith("cuda")
     rows = []
-    for spec in args.methods.split(","):
-        method, opts, stem = parse_method(spec)
+    for spec, method, opts, stem in method_items(args.methods):
         dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, method=method, device=args.device, **opts)
 
         def run_all(dec: SpeculativeDecoder = dec) -> list:

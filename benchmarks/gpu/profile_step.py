@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_common import add_pair_arguments, read_prompts
+from gpu_common import add_pair_arguments, method_items, read_prompts
 from torch.profiler import ProfilerActivity, profile
 
 from specdec.api import SpeculativeDecoder
@@ -41,8 +41,8 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rows = []
-    for method in args.methods.split(","):
-        dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, method=method, device=args.device)
+    for label, method, opts, stem in method_items(args.methods):
+        dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, method=method, device=args.device, **opts)
         for _ in range(2):  # warm-up on the profiled prompts themselves (the same batch size): graphs captured, kernels loaded, costs measured
             dec.generate(prompts[1:], max_new_tokens=args.max_new_tokens)
         if cuda:
@@ -62,9 +62,9 @@ def main() -> None:
         text = table.table(sort_by="cpu_time_total", row_limit=40)
         if cuda:
             text += "\n\n" + table.table(sort_by="device_time_total", row_limit=40)
-        (out / f"{method}-ops.txt").write_text(text)
+        (out / f"{stem}-ops.txt").write_text(text)
         tau = sum(r.stats.new_tokens for r in results) / steps
-        rows.append((method, steps, tau, wall_ms / steps, kernel_ms / steps, len(kernels) / steps, syncs / steps))
+        rows.append((label, steps, tau, wall_ms / steps, kernel_ms / steps, len(kernels) / steps, syncs / steps))
         del dec
         if cuda:
             torch.cuda.empty_cache()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_common import add_pair_arguments, parse_method, read_prompts
+from gpu_common import add_pair_arguments, method_items, read_prompts
 
 from specdec.api import SpeculativeDecoder
 from specdec.drafting import cast as cast_module
@@ -66,8 +66,7 @@ def main() -> None:
     cast_module.CastPolicy._feedback = cast_feedback  # type: ignore[method-assign]
 
     lines = ["| method | steps | τ | draft ms/step | verify ms/step | forwards/step | nodes/step | fit: ms + ms/forward + ms/node |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for spec in args.methods.split(","):
-        method, opts, stem = parse_method(spec)
+    for spec, method, opts, stem in method_items(args.methods):
         dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, method=method, device=args.device, **opts)
         for _ in range(2):  # warm: graphs captured, costs measured, adaptive state settled
             for group_start in range(0, len(prompts), args.batch_size):
