@@ -77,7 +77,7 @@ class DecodeRequest:
     submitted_at: float = 0.0
     admitted_at: float | None = None
     """when its prefill began (None while it waits for a row)"""
-    forward_s_at_admission: float = 0.0
+    forward_s_at_admission: float | None = 0.0
     finished_step: int | None = None
     """the session's step count when the request finished (a row that rides along grows from there)"""
     draft_prefill_owed: bool = False
@@ -323,7 +323,8 @@ class SpeculativeEngine:
         requests = [session.submit(prompt, max_new_tokens, on_tokens) for prompt in prompts]
         while not session.idle:
             session.step()
-        forward_s = self._forward_s() - forward_s0
+        forward_s1 = self._forward_s()
+        forward_s = None if forward_s0 is None or forward_s1 is None else forward_s1 - forward_s0
         results = []
         for request in requests:
             request.stats.forward_s = forward_s  # every row carries the call's total (`batch_stats`)
@@ -350,7 +351,11 @@ class SpeculativeEngine:
             captures += draft_runner.graph_captures
         return captures
 
-    def _forward_s(self) -> float:
+    def _forward_s(self) -> float | None:
+        """Time inside both models' forwards so far; None when a runner does not time them."""
+        draft_runner = getattr(self.source, "runner", None)
+        if not self.target.time_forwards or (isinstance(draft_runner, ModelRunner) and not draft_runner.time_forwards):
+            return None
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
 
     def context_lengths(self) -> list[int | None]:
@@ -773,4 +778,5 @@ class DecodeSession:
         request.stats.new_tokens = len(request.token_ids)
         if request.admitted_at is not None:
             request.stats.wall_s = time.perf_counter() - request.admitted_at
-            request.stats.forward_s = self.engine._forward_s() - request.forward_s_at_admission
+            now = self.engine._forward_s()
+            request.stats.forward_s = None if now is None or request.forward_s_at_admission is None else now - request.forward_s_at_admission

@@ -113,8 +113,9 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    forward_s: float = 0.0
-    """time inside model forwards (target and draft)"""
+    forward_s: float | None = 0.0
+    """time inside model forwards (target and draft); None when they were not timed (CUDA by
+    default: `specdec.models.runner.forward_timing_default`)"""
     accepted_lens: list[int] = field(default_factory=list)
     root_only_steps: int = 0
     """verification steps in which the row's tree was its root alone, nothing drafted (CAST's plain
@@ -146,7 +147,10 @@ class GenerationStats:
         return max(0.0, self.wall_s - self.prefill_s - self.draft_s - self.verify_s)
 
     @property
-    def engine_efficiency(self) -> float:
+    def engine_efficiency(self) -> float | None:
+        """share of wall time inside model forwards; None when forwards were not timed"""
+        if self.forward_s is None:
+            return None
         return self.forward_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def add_step(self, record: StepRecord, row: int) -> None:

@@ -12,9 +12,10 @@ from conftest import sharpen, tiny_model
 from specdec.bench.divergence import TIE_ULPS, classify, first_difference, ulp
 from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy, calibration
 from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
 from specdec.hostwork import HostWorkCounter, read_together, uncounted
 from specdec.methods import make_policy
-from specdec.models.runner import ModelRunner
+from specdec.models.runner import FORWARD_TIMING_ENV, ModelRunner, forward_timing_default
 from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
 from specdec.verification import GreedyRule, SamplingRule
@@ -189,17 +190,46 @@ def test_host_context_lengths_match_the_cache():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only path: SDPA without cuDNN, forward timing by CUDA events")
 @pytest.mark.parametrize("method", ["ar", "chain", "eagle2"])
-def test_cuda_greedy_equals_generate_and_times_forwards(method):
+def test_cuda_greedy_equals_generate_and_times_forwards_when_asked(method, monkeypatch):
     options = {"ar": {}, "chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}}[method]
     target = sharpen(tiny_model("llama", seed=0)).cuda()
     draft = sharpen(tiny_model("llama", seed=0)).cuda()
-    engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
     prompt = [5, 6, 7, 8, 9]
-    out = engine.generate([prompt], 16)[0].token_ids
     with torch.no_grad():
         ref = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(prompt) :].tolist()
-    assert out == ref
-    assert engine.target.forward_s > 0  # read from CUDA events
+    for timed in (False, True):  # CUDA's default: untimed; SPECDEC_TIME_FORWARDS=1: two events a forward
+        monkeypatch.setenv(FORWARD_TIMING_ENV, "1" if timed else "")
+        engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+        result = engine.generate([prompt], 16)[0]
+        assert result.token_ids == ref
+        assert (engine.target.forward_s > 0) == timed  # read from CUDA events
+        efficiency = result.stats.engine_efficiency
+        assert (efficiency is None) if not timed else (efficiency is not None and 0 < efficiency <= 1)
+
+
+def test_forward_timing_is_on_for_cpus_off_for_cuda_unless_the_environment_says():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert forward_timing_default(cpu, {}) and not forward_timing_default(cuda, {})
+    assert forward_timing_default(cuda, {FORWARD_TIMING_ENV: "1"}) and forward_timing_default(cuda, {FORWARD_TIMING_ENV: " On "})
+    assert not forward_timing_default(cpu, {FORWARD_TIMING_ENV: "0"}) and not forward_timing_default(cpu, {FORWARD_TIMING_ENV: "off"})
+    assert forward_timing_default(cpu, {FORWARD_TIMING_ENV: ""})  # empty: unset
+    with pytest.raises(SpecDecError, match=f"{FORWARD_TIMING_ENV}='sometimes' is not understood; set it to 1"):
+        forward_timing_default(cpu, {FORWARD_TIMING_ENV: "sometimes"})
+
+
+def test_untimed_forwards_leave_engine_efficiency_unmeasured_and_output_unchanged(monkeypatch):
+    target, draft = sharpen(tiny_model("llama", seed=0)), sharpen(tiny_model("llama", seed=1))
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    results = {}
+    for timed in (True, False):
+        monkeypatch.setenv(FORWARD_TIMING_ENV, "1" if timed else "0")
+        engine = SpeculativeEngine(target, make_policy("eagle2", depth=3, top_k=2, total_tokens=6), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[])
+        assert engine.target.time_forwards == timed
+        results[timed] = engine.generate(prompts, 12, batch_size=2)
+        assert (engine.target.forward_s > 0) == timed
+    assert [r.token_ids for r in results[True]] == [r.token_ids for r in results[False]]
+    assert all(r.stats.engine_efficiency is not None and 0 < r.stats.engine_efficiency <= 1 for r in results[True])
+    assert all(r.stats.engine_efficiency is None and r.stats.summary()["engine_efficiency"] is None for r in results[False])
 
 
 def calibration_refits(updates: int) -> int:

@@ -275,7 +275,8 @@ def summarize(result: BenchResult) -> list[MethodSummary]:
                 s.draft_share = sum(st.draft_s for st in stats) / total
                 s.verify_share = sum(st.verify_s for st in stats) / total
                 s.overhead_share = sum(st.overhead_s for st in stats) / total
-            s.engine_efficiency = _median([st.engine_efficiency for st in stats])
+            efficiencies = [e for e in (st.engine_efficiency for st in stats) if e is not None]
+            s.engine_efficiency = _median(efficiencies) if efficiencies else None  # None: forwards not timed (CUDA by default)
             s.tau_histogram = dict(sorted(Counter(a + 1 for a in lens).items()))
             depth = max((len(st.drafted_by_depth) for st in stats), default=0)
             s.drafted_by_depth = [sum(st.drafted_by_depth[d] for st in stats if d < len(st.drafted_by_depth)) for d in range(depth)]
@@ -615,7 +616,7 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         "τ max is the tree depth + 1 (mean over steps); per-step times are each call's mean, median over calls. "
         "It leaves out prefill and bookkeeping, so a measured speedup can exceed it when AR's own overhead is large.",
         "- **τ**: tokens committed per verification step; **acceptance**: accepted / drafted tokens (every tree node counts).",
-        "- **prefill/draft/verify/overhead**: share of wall time; **engine efficiency**: share of wall time inside model forwards.",
+        "- **prefill/draft/verify/overhead**: share of wall time; **engine efficiency**: share of wall time inside model forwards (n/a on CUDA unless SPECDEC_TIME_FORWARDS=1: timing every forward slows decoding there).",
         "- **ops/step, host reads/step, host KB/step**: per decoding step, outside model forwards: torch ops that do work (views excluded; each is a "
         "kernel launch on a GPU), device-to-host value reads (`.item()`, `.tolist()`, `bool(t)`, ...; each a full sync on a GPU) "
         "and the bytes they copy (over the bus on a GPU), "

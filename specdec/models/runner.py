@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,29 @@ from specdec.models.support import FIX as UNSUPPORTED_FIX
 from specdec.models.support import cache_argument, logits_keep_argument, tree_verification_problem
 
 _LOG = logging.getLogger("specdec.runner")
+
+FORWARD_TIMING_ENV = "SPECDEC_TIME_FORWARDS"
+"""1: time every model forward (engine efficiency, `ModelRunner.forward_s`) on CUDA too; 0: nowhere"""
+
+
+def forward_timing_default(device: torch.device, environ: dict[str, str] | None = None) -> bool:
+    """Whether a runner on `device` times its forwards: SPECDEC_TIME_FORWARDS (1 or 0) when set,
+    else on a CPU only. A CPU forward is timed by the host clock, at no cost; a CUDA forward needs
+    two timing events, created and recorded per forward; on an H100 (2026-11-25, 3B pair,
+    alternating rounds in one process) every method generated 1.4-8.3% faster without them
+    (`benchmarks/gpu/timer_ab.py`): so on CUDA engine efficiency is measured only when asked for."""
+    value = (os.environ if environ is None else environ).get(FORWARD_TIMING_ENV, "").strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    if value:
+        raise SpecDecError(
+            f"{FORWARD_TIMING_ENV}={value!r} is not understood; set it to 1 (time every model forward, for engine "
+            "efficiency; on CUDA two timing events a forward) or 0 (time none), or unset it (CPUs only)"
+        )
+    return device.type != "cuda"
+
 
 CAPACITY_STEP = 256
 """cache capacity grows in multiples of this many slots"""
@@ -231,7 +255,9 @@ class ModelRunner:
     (`specdec.models.graphs`; needs a CUDA device).
     """
 
-    def __init__(self, model: PreTrainedModel, static_shapes: bool = False, cuda_graphs: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, static_shapes: bool = False, cuda_graphs: bool = False, time_forwards: bool | None = None) -> None:
+        """time_forwards: time every forward (`forward_s`); None: `forward_timing_default`
+        (on a CPU, not on CUDA unless SPECDEC_TIME_FORWARDS=1)."""
         problem = tree_verification_problem(model.config, type(model))
         if problem is not None:
             raise SpecDecError(f"{type(model).__name__} {problem}; {UNSUPPORTED_FIX}")
@@ -240,6 +266,8 @@ class ModelRunner:
         self._keep_arg = logits_keep_argument(model)  # 'logits_to_keep', an older name, or None (sliced here)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.time_forwards = forward_timing_default(self.device) if time_forwards is None else time_forwards
+        """`forward_s` is measured (else it stays 0: the caller reports engine efficiency as not measured)"""
         self.static_shapes = static_shapes or cuda_graphs
         self._shared = shared_state(model) if self.static_shapes else None
         # released KV storage is reused: with static shapes (addresses repeat for CUDA graphs), and
@@ -283,7 +311,8 @@ class ModelRunner:
 
     @property
     def forward_s(self) -> float:
-        """Wall time inside model forwards (on CUDA from events, synchronised when read)."""
+        """Wall time inside model forwards (on CUDA from events, synchronised when read); 0 when
+        `time_forwards` is off."""
         if self._events:
             torch.cuda.synchronize(self.device)
             self._forward_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
@@ -394,13 +423,13 @@ class ModelRunner:
         s_past, s_step = self.past_len, self.step_len
         if step_visibility.shape not in ((b, n, s_step + n), (b, n, s_step)):
             raise ValueError(f"step_visibility shape {tuple(step_visibility.shape)} != {(b, n, s_step + n)} or {(b, n, s_step)}")
+        timer = self._start_timer() if self.time_forwards else None
         if self.static_shapes:
-            timer = self._start_timer()
             logits = self._forward_static(input_ids, position_ids, step_visibility, logits_to_keep, model_inputs, capture)
         else:
-            timer = self._start_timer()
             logits = self._forward_dynamic(input_ids, position_ids, step_visibility, logits_to_keep, model_inputs)
-        self._stop_timer(timer)
+        if timer is not None:
+            self._stop_timer(timer)
         self.step_len += n
         cache.length = s_past + self.step_len
         self.forward_calls += 1
@@ -608,7 +637,7 @@ class ModelRunner:
         for group in groups:
             index = torch.tensor(group, dtype=torch.long, device=input_ids.device)
             longest = max(lengths[row] for row in group)
-            part = ModelRunner(self.model)
+            part = ModelRunner(self.model, time_forwards=self.time_forwards)
             ids, mask = input_ids[index, width - longest :], attention_mask[index, width - longest :]
             logits = part._prefill_padded(ids, mask, None, dense=False, spare=0)  # [|g|, V]; its cache is copied below, never grown
             self._absorb_forward_stats(part)
@@ -731,7 +760,7 @@ class ModelRunner:
         cache = self._cache()
         if self.step_len:
             raise RuntimeError("replace_rows needs a committed cache (call it between steps)")
-        fresh = ModelRunner(self.model)
+        fresh = ModelRunner(self.model, time_forwards=self.time_forwards)
         logits = fresh.prefill(input_ids, attention_mask, model_inputs)
         self._absorb_forward_stats(fresh)
         fresh_cache = fresh._cache()
