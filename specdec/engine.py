@@ -338,31 +338,36 @@ class SpeculativeEngine:
         room for `context` slots, so that capture costs land here and not in a timed call.
         Returns the number of forwards run; 0 without static shapes. Resets both caches."""
         runners = [self.target]
-        draft_runner = getattr(self.source, "runner", None)
-        if isinstance(draft_runner, ModelRunner) and draft_runner is not self.target:
+        draft_runner = self._draft_runner()
+        if draft_runner is not None and draft_runner is not self.target:
             runners.append(draft_runner)
         return sum(runner.warm_up(batch_sizes, context=context, max_tokens=max_tokens) for runner in runners)
+
+    def _draft_runner(self) -> ModelRunner | None:
+        """The draft source's model runner (None: no source, or one that runs no model of its own)."""
+        runner = getattr(self.source, "runner", None)
+        return runner if isinstance(runner, ModelRunner) else None
 
     def graph_captures(self) -> int:
         """CUDA graphs captured so far for the target and the draft model (0 without graphs)."""
         captures = self.target.graph_captures
-        draft_runner = getattr(self.source, "runner", None)
-        if isinstance(draft_runner, ModelRunner) and draft_runner.graphs is not self.target.graphs:
+        draft_runner = self._draft_runner()
+        if draft_runner is not None and draft_runner.graphs is not self.target.graphs:
             captures += draft_runner.graph_captures
         return captures
 
     def _forward_s(self) -> float | None:
         """Time inside both models' forwards so far; None when a runner does not time them."""
-        draft_runner = getattr(self.source, "runner", None)
-        if not self.target.time_forwards or (isinstance(draft_runner, ModelRunner) and not draft_runner.time_forwards):
+        draft_runner = self._draft_runner()
+        if not self.target.time_forwards or (draft_runner is not None and not draft_runner.time_forwards):
             return None
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
 
     def context_lengths(self) -> list[int | None]:
         """The learned positions of the target and of the draft model (None: unbounded)."""
         models = [self.target.model]
-        draft_runner = getattr(self.source, "runner", None)
-        if isinstance(draft_runner, ModelRunner):
+        draft_runner = self._draft_runner()
+        if draft_runner is not None:
             models.append(draft_runner.model)
         return [context_length(m) for m in models]
 
