@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ FORWARD_TIMING_ENV = "SPECDEC_TIME_FORWARDS"
 """1: time every model forward (engine efficiency, `ModelRunner.forward_s`) on CUDA too; 0: nowhere"""
 
 
-def forward_timing_default(device: torch.device, environ: dict[str, str] | None = None) -> bool:
+def forward_timing_default(device: torch.device, environ: Mapping[str, str] | None = None) -> bool:
     """Whether a runner on `device` times its forwards: SPECDEC_TIME_FORWARDS (1 or 0) when set,
     else on a CPU only. A CPU forward is timed by the host clock, at no cost; a CUDA forward needs
     two timing events, created and recorded per forward; on an H100 (2026-11-25, 3B pair,
