@@ -60,6 +60,9 @@ class ReplayEmulator:
         self.replays = 0
         self.failed: str | None = None
 
+    def clear(self) -> None:
+        self.traces.clear()
+
     def run(self, key: tuple[Any, ...], call: Callable[[], torch.Tensor], keepalive: Any) -> torch.Tensor:
         trace = self.traces.get(key)
         if trace is None:
@@ -211,3 +214,95 @@ def test_catch_up_after_plain_steps_runs_eagerly():
     widths = sorted({key[1] for key in emulators[1].traces})  # the bucketed widths m that were captured
     assert widths and max(widths) <= 2, f"a catch-up forward was captured: widths {widths}"
     assert emulators[1].replays > 0
+
+
+# ----- captured drafting levels (specdec.drafting.levels) ---------------------------------------
+def level_engine(target, draft, method: str, rule: Any = None, **options: Any) -> tuple[SpeculativeEngine, ReplayEmulator]:
+    """An emulated engine whose draft also captures whole drafting levels (emulated)."""
+    source = ModelDraftSource(draft, static_shapes=True)
+    engine = SpeculativeEngine(target, make_policy(method, **options), rule or GreedyRule(), source, eos_token_ids=[EOS], static_shapes=True)
+    engine.target.graphs, source.runner.graphs = ReplayEmulator(), ReplayEmulator()
+    source.runner.level_graphs = levels = ReplayEmulator()
+    source.runner.time_forwards = False  # captured levels need untimed forwards (`CapturedLevels.for_step`)
+    return engine, levels
+
+
+LEVEL_METHODS = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2", "qwen2"])
+@pytest.mark.parametrize("method", sorted(LEVEL_METHODS))
+def test_captured_levels_replay_exactly(arch, method):
+    """Greedy output with every drafting level replayed from its trace equals `generate` (rows
+    finishing and prompts joining at batch size 3), and the host state a replayed level sets
+    (forward counters) matches an engine whose levels run op by op."""
+    target, draft = close_pair(arch)
+    refs = [reference(target, p, 32) for p in PROMPTS]
+    engine, levels = level_engine(target, draft, method, **LEVEL_METHODS[method])
+    outs = engine.generate(PROMPTS, 32, batch_size=3)
+    assert [o.token_ids for o in outs] == refs
+    assert levels.captures > 0 and levels.replays > 3 * levels.captures, "levels must replay their traces"
+    eager_source = ModelDraftSource(draft, static_shapes=True)
+    eager = SpeculativeEngine(target, make_policy(method, **LEVEL_METHODS[method]), GreedyRule(), eager_source, eos_token_ids=[EOS], static_shapes=True)
+    eager.generate(PROMPTS, 32, batch_size=3)
+    assert engine.source.runner.forward_calls == eager_source.runner.forward_calls
+    assert engine.source.runner.forward_tokens == eager_source.runner.forward_tokens
+    assert [o.stats.steps for o in outs] == [o.stats.steps for o in eager.generate(PROMPTS, 32, batch_size=3)]
+
+
+def test_a_level_that_bakes_the_cache_length_fails(monkeypatch):
+    """The check can fail: a level whose forward takes S_past from the host (`fill`, not
+    `fill_at`) has the first capture's length baked into its trace, and replays at later steps
+    attend to the wrong slots. The output stays the target's (the draft only proposes); the
+    drafts, seen in the steps each prompt takes, are no longer the op-by-op ones."""
+
+    def host_offsets(self, input_ids, position_ids, step_visibility, m):
+        cache, shared = self._cache(), self._shared
+        buf = shared.inputs(input_ids.shape[0], m, cache.capacity, self.dtype, self.device)
+        buf.fill(input_ids, position_ids, self.past_len + self.step_len, self.slot_valid, step_visibility)
+        cache.length, cache.static = self.past_len + self.step_len, buf
+        try:
+            return self._call_static_backends(buf)[:, : input_ids.shape[1]].float()
+        finally:
+            cache.static = None
+
+    monkeypatch.setattr(ModelRunner, "_forward_in_level", host_offsets)
+    target, draft = close_pair("llama")
+    refs = [reference(target, p, 32) for p in PROMPTS]
+    engine, levels = level_engine(target, draft, "chain", k=4)
+    outs = engine.generate(PROMPTS, 32, batch_size=3)
+    assert levels.replays > 0
+    assert [o.token_ids for o in outs] == refs
+    eager = SpeculativeEngine(target, make_policy("chain", k=4), GreedyRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[EOS], static_shapes=True)
+    assert [o.stats.steps for o in outs] != [o.stats.steps for o in eager.generate(PROMPTS, 32, batch_size=3)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_captured_top_k_levels_under_sampling_equal_op_by_op(temperature):
+    """EAGLE-2 with top-k children (`tree_sampling=topk`) keeps no draft distributions, so its
+    levels are captured at T > 0 too: the same draws as op by op, one seed."""
+    target, draft = close_pair("llama")
+    params = SamplingParams(temperature=temperature, top_p=0.9)
+    options = {**LEVEL_METHODS["eagle2"], "tree_sampling": "topk"}
+    engine, levels = level_engine(target, draft, "eagle2", rule=SamplingRule(), **options)
+    replayed = [o.token_ids for o in engine.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)]
+    eager = SpeculativeEngine(target, make_policy("eagle2", **options), SamplingRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[EOS], static_shapes=True)
+    assert replayed == [o.token_ids for o in eager.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)]
+    assert levels.replays > 0
+
+
+def test_levels_are_not_captured_where_they_cannot_be():
+    """Sampled children (random draws), timed forwards and runners without level graphs run
+    their levels op by op."""
+    from specdec.drafting.levels import CapturedLevels
+
+    _, draft = close_pair("llama")
+    source = ModelDraftSource(draft, static_shapes=True)
+    assert CapturedLevels.for_step(source, ("chain",), keep_draft_probs=False) is None  # no level graphs
+    source.runner.level_graphs = ReplayEmulator()
+    source.runner.time_forwards = False
+    assert CapturedLevels.for_step(source, ("chain",), keep_draft_probs=False) is not None
+    assert CapturedLevels.for_step(source, ("chain",), keep_draft_probs=True) is None
+    assert CapturedLevels.for_step(None, ("chain",), keep_draft_probs=False) is None
+    source.runner.time_forwards = True
+    assert CapturedLevels.for_step(source, ("chain",), keep_draft_probs=False) is None

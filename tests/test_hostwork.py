@@ -217,6 +217,17 @@ def test_forward_timing_is_on_for_cpus_off_for_cuda_unless_the_environment_says(
         forward_timing_default(cpu, {FORWARD_TIMING_ENV: "sometimes"})
 
 
+def test_level_capture_is_off_unless_the_environment_asks():
+    from specdec.models.runner import CAPTURE_LEVELS_ENV, capture_levels_default
+
+    assert not capture_levels_default({}) and not capture_levels_default({CAPTURE_LEVELS_ENV: "0"})
+    assert capture_levels_default({CAPTURE_LEVELS_ENV: "1"}) and capture_levels_default({CAPTURE_LEVELS_ENV: "yes"})
+    with pytest.raises(SpecDecError, match=f"{CAPTURE_LEVELS_ENV}='2' is not understood; set it to 1 \\(capture whole drafting levels"):
+        capture_levels_default({CAPTURE_LEVELS_ENV: "2"})
+    # a CPU runner never has level graphs (they need CUDA graphs), whatever the environment
+    assert ModelRunner(sharpen(tiny_model("llama", seed=0)), static_shapes=True).level_graphs is None
+
+
 def test_untimed_forwards_leave_engine_efficiency_unmeasured_and_output_unchanged(monkeypatch):
     target, draft = sharpen(tiny_model("llama", seed=0)), sharpen(tiny_model("llama", seed=1))
     prompts = [[5, 6, 7, 8, 9], [3, 4]]

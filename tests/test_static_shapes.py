@@ -381,6 +381,36 @@ def test_greedy_with_cuda_graphs_equals_target():
 
 
 @needs_cuda
+@pytest.mark.parametrize("method", ["chain", "eagle2"])
+def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
+    """SPECDEC_CAPTURE_LEVELS=1: whole drafting levels replay as CUDA graphs; greedy output is the
+    target's, the drafts are the op-by-op ones (the same steps), and no level graph was given up."""
+    monkeypatch.setenv("SPECDEC_CAPTURE_LEVELS", "1")
+    monkeypatch.setenv("SPECDEC_TIME_FORWARDS", "0")
+    target = sharpen(tiny_model("llama", seed=0)).cuda()
+    draft = sharpen(tiny_model("llama", seed=0)).cuda()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    refs = [reference(target.cpu(), p, 24) for p in PROMPTS]
+    target.cuda()
+    steps = []
+    for capture in (True, False):
+        source = ModelDraftSource(draft, cuda_graphs=True)
+        if not capture:
+            source.runner.level_graphs = None
+        engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
+        for _ in range(2):  # the second call replays what the first captured
+            outs = engine.generate(PROMPTS, 24, batch_size=3)
+            assert [o.token_ids for o in outs] == refs, (method, capture)
+        steps.append([o.stats.steps for o in outs])
+        if capture:
+            levels = source.runner.level_graphs
+            assert levels is not None and levels.failed is None and levels.captures > 0 and levels.replays > 0
+    assert steps[0] == steps[1]
+
+
+@needs_cuda
 def test_capture_failure_falls_back_once(caplog):
     """A forward that reads a device value on the host cannot be captured: one warning naming
     the model class, then eager forwards with the same results."""

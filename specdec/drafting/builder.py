@@ -143,11 +143,21 @@ class TreeBuilder:
     """
 
     def __init__(
-        self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext, keep_draft_probs: bool, capacity: int = 64, chain: bool = False
+        self,
+        source: DraftSource,
+        roots: torch.Tensor,
+        ctx: DraftContext,
+        keep_draft_probs: bool,
+        capacity: int = 64,
+        chain: bool = False,
+        workspace: dict[tuple[object, ...], torch.Tensor] | None = None,
     ) -> None:
         """capacity: nodes the buffers hold before they grow. chain: the tree will be a chain
         grown by `add_chain_child` alone (node i the only child of node i - 1), at most
-        `capacity` nodes: every node's parent, depth and ancestor row are laid out up front."""
+        `capacity` nodes: every node's parent, depth and ancestor row are laid out up front.
+        workspace: where the node buffers live across steps (`specdec.drafting.levels`: a
+        captured level reads and writes them at the same addresses every step), keyed by
+        layout; None: fresh buffers each step."""
         self.source = source
         self.ctx = ctx
         self.device = dev = roots.device
@@ -157,14 +167,14 @@ class TreeBuilder:
         self._n = 1  # nodes so far (the root)
         self._last = (0, 1)  # columns of the nodes the last `add` appended
         # each buffer is one copy of a shared initial layout (`_initial_buffers`), then the roots
-        ints, floats, flags, anc = _initial_buffers(b, cap, chain, dev)
-        self._ints = ints.clone()
+        layout = _initial_buffers(b, cap, chain, dev)
+        if workspace is None:
+            self._ints, self._floats, self._flags, self._anc = (t.clone() for t in layout)
+        else:  # the same addresses every step: copy the layout in
+            self._ints, self._floats, self._flags, self._anc = (_workspace_buffer(workspace, ("tree_builder", i, b, cap, chain), t) for i, t in enumerate(layout))
         self._ints[:, _TOKEN, 0] = roots
-        self._floats = floats.clone()
         if ctx.host_active is None or not all(ctx.host_active):  # finished rows: nothing grows under their roots
             self._floats[:, _CUM:, 0].masked_fill_(~ctx.active[:, None], float("-inf"))
-        self._flags = flags.clone()
-        self._anc = anc.clone()
         self.levels = 0
         """nodes added by `add` calls so far bound every node's depth (each add is one level deeper at most)"""
         self.max_children = 0
@@ -648,6 +658,14 @@ def _initial_buffers(b: int, cap: int, chain: bool, device: torch.device) -> tup
         _BUFFERS.clear()
     _BUFFERS[key] = cached
     return cached
+
+
+def _workspace_buffer(workspace: dict[tuple[object, ...], torch.Tensor], key: tuple[object, ...], layout: torch.Tensor) -> torch.Tensor:
+    """The workspace's buffer for `key`, shaped as `layout` (made on first use), with `layout` copied in."""
+    buf = workspace.get(key)
+    if buf is None or buf.shape != layout.shape or buf.device != layout.device:
+        buf = workspace[key] = torch.empty(layout.shape, dtype=layout.dtype, device=layout.device)
+    return buf.copy_(layout)
 
 
 _BUFFERS: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling, root_only_draft
+from specdec.drafting.levels import CapturedLevels
 from specdec.drafting.ranks import RankAcceptance
 from specdec.errors import SpecDecError
+from specdec.models.static import node_bucket
 from specdec.sampling import sample_from_probs
 
 if TYPE_CHECKING:
@@ -58,9 +61,18 @@ class ChainPolicy(_Stateless):
         sampling = not ctx.params.greedy
         may_be_empty = sampling and not getattr(source, "always_proposes", False)  # rows of all -inf: nothing to draft there
         depth = min(self.k, ctx.max_depth)
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + depth, chain=True)
+        levels = None if sampling else CapturedLevels.for_step(source, ("chain",), keep_draft_probs=False)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + depth, chain=True, workspace=levels and levels.workspace)
         logprobs = builder.root_logprobs  # [B, V]
+        if levels is not None and depth > 1:
+            levels.begin(builder, step_slots=(depth - 1) * node_bucket(1))
+            logprobs = levels.buffer(("logprobs", 0), logprobs)
         for level in range(1, depth + 1):
+            if levels is not None and level < depth:  # the level's greedy child and its forward, replayed
+                out = levels.buffer(("logprobs", level), logprobs, copy=False)
+                levels.run(("level", level), partial(self._greedy_level, builder, logprobs, out, level), reads=(logprobs, out))
+                logprobs = out
+                continue
             if sampling:
                 probs = logprobs.exp()  # [B, V]
                 if may_be_empty:  # an empty row draws token 0, whose logq -inf makes the node invalid
@@ -78,6 +90,14 @@ class ChainPolicy(_Stateless):
         drafted = builder.finish(all_valid=all_active and bool(getattr(source, "always_proposes", False)))
         drafted.tree.chain = True  # node i's parent is node i - 1
         return drafted
+
+    @staticmethod
+    def _greedy_level(builder: TreeBuilder, logprobs: torch.Tensor, out: torch.Tensor, level: int) -> torch.Tensor:
+        """One greedy chain level (a captured level's body): the draft's argmax under the newest
+        node (logprobs [B, V]) becomes its child, whose distribution is written to `out` [B, V]."""
+        logq, tok = logprobs.max(dim=-1, keepdim=True)  # [B, 1] each
+        node = builder.add_chain_child(tok, logq)
+        return out.copy_(builder.expand(node, builder.last_valid, depth=level)[:, 0])
 
 
 @dataclass
@@ -188,7 +208,8 @@ class Eagle2Policy:
         k = self.top_k
         sampled = ctx.samples_children(self.tree_sampling)
         self._drew_tree = False
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.capacity)
+        levels = CapturedLevels.for_step(source, ("eagle2", self.top_k), keep_draft_probs=sampled)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.capacity, workspace=levels and levels.workspace)
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)
         if depth == 0:
@@ -196,20 +217,34 @@ class Eagle2Policy:
         k = min(self.top_k, builder.root_logprobs.shape[-1])
         log_rates = self.ranks.log_rates(k, dev) if sampled else None  # [k]
         frontier = self._children(builder, builder.root, builder.root_logprobs[:, None, :], k, builder.root_valid, log_rates, 1)  # [B, k]
+        if levels is not None and depth > 1:
+            levels.begin(builder, step_slots=(depth - 1) * node_bucket(k))
+            frontier = levels.buffer(("frontier", 1), frontier)
         for level in range(2, depth + 1):
-            frontier_valid = builder.valid.gather(1, frontier)
-            logprobs = builder.expand(frontier, frontier_valid, depth=level - 1)  # [B, k, V]
-            start = builder.num_nodes
-            self._children(builder, frontier, logprobs, k, frontier_valid, log_rates, level)  # [B, k*k] nodes: columns start..start + k*k - 1
-            # builder.score: cum_logq, or the positional value of sampled children (never their own
-            # tokens' logq); -inf at invalid nodes
-            best = torch.topk(builder.score[:, start:], k, dim=1).indices  # [B, k]
-            frontier = best.add_(start)
+            if levels is None:
+                frontier = self._level(builder, frontier, None, k, log_rates, level)
+            else:  # replayed: the level's frontier buffer in, the next one out
+                out = levels.buffer(("frontier", level), frontier, copy=False)
+                levels.run(("level", level), partial(self._level, builder, frontier, out, k, None, level), reads=(frontier, out))
+                frontier = out
         keep = builder.top_by_score(None, self.total_tokens)  # by builder.score
         drafted = builder.finish(keep, width=1 + self.total_tokens)
         if sampled:
             self._drew_tree = True
         return drafted
+
+    @classmethod
+    def _level(cls, builder: TreeBuilder, frontier: torch.Tensor, out: torch.Tensor | None, k: int, log_rates: torch.Tensor | None, level: int) -> torch.Tensor:
+        """Expand the frontier [B, k] (nodes at depth level - 1), add k children under each, and
+        return the next frontier [B, k], the k best of them (written to `out` when given)."""
+        frontier_valid = builder.valid.gather(1, frontier)
+        logprobs = builder.expand(frontier, frontier_valid, depth=level - 1)  # [B, k, V]
+        start = builder.num_nodes
+        cls._children(builder, frontier, logprobs, k, frontier_valid, log_rates, level)  # [B, k*k] nodes: columns start..start + k*k - 1
+        # builder.score: cum_logq, or the positional value of sampled children (never their own
+        # tokens' logq); -inf at invalid nodes
+        best = torch.topk(builder.score[:, start:], k, dim=1).indices  # [B, k]
+        return best.add_(start) if out is None else torch.add(best, start, out=out)
 
     @staticmethod
     def _children(

@@ -125,6 +125,10 @@ class CudaGraphRunner:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def clear(self) -> None:
+        """Drop every captured graph (the next run of each key captures again)."""
+        self._graphs.clear()
+
     def run(self, key: tuple[Any, ...], call: Callable[[], torch.Tensor], keepalive: Any) -> torch.Tensor:
         """The output of `call()` (a forward that reads and writes only fixed addresses, all
         named by `key`): replayed from the graph of `key`, captured first if there is none.

@@ -46,27 +46,45 @@ FORWARD_TIMING_ENV = "SPECDEC_TIME_FORWARDS"
 """1: time every model forward (engine efficiency, `ModelRunner.forward_s`) on CUDA too; 0: nowhere"""
 
 
+def _env_switch(name: str, environ: Mapping[str, str] | None, meaning: str) -> bool | None:
+    """An on/off environment variable: True for 1/on/true/yes, False for 0/off/false/no, None when
+    unset; anything else is a SpecDecError naming the variable, the value and `meaning` (what 1 does)."""
+    value = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    if value:
+        raise SpecDecError(f"{name}={value!r} is not understood; set it to 1 ({meaning}) or 0, or unset it")
+    return None
+
+
 def forward_timing_default(device: torch.device, environ: Mapping[str, str] | None = None) -> bool:
     """Whether a runner on `device` times its forwards: SPECDEC_TIME_FORWARDS (1 or 0) when set,
     else on a CPU only. A CPU forward is timed by the host clock, at no cost; a CUDA forward needs
     two timing events, created and recorded per forward; on an H100 (2026-11-25, 3B pair,
     alternating rounds in one process) every method generated 1.4-8.3% faster without them
     (`benchmarks/gpu/timer_ab.py`): so on CUDA engine efficiency is measured only when asked for."""
-    value = (os.environ if environ is None else environ).get(FORWARD_TIMING_ENV, "").strip().lower()
-    if value in ("1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    if value:
-        raise SpecDecError(
-            f"{FORWARD_TIMING_ENV}={value!r} is not understood; set it to 1 (time every model forward, for engine "
-            "efficiency; on CUDA two timing events a forward) or 0 (time none), or unset it (CPUs only)"
-        )
-    return device.type != "cuda"
+    value = _env_switch(FORWARD_TIMING_ENV, environ, "time every model forward, for engine efficiency; on CUDA two timing events a forward")
+    return device.type != "cuda" if value is None else value
+
+
+CAPTURE_LEVELS_ENV = "SPECDEC_CAPTURE_LEVELS"
+"""1: with CUDA graphs, capture whole drafting levels of the chain and EAGLE-2 policies (greedy) as
+graphs (`specdec.drafting.levels`); 0 or unset: only model forwards are graphed"""
+
+
+def capture_levels_default(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a draft runner with CUDA graphs captures whole drafting levels: SPECDEC_CAPTURE_LEVELS=1.
+    Off unless asked for: checked on the CPU by emulated replay, not yet measured on a GPU."""
+    return bool(_env_switch(CAPTURE_LEVELS_ENV, environ, "capture whole drafting levels as CUDA graphs"))
 
 
 CAPACITY_STEP = 256
 """cache capacity grows in multiples of this many slots"""
+
+MAX_LEVEL_GRAPHS = 96
+"""captured drafting-level graphs kept per draft runner (least recently used dropped first)"""
 
 
 class SlotLayer(CacheLayerMixin):
@@ -280,6 +298,22 @@ class ModelRunner:
             if self._shared.graphs is None:
                 self._shared.graphs = CudaGraphRunner(model, self.device)
             self.graphs = self._shared.graphs
+        self.level_graphs: CudaGraphRunner | None = (
+            CudaGraphRunner(model, self.device, max_graphs=MAX_LEVEL_GRAPHS) if cuda_graphs and capture_levels_default() else None
+        )
+        """graphs of whole drafting levels (`specdec.drafting.levels`); None: levels run op by op"""
+        self.level_buffers: dict[tuple[object, ...], torch.Tensor] = {}
+        """tensors captured levels read and write at the same address every step (the builder's
+        node buffers, the buffers levels hand on)"""
+        self.level_effects: dict[tuple[Any, ...], Any] = {}
+        """per level-graph key, the host-side state a level leaves behind (`specdec.drafting.levels`)"""
+        self.level_uses: dict[tuple[Any, ...], int] = {}
+        """per level-graph key, the times it was met (a level is captured at its second use)"""
+        self.in_level = False
+        """a captured drafting level is running: forwards fill their inputs from the device-side
+        offsets of `begin_levels` and call the model directly (inside the level's graph)"""
+        self._level_past = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] S_past of the step
+        self._level_committed = torch.zeros(0, 0, dtype=self.dtype if self.dtype.is_floating_point else torch.float32, device=self.device)  # [B, capacity]
         self.num_layers, self.window = _cache_layout(model)
         self.cache: SlotCache | None = None
         self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S_past]
@@ -423,7 +457,7 @@ class ModelRunner:
         s_past, s_step = self.past_len, self.step_len
         if step_visibility.shape not in ((b, n, s_step + n), (b, n, s_step)):
             raise ValueError(f"step_visibility shape {tuple(step_visibility.shape)} != {(b, n, s_step + n)} or {(b, n, s_step)}")
-        timer = self._start_timer() if self.time_forwards else None
+        timer = self._start_timer() if self.time_forwards and not self.in_level else None
         if self.static_shapes:
             logits = self._forward_static(input_ids, position_ids, step_visibility, logits_to_keep, model_inputs, capture)
         else:
@@ -528,6 +562,8 @@ class ModelRunner:
         m = node_bucket(n) if bucketed else n
         self.reserve(s_past + s_step + m)
         capacity = cache.capacity
+        if self.in_level:  # inside a drafting level's graph: offsets from the device, the model called directly
+            return self._forward_in_level(input_ids, position_ids, step_visibility, m)
         with shared.lock:  # the buffers are the model's, shared by its runners: fill, run and read out in one go
             sliding = self.window is not None
             if bucketed:
@@ -551,6 +587,44 @@ class ModelRunner:
             finally:
                 cache.static = None
         return out[:, :n].float() if bucketed else out.float()
+
+    def _forward_in_level(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step_visibility: torch.Tensor, m: int) -> torch.Tensor:
+        """A bucketed static forward inside a drafting level (`in_level`): the committed slots'
+        mask and S_past come from `begin_levels`' device buffers, so nothing here depends on the
+        cache's length, and the model runs as part of the level's graph (not a graph of its own).
+        Logits [B, n, V] float32."""
+        cache, shared = self._cache(), self._shared
+        assert shared is not None and self.window is None
+        b, n = input_ids.shape
+        s_step = self.step_len
+        with shared.lock:
+            buf = shared.inputs(b, m, cache.capacity, self.dtype, self.device)
+            buf.fill_at(input_ids, position_ids, s_step, self._level_past, self._level_committed, step_visibility)
+            cache.length = self.past_len + s_step
+            cache.static = buf
+            try:
+                with uncounted():
+                    out = self._call_static_backends(buf)
+            finally:
+                cache.static = None
+        return out[:, :n].float()
+
+    def begin_levels(self, step_slots: int) -> tuple[Any, ...]:
+        """Prepare this step's captured drafting levels (`specdec.drafting.levels`): room for
+        `step_slots` more step slots (so no level grows the cache), S_past and the committed
+        slots' mask row in device buffers (3 ops). Returns what a level graph's key needs of
+        this runner: batch size, capacity and the addresses of the storage and buffers it reads."""
+        cache = self._cache()
+        self.reserve(self.past_len + self.step_len + step_slots)
+        b, capacity = self.batch_size, cache.capacity
+        committed = self._level_committed
+        if committed.shape != (b, capacity):
+            committed = self._level_committed = torch.empty(b, capacity, dtype=committed.dtype, device=self.device)
+        self._level_past.fill_(self.past_len)
+        hidden = torch.finfo(committed.dtype).min
+        committed.fill_(hidden)
+        committed[:, : self.past_len].masked_fill_(self.slot_valid, 0.0)
+        return (b, capacity, committed.data_ptr(), self._level_past.data_ptr(), *(t.data_ptr() for t, _, _ in cache.tensors()))
 
     def _call_static_backends(self, buf: StaticInputs) -> torch.Tensor:
         """`_call_static` of a bucketed forward under the allowed attention backends (what a CUDA

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec import constants
+
 if TYPE_CHECKING:
     from specdec.models.graphs import CudaGraphRunner
 
@@ -123,6 +125,40 @@ class StaticInputs:
         mask[:, :n, :s_past].masked_fill_(slot_valid[:, None, :], 0.0)
         mask[:, :n, s_past : s_past + step_visibility.shape[2]].masked_fill_(step_visibility, 0.0)
         mask[:, :, first_slot : first_slot + m].diagonal(dim1=1, dim2=2).fill_(0.0)  # each token's own slot
+
+    def fill_at(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        step_offset: int,
+        past: torch.Tensor,
+        committed: torch.Tensor,
+        step_visibility: torch.Tensor,
+    ) -> None:
+        """`fill` with the committed length on the device, so that a captured graph of a whole
+        drafting level (`specdec.drafting.levels`) replays at every step whatever the cache's
+        length: no host value here changes from one step to the next.
+
+        past: [1] int64, S_past (the first step slot's column); committed: [B, capacity] the
+        additive mask row of the committed slots (0 at valid ones, `min_value` at every other
+        column: holes, step slots, unused capacity), made once a step (`ModelRunner.begin_levels`).
+        step_offset: the step slots before this forward (the first new token's keys go to
+        column S_past + step_offset). input_ids, position_ids, step_visibility: as in `fill`.
+        """
+        b, n = input_ids.shape
+        m = self.slots.shape[0]
+        self.input_ids[:, :n].copy_(input_ids)
+        self.position_ids[:, :n].copy_(position_ids)
+        torch.add(self.arange, past + step_offset, out=self.slots)  # [m] the new tokens' columns
+        mask = self.mask[:, 0]  # [B, m, capacity]
+        mask.copy_(committed[:, None, :].expand_as(mask))
+        w = step_visibility.shape[2]
+        if w:  # the earlier step slots each new token sees, at columns S_past .. S_past + w - 1
+            cols = constants.arange(w, past.device) + past  # [w]
+            hidden = constants.full((), self.min_value, mask.dtype, past.device)
+            visible = torch.where(step_visibility, constants.full((), 0.0, mask.dtype, past.device), hidden)  # [B, n, w]
+            mask[:, :n].scatter_(2, cols.expand(b, n, w), visible)
+        mask.scatter_(2, self.slots[None, :, None].expand(b, m, 1), 0.0)  # each token's own slot
 
     def fill_window(self, key_pos: torch.Tensor, position_ids: torch.Tensor, window: int) -> None:
         """The sliding layers' mask, after `fill`: the full mask with every key at position j

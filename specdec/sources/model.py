@@ -142,18 +142,30 @@ class ModelDraftSource:
         # except for the captured P = 1 forward, whose static shape keeps both positions
         keep_root_only = p > 1 or not self.runner.static_shapes
         logits = self.runner.forward(ids, positions, visibility, logits_to_keep=1 if keep_root_only else 0, capture=p == 1)[:, -1]  # [B, V]
-        self._root_pos = positions[:, p]
+        if self._root_pos.shape[0] != b:
+            self._root_pos = torch.empty(b, dtype=torch.long, device=roots.device)
+        self._root_pos.copy_(positions[:, p])  # at one address every step (captured levels read it)
         return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
+
+    def reserve_step_slots(self, slots: int) -> tuple[int, ...]:
+        """Room for `slots` step slots in the slot bookkeeping (grows it, rarely), so that no
+        forward of the step reallocates it; returns the addresses a captured level reads here."""
+        self._grow_slots(slots)
+        return (self._slot_node.data_ptr(), self._slot_ok.data_ptr(), self._root_pos.data_ptr())
+
+    def _grow_slots(self, slots: int) -> None:
+        if slots > self._slot_ok.shape[1]:  # more step slots than ever before (rare): grow
+            b = self._slot_ok.shape[0]
+            grow = -(-(slots - self._slot_ok.shape[1]) // _SLOT_BLOCK) * _SLOT_BLOCK
+            self._slot_node = torch.cat([self._slot_node, self._slot_node.new_zeros(b, grow)], dim=1)
+            self._slot_ok = torch.cat([self._slot_ok, self._slot_ok.new_zeros(b, grow)], dim=1)
 
     def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
         nodes, valid = batch.nodes, batch.valid
         b, k = nodes.shape
         n_alloc = batch.tokens.shape[1]
         s_step = self.runner.step_len
-        if s_step + k > self._slot_ok.shape[1]:  # more step slots than ever before (rare): grow
-            grow = -(-(s_step + k - self._slot_ok.shape[1]) // _SLOT_BLOCK) * _SLOT_BLOCK
-            self._slot_node = torch.cat([self._slot_node, self._slot_node.new_zeros(b, grow)], dim=1)
-            self._slot_ok = torch.cat([self._slot_ok, self._slot_ok.new_zeros(b, grow)], dim=1)
+        self._grow_slots(s_step + k)
         # a node sees the step slots that hold its ancestors (the pending and root slots for every
         # node); an invalid entry's row is never used (its slot stays invisible to everyone)
         if batch.chain:  # the newest node of a chain: its ancestors are every slot so far

@@ -1,0 +1,158 @@
+"""Captured drafting levels: one tree level's whole work replayed as one CUDA graph.
+
+Between two draft forwards a tree policy runs 15-30 small ops (the forward's inputs, the
+log-softmax, top-k, the builder's bookkeeping, the next frontier). On an H100 each cost more
+host time than GPU time, so a drafting level took 1.2-1.8 ms against 0.4-0.7 ms for its forward
+(`benchmarks/gpu/2026-11-25/README.md`, runs 10-16). A captured level is one graph replay.
+
+What makes a level replayable (`CapturedLevels.run`):
+
+- Everything it reads or writes sits at the same address every step: the builder's node buffers
+  (a workspace kept by the draft runner, `TreeBuilder(workspace=...)`), the tensors handed from
+  one level to the next (`buffer`: frontiers, distributions), the draft source's slot bookkeeping
+  and root positions, the runner's KV storage, and S_past with the committed slots' mask row,
+  which the runner writes into device buffers once a step (`ModelRunner.begin_levels`), so no
+  host value inside a level depends on the cache's length.
+- The graph's key names every host value that shapes the level (the policy and its options, the
+  level, the batch size, the builder's nodes and the step slots before it, the capacity) and
+  every address it reads.
+- The host-side state a level advances (the builder's node count and level counters, the
+  runner's step slots and forward counters) is recorded when the level runs for real and set
+  after each replay.
+- A level is captured at its second use: a key met once (the last steps of a shrinking batch,
+  a shorter last step) runs op by op. Capture runs the level twice (`CudaGraphRunner`: a
+  warm-up, then the capture's first replay), so a level must be idempotent: it writes only new
+  node columns and step slots, and its output buffer is not its input.
+
+Capture needs a model draft source whose runner has `level_graphs` (CUDA graphs with
+SPECDEC_CAPTURE_LEVELS=1, `specdec.models.runner.capture_levels_default`), forwards untimed, no
+sliding-window layers, and a step that keeps no draft distributions (greedy, or top-k
+children): sampled children draw random numbers, which these graphs do not capture yet.
+`tests/test_graph_replay_semantics.py` checks captured levels by emulated replay on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from specdec.drafting.builder import TreeBuilder
+from specdec.models.runner import ModelRunner
+from specdec.sources.base import DraftSource
+
+MIN_USES = 2
+"""a level's key is captured at this use (earlier uses run op by op)"""
+
+MAX_KEYS = 4096
+"""level keys counted per runner before the counts start over"""
+
+_BUILDER_STATE = ("_n", "_last", "levels", "max_children", "draft_forwards", "_dist_rows", "_any_sampled")
+"""host-side fields of a `TreeBuilder` that a level advances (set after a replay)"""
+
+_RUNNER_COUNTERS = ("forward_calls", "forward_tokens")
+"""`ModelRunner` counters a level advances (added after a replay)"""
+
+
+class CapturedLevels:
+    """One step's captured levels for a tree policy (made by `for_step`, then `begin`)."""
+
+    def __init__(self, source: DraftSource, runner: ModelRunner, tag: tuple[Any, ...]) -> None:
+        self.source = source
+        self.runner = runner
+        self.tag = tag
+        self.builder: TreeBuilder | None = None
+        self._base: tuple[Any, ...] = ()
+
+    @classmethod
+    def for_step(cls, source: DraftSource | None, tag: tuple[Any, ...], keep_draft_probs: bool) -> CapturedLevels | None:
+        """Captured levels for this step, or None when its levels run op by op (see the module).
+        tag: the policy and every option that shapes its levels."""
+        runner = getattr(source, "runner", None)
+        if source is None or not isinstance(runner, ModelRunner) or not hasattr(source, "reserve_step_slots"):
+            return None
+        if runner.level_graphs is None or runner.time_forwards or runner.window is not None or keep_draft_probs:
+            return None
+        return cls(source, runner, tag)
+
+    @property
+    def workspace(self) -> dict[tuple[object, ...], torch.Tensor]:
+        """Where the builder's node buffers live across steps (`TreeBuilder(workspace=...)`)."""
+        return self.runner.level_buffers
+
+    def begin(self, builder: TreeBuilder, step_slots: int) -> None:
+        """After the builder's root forward: room for `step_slots` more step slots and this step's
+        device-side offsets (`ModelRunner.begin_levels`)."""
+        self.builder = builder
+        runner = self.runner
+        slots = self.source.reserve_step_slots(runner.step_len + step_slots)  # type: ignore[attr-defined]
+        buffers = (builder._ints, builder._floats, builder._flags, builder._anc)
+        self._base = (*runner.begin_levels(step_slots), *slots, *(t.data_ptr() for t in buffers))
+
+    def buffer(self, name: tuple[Any, ...], like: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """A tensor shaped as `like` at the same address every step (made on first use), with
+        `like` copied in (copy=True): how levels hand a frontier or distribution to the next."""
+        key = ("level_buffer", self.tag, name, tuple(like.shape), like.dtype)
+        buf = self.runner.level_buffers.get(key)
+        if buf is None:
+            buf = self.runner.level_buffers[key] = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return buf.copy_(like) if copy else buf
+
+    def run(self, name: tuple[Any, ...], level: Callable[[], torch.Tensor], reads: Sequence[torch.Tensor]) -> None:
+        """Run `level()` (tensor ops on the builder, the source and `reads`, the level-to-level
+        buffers it reads and writes), replayed from its graph when its key was captured."""
+        runner, builder = self.runner, self.builder
+        assert builder is not None, "begin() first"
+        graphs = runner.level_graphs
+        assert graphs is not None
+        key = (self.tag, name, runner.step_len, builder._n, *self._base, *(t.data_ptr() for t in reads))
+        uses = runner.level_uses.get(key, 0)
+        if uses + 1 < MIN_USES:  # a key met for the first time: op by op
+            if len(runner.level_uses) >= MAX_KEYS:
+                runner.level_uses.clear()
+            runner.level_uses[key] = uses + 1
+            level()
+            return
+        if key not in runner.level_effects and len(runner.level_effects) >= MAX_KEYS:  # addresses moved many times: start over
+            runner.level_effects.clear()
+            graphs.clear()
+        before = _host_state(builder, runner)
+        ran = False
+
+        def call() -> torch.Tensor:
+            nonlocal ran
+            _set_host_state(builder, runner, before)  # a warm-up and a capture each run the level from its start
+            runner.in_level = True
+            try:
+                out = level()
+            finally:
+                runner.in_level = False
+            ran = True
+            return out
+
+        with torch.inference_mode():  # as the runner's forwards (the KV storage is an inference tensor)
+            graphs.run(key, call, keepalive=(tuple(reads), builder._ints, builder._floats, builder._flags, builder._anc))
+        if ran:  # captured now (or graphs were given up and it ran op by op): what it did on the host
+            after = _host_state(builder, runner)
+            runner.level_effects[key] = (after[0], tuple(a - b for a, b in zip(after[1], before[1], strict=True)))
+        else:
+            fields, deltas = runner.level_effects[key]
+            _set_host_state(builder, runner, (fields, tuple(b + d for b, d in zip(before[1], deltas, strict=True))))
+        cache = runner.cache
+        assert cache is not None
+        cache.length = runner.past_len + runner.step_len
+
+
+def _host_state(builder: TreeBuilder, runner: ModelRunner) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """(builder fields and the runner's step slots, the runner's counters)"""
+    return (*(getattr(builder, f) for f in _BUILDER_STATE), runner.step_len), tuple(getattr(runner, f) for f in _RUNNER_COUNTERS)
+
+
+def _set_host_state(builder: TreeBuilder, runner: ModelRunner, state: tuple[tuple[Any, ...], tuple[int, ...]]) -> None:
+    fields, counters = state
+    for name, value in zip(_BUILDER_STATE, fields[:-1], strict=True):
+        setattr(builder, name, value)
+    runner.step_len = fields[-1]
+    for name, value in zip(_RUNNER_COUNTERS, counters, strict=True):
+        setattr(runner, name, value)
