@@ -230,24 +230,43 @@ def level_engine(target, draft, method: str, rule: Any = None, **options: Any) -
 LEVEL_METHODS = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}}
 
 
+def recorded_drafts(engine: SpeculativeEngine) -> list[list[list[int]]]:
+    """Record every step's draft tree tokens [B, N] (host lists) from now on."""
+    drafts: list[list[list[int]]] = []
+    draft = engine.policy.draft
+
+    def recording(*args: Any) -> Any:
+        drafted = draft(*args)
+        drafts.append(drafted.tree.tokens.tolist())
+        return drafted
+
+    engine.policy.draft = recording  # type: ignore[method-assign]
+    return drafts
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2", "qwen2"])
 @pytest.mark.parametrize("method", sorted(LEVEL_METHODS))
-def test_captured_levels_replay_exactly(arch, method):
-    """Greedy output with every drafting level replayed from its trace equals `generate` (rows
-    finishing and prompts joining at batch size 3), and the host state a replayed level sets
-    (forward counters) matches an engine whose levels run op by op."""
-    target, draft = close_pair(arch)
+@pytest.mark.parametrize("pair", ["close", "identical"])
+def test_captured_levels_replay_exactly(arch, method, pair):
+    """With every drafting level replayed from its trace, each step drafts the very tree the
+    op-by-op engine drafts (rows finishing and prompts joining at batch size 3), the output is
+    `generate`'s, and the host state replayed levels set (forward counters) matches. An
+    identical draft has every chain accepted whole, so each step starts with the last one's
+    leaf pending (read from the last step's tree, which the next builder overwrites)."""
+    target, draft = close_pair(arch) if pair == "close" else (sharpen(tiny_model(arch, seed=0)), sharpen(tiny_model(arch, seed=0)))
     refs = [reference(target, p, 32) for p in PROMPTS]
     engine, levels = level_engine(target, draft, method, **LEVEL_METHODS[method])
+    drafts = recorded_drafts(engine)
     outs = engine.generate(PROMPTS, 32, batch_size=3)
     assert [o.token_ids for o in outs] == refs
     assert levels.captures > 0 and levels.replays > 3 * levels.captures, "levels must replay their traces"
     eager_source = ModelDraftSource(draft, static_shapes=True)
     eager = SpeculativeEngine(target, make_policy(method, **LEVEL_METHODS[method]), GreedyRule(), eager_source, eos_token_ids=[EOS], static_shapes=True)
+    eager_drafts = recorded_drafts(eager)
     eager.generate(PROMPTS, 32, batch_size=3)
+    assert drafts == eager_drafts
     assert engine.source.runner.forward_calls == eager_source.runner.forward_calls
     assert engine.source.runner.forward_tokens == eager_source.runner.forward_tokens
-    assert [o.stats.steps for o in outs] == [o.stats.steps for o in eager.generate(PROMPTS, 32, batch_size=3)]
 
 
 def test_a_level_that_bakes_the_cache_length_fails(monkeypatch):
@@ -270,11 +289,14 @@ def test_a_level_that_bakes_the_cache_length_fails(monkeypatch):
     target, draft = close_pair("llama")
     refs = [reference(target, p, 32) for p in PROMPTS]
     engine, levels = level_engine(target, draft, "chain", k=4)
+    drafts = recorded_drafts(engine)
     outs = engine.generate(PROMPTS, 32, batch_size=3)
     assert levels.replays > 0
     assert [o.token_ids for o in outs] == refs
     eager = SpeculativeEngine(target, make_policy("chain", k=4), GreedyRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[EOS], static_shapes=True)
-    assert [o.stats.steps for o in outs] != [o.stats.steps for o in eager.generate(PROMPTS, 32, batch_size=3)]
+    eager_drafts = recorded_drafts(eager)
+    eager.generate(PROMPTS, 32, batch_size=3)
+    assert drafts != eager_drafts
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

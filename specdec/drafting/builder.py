@@ -157,7 +157,9 @@ class TreeBuilder:
         `capacity` nodes: every node's parent, depth and ancestor row are laid out up front.
         workspace: where the node buffers live across steps (`specdec.drafting.levels`: a
         captured level reads and writes them at the same addresses every step), keyed by
-        layout; None: fresh buffers each step."""
+        layout; None: fresh buffers each step. With a workspace, the last step's tree (its
+        tokens, the draft source's views of them) is overwritten once this builder has made
+        the root's forward: nothing may read it later."""
         self.source = source
         self.ctx = ctx
         self.device = dev = roots.device
@@ -167,6 +169,9 @@ class TreeBuilder:
         self._n = 1  # nodes so far (the root)
         self._last = (0, 1)  # columns of the nodes the last `add` appended
         # each buffer is one copy of a shared initial layout (`_initial_buffers`), then the roots
+        # the root's forward first: with a workspace, what the source still holds of the last
+        # step's tree (a chain's pending leaf is a view of its tokens) is read before it is overwritten
+        self.root_logprobs = source.begin_step(roots, ctx.params)  # [B, V]
         layout = _initial_buffers(b, cap, chain, dev)
         if workspace is None:
             self._ints, self._floats, self._flags, self._anc = (t.clone() for t in layout)
@@ -182,7 +187,6 @@ class TreeBuilder:
         self._any_sampled = False
         """a node drawn from its parent's draft distribution was added (else the sampled flags are all False)"""
         self.keep_draft_probs = keep_draft_probs
-        self.root_logprobs = source.begin_step(roots, ctx.params)  # [B, V]
         # kept draft distributions, stored compactly: only expanded nodes have one. Chunk i is
         # the [B, m_i, V] output of the i-th draft forward (chunk 0: the root's); _dist_slot[b, j]
         # is node j's row in the chunks concatenated along dim 1 (0 for nodes never expanded)

@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.graphs import CudaGraphRunner
-from specdec.models.static import BUCKETS, WARM_UP_TOKENS, StaticInputs, StoragePool, cpu_pool, node_bucket, shared_state
+from specdec.models.static import BUCKETS, WARM_UP_TOKENS, SharedState, StaticInputs, StoragePool, cpu_pool, node_bucket, shared_state
 from specdec.models.support import FIX as UNSUPPORTED_FIX
 from specdec.models.support import cache_argument, logits_keep_argument, tree_verification_problem
 
@@ -298,22 +298,18 @@ class ModelRunner:
             if self._shared.graphs is None:
                 self._shared.graphs = CudaGraphRunner(model, self.device)
             self.graphs = self._shared.graphs
-        self.level_graphs: CudaGraphRunner | None = (
-            CudaGraphRunner(model, self.device, max_graphs=MAX_LEVEL_GRAPHS) if cuda_graphs and capture_levels_default() else None
-        )
-        """graphs of whole drafting levels (`specdec.drafting.levels`); None: levels run op by op"""
-        self.level_buffers: dict[tuple[object, ...], torch.Tensor] = {}
-        """tensors captured levels read and write at the same address every step (the builder's
-        node buffers, the buffers levels hand on)"""
-        self.level_effects: dict[tuple[Any, ...], Any] = {}
-        """per level-graph key, the host-side state a level leaves behind (`specdec.drafting.levels`)"""
-        self.level_uses: dict[tuple[Any, ...], int] = {}
-        """per level-graph key, the times it was met (a level is captured at its second use)"""
+        if cuda_graphs and capture_levels_default() and self._shared is not None and self._shared.level_graphs is None:
+            self._shared.level_graphs = CudaGraphRunner(model, self.device, max_graphs=MAX_LEVEL_GRAPHS)
+        self.level_graphs: CudaGraphRunner | None = self._shared.level_graphs if cuda_graphs and self._shared is not None else None
+        """graphs of whole drafting levels (`specdec.drafting.levels`), the model's (`SharedState`);
+        None: levels run op by op"""
+        levels = self._shared if self._shared is not None else SharedState()
+        self.level_effects, self.level_uses, self.level_buffers, self.level_owner = levels.level_effects, levels.level_uses, levels.level_buffers, levels.level_owner
         self.in_level = False
         """a captured drafting level is running: forwards fill their inputs from the device-side
         offsets of `begin_levels` and call the model directly (inside the level's graph)"""
+        self._level_committed = torch.zeros(0, 0, device=self.device)  # [B, capacity] (`begin_levels`)
         self._level_past = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] S_past of the step
-        self._level_committed = torch.zeros(0, 0, dtype=self.dtype if self.dtype.is_floating_point else torch.float32, device=self.device)  # [B, capacity]
         self.num_layers, self.window = _cache_layout(model)
         self.cache: SlotCache | None = None
         self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S_past]
@@ -617,10 +613,17 @@ class ModelRunner:
         cache = self._cache()
         self.reserve(self.past_len + self.step_len + step_slots)
         b, capacity = self.batch_size, cache.capacity
-        committed = self._level_committed
-        if committed.shape != (b, capacity):
-            committed = self._level_committed = torch.empty(b, capacity, dtype=committed.dtype, device=self.device)
-        self._level_past.fill_(self.past_len)
+        key = ("committed_mask", b, capacity)
+        committed = self.level_buffers.get(key)
+        if committed is None:  # one per shape: a shape met again (the next prompt's cache) finds its graphs' address
+            mask_dtype = self.dtype if self.dtype.is_floating_point else torch.float32
+            committed = self.level_buffers[key] = torch.empty(b, capacity, dtype=mask_dtype, device=self.device)
+        self._level_committed = committed
+        past = self.level_buffers.get(("past",))
+        if past is None:
+            past = self.level_buffers[("past",)] = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._level_past = past
+        past.fill_(self.past_len)
         hidden = torch.finfo(committed.dtype).min
         committed.fill_(hidden)
         committed[:, : self.past_len].masked_fill_(self.slot_valid, 0.0)

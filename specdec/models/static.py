@@ -224,6 +224,20 @@ class SharedState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     """held from filling the buffers to reading the forward's output"""
     graphs: CudaGraphRunner | None = None
+    level_graphs: CudaGraphRunner | None = None
+    """captured drafting levels (`specdec.drafting.levels`) of the model as a draft, shared by
+    every runner of it (a bench's or a server's engines come and go; their levels replay)"""
+    level_effects: dict[tuple[object, ...], object] = field(default_factory=dict)
+    """per level-graph key, the host-side state a level leaves behind"""
+    level_uses: dict[tuple[object, ...], int] = field(default_factory=dict)
+    """per level-graph key, the times it was met (a level is captured at its second use)"""
+    level_buffers: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+    """tensors captured levels read and write at the same address every step, whichever runner
+    of the model drafts: the builder's node buffers, the buffers levels hand on, S_past and the
+    committed mask row, the draft source's slot bookkeeping"""
+    level_owner: dict[tuple[object, ...], int] = field(default_factory=dict)
+    """per shared buffer that carries state from one step to the next, the id of the object that
+    last laid it out (another must lay it out afresh)"""
 
     def inputs(self, b: int, m: int, capacity: int, dtype: torch.dtype, device: torch.device, sliding: bool = False) -> StaticInputs:
         key = (b, m, capacity)

@@ -115,7 +115,9 @@ class ModelDraftSource:
     def begin_step(self, roots: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         b, p = self.pending_token.shape
         self._deferred = None
-        if self._slot_ok.shape[0] != b or self._slot_ok.shape[1] < p + 1:
+        if self.runner.level_graphs is not None:  # captured levels: the model's buffers, so levels replay across engines
+            self._take_shared_slots(b, p)
+        elif self._slot_ok.shape[0] != b or self._slot_ok.shape[1] < p + 1:
             cap = -(-(p + 1) // _SLOT_BLOCK) * _SLOT_BLOCK
             self._slot_node = torch.zeros(b, cap, dtype=torch.long, device=self.runner.device)
             self._slot_ok = torch.ones(b, cap, dtype=torch.bool, device=self.runner.device)
@@ -143,7 +145,7 @@ class ModelDraftSource:
         keep_root_only = p > 1 or not self.runner.static_shapes
         logits = self.runner.forward(ids, positions, visibility, logits_to_keep=1 if keep_root_only else 0, capture=p == 1)[:, -1]  # [B, V]
         if self._root_pos.shape[0] != b:
-            self._root_pos = torch.empty(b, dtype=torch.long, device=roots.device)
+            self._root_pos = self._shared_buffer(("draft_root_pos", b), lambda: torch.empty(b, dtype=torch.long, device=roots.device))
         self._root_pos.copy_(positions[:, p])  # at one address every step (captured levels read it)
         return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
@@ -159,6 +161,34 @@ class ModelDraftSource:
             grow = -(-(slots - self._slot_ok.shape[1]) // _SLOT_BLOCK) * _SLOT_BLOCK
             self._slot_node = torch.cat([self._slot_node, self._slot_node.new_zeros(b, grow)], dim=1)
             self._slot_ok = torch.cat([self._slot_ok, self._slot_ok.new_zeros(b, grow)], dim=1)
+            if self.runner.level_graphs is not None:
+                self.runner.level_buffers[("draft_slot_node", b)], self.runner.level_buffers[("draft_slot_ok", b)] = self._slot_node, self._slot_ok
+
+    def _shared_buffer(self, key: tuple[object, ...], make: Any) -> torch.Tensor:
+        """The draft model's level buffer `key` (`SharedState.level_buffers`) when levels are
+        captured, made by `make()` on first use; a fresh `make()` otherwise."""
+        if self.runner.level_graphs is None:
+            return make()
+        buf = self.runner.level_buffers.get(key)
+        if buf is None:
+            buf = self.runner.level_buffers[key] = make()
+        return buf
+
+    def _take_shared_slots(self, b: int, p: int) -> None:
+        """The draft model's slot bookkeeping for B rows (shared by its sources, so captured
+        levels read one address whichever engine drafts), laid out afresh when another source
+        used it last or it is new."""
+        buffers, dev = self.runner.level_buffers, self.runner.device
+        node, ok = buffers.get(("draft_slot_node", b)), buffers.get(("draft_slot_ok", b))
+        if node is None or ok is None or ok.shape[1] < p + 1:
+            cap = -(-(p + 1) // _SLOT_BLOCK) * _SLOT_BLOCK
+            node = buffers[("draft_slot_node", b)] = torch.zeros(b, cap, dtype=torch.long, device=dev)
+            ok = buffers[("draft_slot_ok", b)] = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+        owner = ("draft_slots", b)
+        if node is not self._slot_node or ok is not self._slot_ok or self.runner.level_owner.get(owner) != id(self):
+            self._slot_node, self._slot_ok = node, ok
+            self._slots_p = -1  # the pending and root slots are laid out below
+            self.runner.level_owner[owner] = id(self)
 
     def expand(self, batch: NodeBatch, params: SamplingParams) -> torch.Tensor:
         nodes, valid = batch.nodes, batch.valid
