@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu/run.sh ab      # the same bench with this tree and with an older package copy (OLD_PKG), in one call
 #   bash benchmarks/gpu/run.sh host    # where the host's time goes per step, by function (pyinstrument; carry its wheel)
 #   bash benchmarks/gpu/run.sh trace   # per-step draft forwards, nodes, times; CAST's predictions beside them
+#   bash benchmarks/gpu/run.sh levels  # captured drafting levels: their CUDA tests, then on / off alternating (levels_ab.py)
 #   bash benchmarks/gpu/run.sh sampling  # the same pair at T = 1, B = 1: the trees' sampled rules against the chain (#19),
 #                                        # traversal on the device (the default) against child by child
 #
@@ -16,7 +17,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|pair|costs}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -119,11 +120,21 @@ case "$stage" in
       tar -czf "$OUT/ab-$version.tar.gz" -C "$OUT" "ab-$version" && rm -rf "$OUT/ab-$version"
     done
     ;;
+  levels)  # captured drafting levels (SPECDEC_CAPTURE_LEVELS=1): their CUDA tests, then on / off in alternating rounds
+           # of one process (levels_ab.py) at B = 1 and LEVELS_B, drafts checked equal between the modes
+    timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_static_shapes.py tests/test_graph_replay_semantics.py -k "level or graph" -rs 2>&1 | tail -15 | tee "$OUT/levels.log"
+    pair
+    for b in 1 ${LEVELS_B:-8}; do
+      $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+        --methods "${LEVELS_METHODS:-chain,eagle2}" --batch-size "$b" --num-prompts $((12 * b > 48 ? 48 : 12 * b)) --out "$OUT/levels/b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
+    done
+    tar -czf "$OUT/levels.tar.gz" -C "$OUT" levels && rm -rf "$OUT/levels"
+    ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
     pair
     ;;
   costs)  # the cost profiles measured on this machine (CAST's tables, DynaTree's free width), for reading back
     tar -czf "$OUT/costs.tar.gz" -C "$SPECDEC_CACHE_DIR" cost-profiles
     ;;
-  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, pair, costs)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, levels, pair, costs)"; exit 2 ;;
 esac

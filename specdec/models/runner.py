@@ -298,9 +298,10 @@ class ModelRunner:
             if self._shared.graphs is None:
                 self._shared.graphs = CudaGraphRunner(model, self.device)
             self.graphs = self._shared.graphs
-        if cuda_graphs and capture_levels_default() and self._shared is not None and self._shared.level_graphs is None:
+        capture_levels = cuda_graphs and capture_levels_default() and self._shared is not None
+        if capture_levels and self._shared is not None and self._shared.level_graphs is None:
             self._shared.level_graphs = CudaGraphRunner(model, self.device, max_graphs=MAX_LEVEL_GRAPHS)
-        self.level_graphs: CudaGraphRunner | None = self._shared.level_graphs if cuda_graphs and self._shared is not None else None
+        self.level_graphs: CudaGraphRunner | None = self._shared.level_graphs if capture_levels and self._shared is not None else None
         """graphs of whole drafting levels (`specdec.drafting.levels`), the model's (`SharedState`);
         None: levels run op by op"""
         levels = self._shared if self._shared is not None else SharedState()

@@ -1,0 +1,88 @@
+"""Host-launched ops a decoding step outside graphs, with and without captured drafting levels,
+on the CPU: what a GPU step launches kernel by kernel (each op a launch, host time on an H100)
+next to its graph replays.
+
+Static shapes; every graph (the target's and the draft's forwards, and with --levels the draft's
+whole levels) is emulated by a `make_fx` trace, replayed uncounted and counted as one replay, as
+`tests/test_graph_replay_semantics.py` does. Two calls of the same prompts (each a new engine, as
+`SpeculativeDecoder.generate` makes one per call): the second is counted, after the first has
+captured every graph. The drafts must match: τ is printed for both modes.
+
+    python benchmarks/captured-levels/launches.py chain 1        # levels off
+    python benchmarks/captured-levels/launches.py chain 1 --levels
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import specdec.engine as engine_module
+from specdec.api import SpeculativeDecoder
+from specdec.hostwork import HostWorkCounter, uncounted
+
+PROMPTS = Path(__file__).resolve().parents[2] / "specdec/assets/pair/stdlib-heldout.jsonl"
+
+
+class Emulator:
+    """`CudaGraphRunner`'s interface: capture = a make_fx trace (run for real), replay = the trace, uncounted."""
+
+    def __init__(self) -> None:
+        self.traces: dict[tuple[Any, ...], Any] = {}
+        self.captures = self.replays = 0
+        self.failed = None
+
+    def clear(self) -> None:
+        self.traces.clear()
+
+    def run(self, key: tuple[Any, ...], call: Any, keepalive: Any) -> Any:
+        trace = self.traces.get(key)
+        if trace is None:
+            self.captures += 1
+            trace = self.traces[key] = make_fx(call, tracing_mode="real")()
+            return trace()
+        self.replays += 1
+        with uncounted():
+            return trace()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("method")
+    ap.add_argument("batch_size", type=int)
+    ap.add_argument("--levels", action="store_true")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    args = ap.parse_args()
+    emulators: dict[str, Emulator] = {}
+    make = engine_module.SpeculativeEngine.__init__
+
+    def init(self: Any, *a: Any, **k: Any) -> None:  # one emulator per model role, kept across engines (as a model's graphs are)
+        make(self, *a, **k)
+        runner = self.source.runner
+        self.target.graphs = emulators.setdefault("target", Emulator())
+        runner.graphs = emulators.setdefault("draft", Emulator())
+        runner.level_graphs = emulators.setdefault("levels", Emulator()) if args.levels else None
+        self.target.time_forwards = runner.time_forwards = False
+
+    engine_module.SpeculativeEngine.__init__ = init  # type: ignore[method-assign]
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][: 2 * args.batch_size]
+    decoder = SpeculativeDecoder.from_pretrained(method=args.method, static_shapes=True)
+    decoder.generate(prompts, max_new_tokens=args.max_new_tokens, seed=0, batch_size=args.batch_size)
+    replays_before = sum(e.replays for e in emulators.values())
+    with HostWorkCounter() as counter:
+        results = decoder.generate(prompts, max_new_tokens=args.max_new_tokens, seed=0, batch_size=args.batch_size)
+    steps = sum(r.stats.steps for r in results) / args.batch_size  # batch steps (rows step together)
+    tau = sum(r.stats.new_tokens for r in results) / max(1, sum(r.stats.steps for r in results))
+    replays = sum(e.replays for e in emulators.values()) - replays_before
+    print(
+        f"| {args.method} | {args.batch_size} | {'on' if args.levels else 'off'} | {tau:.2f} | {counter.ops / steps:.1f} | "
+        f"{replays / steps:.1f} | {counter.host_reads / steps:.2f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""What capturing whole drafting levels as CUDA graphs (SPECDEC_CAPTURE_LEVELS=1,
+`specdec.drafting.levels`) does to a decoding step: the same decoder with level capture on and
+off, in alternating rounds of one process, with each round's drafts checked equal to the other
+mode's (the same greedy tokens and the same steps).
+
+Built on the CPU (2026-11-25, fourth session) and checked there by emulated replay; on the CPU
+the host-launched ops a step outside graphs fell by about half (`benchmarks/captured-levels/`).
+Whether an H100 step gets faster is what this script measures.
+
+    python benchmarks/gpu/levels_ab.py --target PAIR/target --draft PAIR/draft \
+        --prompts PAIR/prompts.jsonl --methods chain,eagle2 --device cuda --out OUT/levels
+
+Writes `summary.md` and `summary.json` under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpu_common import add_pair_arguments, method_items, read_prompts, sync
+
+from specdec.api import SpeculativeDecoder
+from specdec.models import runner as runner_module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_pair_arguments(ap, methods="chain,eagle2", num_prompts=12)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = read_prompts(args.prompts, args.num_prompts)
+    device = torch.device(args.device)
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "batch_size": args.batch_size, "methods": {}}
+    lines = ["| method | levels | τ | tok/s | ms/step | draft ms/step | level graphs (captures, replays) | same tokens and steps |", "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for spec, method, opts, _ in method_items(args.methods):
+        dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, method=method, device=args.device, **opts)
+        reference: dict[str, Any] = {}
+        for mode in ("on", "off"):  # warm: graphs (level graphs too), costs
+            os.environ[runner_module.CAPTURE_LEVELS_ENV] = "1" if mode == "on" else "0"
+            for _ in range(2):
+                dec.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+        per_mode: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+        for r in range(args.rounds):
+            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                os.environ[runner_module.CAPTURE_LEVELS_ENV] = "1" if mode == "on" else "0"  # read as each call makes its engine
+                sync(device)
+                t0 = time.perf_counter()
+                results = dec.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+                sync(device)
+                wall = time.perf_counter() - t0
+                steps = max(1, max(x.stats.steps for x in results) if args.batch_size > 1 else sum(x.stats.steps for x in results))
+                new = sum(x.stats.new_tokens for x in results)
+                draft = sum(x.stats.draft_s for x in results) if args.batch_size == 1 else results[0].stats.draft_s
+                fingerprint = ([x.token_ids for x in results], [x.stats.steps for x in results])
+                reference.setdefault("fingerprint", fingerprint)
+                shared = runner_module.shared_state(dec.draft) if dec.draft is not None else None
+                graphs = shared.level_graphs if shared is not None else None
+                per_mode[mode].append(
+                    {
+                        "tok_per_s": new / wall,
+                        "ms_per_step": 1e3 * wall / steps,
+                        "tau": new / sum(x.stats.steps for x in results),
+                        "draft_ms_per_step": 1e3 * draft / steps,
+                        "level_captures": graphs.captures if graphs is not None else 0,
+                        "level_replays": graphs.replays if graphs is not None else 0,
+                        "level_graphs_failed": graphs.failed if graphs is not None else None,
+                        "same": fingerprint == reference["fingerprint"],
+                    }
+                )
+        summary = {}
+        for mode, rows in per_mode.items():
+            med = {key: statistics.median(row[key] for row in rows) for key in ("tok_per_s", "ms_per_step", "tau", "draft_ms_per_step")}
+            last = rows[-1]
+            summary[mode] = {"median": med, "rounds": rows}
+            same = all(row["same"] for row in rows)
+            lines.append(
+                f"| {spec} | {mode} | {med['tau']:.2f} | {med['tok_per_s']:.1f} | {med['ms_per_step']:.2f} | {med['draft_ms_per_step']:.2f} | "
+                f"{last['level_captures']}, {last['level_replays']}{' (failed: ' + str(last['level_graphs_failed']) + ')' if last['level_graphs_failed'] else ''} | {'yes' if same else 'NO'} |"
+            )
+        result["methods"][spec] = summary
+        print(lines[-2], lines[-1], sep="\n", flush=True)
+        del dec
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    os.environ.pop(runner_module.CAPTURE_LEVELS_ENV, None)
+    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    (out / "summary.md").write_text(f"{result['device']}, B = {args.batch_size}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.rounds} alternating rounds\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
