@@ -227,7 +227,7 @@ def level_engine(target, draft, method: str, rule: Any = None, **options: Any) -
     return engine, levels
 
 
-LEVEL_METHODS = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}}
+LEVEL_METHODS = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "static": {"depth": 3, "branching": 2, "max_nodes": 12}}
 
 
 def recorded_drafts(engine: SpeculativeEngine) -> list[list[list[int]]]:

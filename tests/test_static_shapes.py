@@ -381,7 +381,7 @@ def test_greedy_with_cuda_graphs_equals_target():
 
 
 @needs_cuda
-@pytest.mark.parametrize("method", ["chain", "eagle2"])
+@pytest.mark.parametrize("method", ["chain", "static", "eagle2"])
 def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
     """SPECDEC_CAPTURE_LEVELS=1: whole drafting levels replay as CUDA graphs; greedy output is the
     target's, the drafts are the op-by-op ones (the same steps), and no level graph was given up."""

@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,3 +85,19 @@ def gpu_us(call: Callable[[], object], device: torch.device, reps: int, rounds: 
         torch.cuda.synchronize(device)
         times.append(start.elapsed_time(end) / reps * 1e3)
     return statistics.median(times)
+
+
+def timed_generate(decoder: Any, prompts: list[str], max_new_tokens: int, batch_size: int, device: torch.device) -> tuple[list[Any], dict[str, float]]:
+    """One synchronised `decoder.generate` call: its results and tok/s, ms/step, τ and draft
+    ms/step. B > 1: steps are the longest row's (a divisor that stays the same within a method:
+    compare modes of one method, not methods)."""
+    sync(device)
+    t0 = time.perf_counter()
+    results = decoder.generate(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    sync(device)
+    wall = time.perf_counter() - t0
+    steps = max(1, max(r.stats.steps for r in results) if batch_size > 1 else sum(r.stats.steps for r in results))
+    new = sum(r.stats.new_tokens for r in results)
+    draft = sum(r.stats.draft_s for r in results) if batch_size == 1 else results[0].stats.draft_s
+    metrics = {"tok_per_s": new / wall, "ms_per_step": 1e3 * wall / steps, "tau": new / max(1, sum(r.stats.steps for r in results)), "draft_ms_per_step": 1e3 * draft / steps}
+    return results, metrics

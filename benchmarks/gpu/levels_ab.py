@@ -8,7 +8,7 @@ the host-launched ops a step outside graphs fell by about half (`benchmarks/capt
 Whether an H100 step gets faster is what this script measures.
 
     python benchmarks/gpu/levels_ab.py --target PAIR/target --draft PAIR/draft \
-        --prompts PAIR/prompts.jsonl --methods chain,eagle2 --device cuda --out OUT/levels
+        --prompts PAIR/prompts.jsonl --methods chain,eagle2,static --device cuda --out OUT/levels
 
 Writes `summary.md` and `summary.json` under --out.
 """
@@ -19,12 +19,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_common import add_pair_arguments, method_items, read_prompts, sync
+from gpu_common import add_pair_arguments, method_items, read_prompts, timed_generate
 
 from specdec.api import SpeculativeDecoder
 from specdec.models import runner as runner_module
@@ -32,7 +31,7 @@ from specdec.models import runner as runner_module
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_pair_arguments(ap, methods="chain,eagle2", num_prompts=12)
+    add_pair_arguments(ap, methods="chain,eagle2,static", num_prompts=12)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
@@ -53,24 +52,14 @@ def main() -> None:
         for r in range(args.rounds):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 os.environ[runner_module.CAPTURE_LEVELS_ENV] = "1" if mode == "on" else "0"  # read as each call makes its engine
-                sync(device)
-                t0 = time.perf_counter()
-                results = dec.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-                sync(device)
-                wall = time.perf_counter() - t0
-                steps = max(1, max(x.stats.steps for x in results) if args.batch_size > 1 else sum(x.stats.steps for x in results))
-                new = sum(x.stats.new_tokens for x in results)
-                draft = sum(x.stats.draft_s for x in results) if args.batch_size == 1 else results[0].stats.draft_s
+                results, metrics = timed_generate(dec, prompts, args.max_new_tokens, args.batch_size, device)
                 fingerprint = ([x.token_ids for x in results], [x.stats.steps for x in results])
                 reference.setdefault("fingerprint", fingerprint)
                 shared = runner_module.shared_state(dec.draft) if dec.draft is not None else None
                 graphs = shared.level_graphs if shared is not None else None
                 per_mode[mode].append(
                     {
-                        "tok_per_s": new / wall,
-                        "ms_per_step": 1e3 * wall / steps,
-                        "tau": new / sum(x.stats.steps for x in results),
-                        "draft_ms_per_step": 1e3 * draft / steps,
+                        **metrics,
                         "level_captures": graphs.captures if graphs is not None else 0,
                         "level_replays": graphs.replays if graphs is not None else 0,
                         "level_graphs_failed": graphs.failed if graphs is not None else None,

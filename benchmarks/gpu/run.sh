@@ -126,7 +126,7 @@ case "$stage" in
     pair
     for b in 1 ${LEVELS_B:-8}; do
       $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-        --methods "${LEVELS_METHODS:-chain,eagle2}" --batch-size "$b" --num-prompts $((12 * b > 48 ? 48 : 12 * b)) --out "$OUT/levels/b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
+        --methods "${LEVELS_METHODS:-chain,eagle2,static}" --batch-size "$b" --num-prompts $((12 * b > 48 ? 48 : 12 * b)) --out "$OUT/levels/b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
     done
     tar -czf "$OUT/levels.tar.gz" -C "$OUT" levels && rm -rf "$OUT/levels"
     ;;

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_common import add_pair_arguments, host_us, method_items, read_prompts, sync
+from gpu_common import add_pair_arguments, host_us, method_items, read_prompts, timed_generate
 
 from specdec.api import SpeculativeDecoder
 from specdec.models import runner as runner_module
@@ -122,15 +122,8 @@ def main() -> None:
             for mode in order:
                 spent.clear()
                 set_timer(mode, spent)
-                sync(device)
-                t0 = time.perf_counter()
-                results = dec.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-                sync(device)
-                wall = time.perf_counter() - t0
-                steps = max(1, max(r.stats.steps for r in results) if args.batch_size > 1 else sum(r.stats.steps for r in results))
-                new = sum(r.stats.new_tokens for r in results)
-                draft = sum(r.stats.draft_s for r in results) if args.batch_size == 1 else results[0].stats.draft_s
-                per_mode[mode].append({"tok_per_s": new / wall, "ms_per_step": 1e3 * wall / steps, "tau": new / sum(r.stats.steps for r in results), "draft_ms_per_step": 1e3 * draft / steps, "timer_us_per_call": 1e6 * statistics.mean(spent) * 2 if spent else 0.0})
+                _, metrics = timed_generate(dec, prompts, args.max_new_tokens, args.batch_size, device)
+                per_mode[mode].append({**metrics, "timer_us_per_call": 1e6 * statistics.mean(spent) * 2 if spent else 0.0})
         set_timer("events", [])
         summary = {}
         for mode, rows in per_mode.items():

@@ -93,11 +93,17 @@ class CapturedLevels:
     def buffer(self, name: tuple[Any, ...], like: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """A tensor shaped as `like` at the same address every step (made on first use), with
         `like` copied in (copy=True): how levels hand a frontier or distribution to the next."""
-        key = ("level_buffer", self.tag, name, tuple(like.shape), like.dtype)
+        buf = self.output(name, tuple(like.shape), like.dtype)
+        return buf.copy_(like) if copy else buf
+
+    def output(self, name: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `shape` at the same address every step (made on first use, contents
+        unspecified): where a level writes what the next one reads."""
+        key = ("level_buffer", self.tag, name, shape, dtype)
         buf = self.runner.level_buffers.get(key)
         if buf is None:
-            buf = self.runner.level_buffers[key] = torch.empty_like(like, memory_format=torch.contiguous_format)
-        return buf.copy_(like) if copy else buf
+            buf = self.runner.level_buffers[key] = torch.empty(shape, dtype=dtype, device=self.runner.device)
+        return buf
 
     def run(self, name: tuple[Any, ...], level: Callable[[], torch.Tensor], reads: Sequence[torch.Tensor]) -> None:
         """Run `level()` (tensor ops on the builder, the source and `reads`, the level-to-level

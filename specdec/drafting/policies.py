@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec import constants
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling, root_only_draft
 from specdec.drafting.levels import CapturedLevels
 from specdec.drafting.ranks import RankAcceptance
@@ -124,38 +125,72 @@ class StaticTreePolicy(_Stateless):
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         sampled = ctx.samples_children(self.tree_sampling)
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + self.max_nodes)
+        levels = None if sampled else CapturedLevels.for_step(source, ("static", self.branching, self.max_nodes), keep_draft_probs=False)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + self.max_nodes, workspace=levels and levels.workspace)
         frontier, frontier_valid = builder.root, builder.root_valid  # [B, 1] each
         logprobs = builder.root_logprobs[:, None, :]  # [B, m, V] children distributions of the frontier
         budget = self.max_nodes
         depth = min(self.depth, ctx.max_depth)
+        if levels is not None and depth > 1:  # room for every level's forward (each at most the budget wide)
+            levels.begin(builder, step_slots=(depth - 1) * node_bucket(self.max_nodes))
+            logprobs = levels.buffer(("logprobs", 0), logprobs)
         for level in range(1, depth + 1):
             k = min(self.branching, logprobs.shape[-1])
-            keys = None
-            if sampled:
-                parents, tokens, logq, valid, keys = builder.sample_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
             take = min(frontier.shape[1] * k, budget)  # a partial last level: the first children in BFS order
-            if sampled or take < frontier.shape[1] * k:
-                if not sampled:
-                    parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
-                nodes = builder.add(
-                    parents[:, :take],
-                    tokens[:, :take],
-                    logq[:, :take],
-                    valid[:, :take],
-                    sampled=sampled,
-                    score=None if keys is None else keys[:, :take],
-                    depth=level,
-                    children_per_parent=k,
-                )
-            else:
-                nodes = builder.add_top_children(frontier, logprobs, k, None, depth=level)  # [B, m*k]; invalid frontier nodes have cum_logq -inf
             budget -= take
-            if level == depth or budget == 0:
+            last = level == depth or budget == 0
+            if levels is not None and not last:  # the level's children and their forward, replayed
+                out = levels.output(("logprobs", level), (roots.shape[0], take, logprobs.shape[-1]), logprobs.dtype)
+                levels.run(("level", level), partial(self._greedy_level, builder, frontier, frontier_valid, logprobs, out, k, take, level), reads=(logprobs, out))
+                start, end = builder._last  # the level's nodes: columns start..end - 1 (builder state, set after a replay too)
+                frontier, frontier_valid, logprobs = constants.arange(end, roots.device)[start:end].expand(roots.shape[0], end - start), builder.last_valid, out
+                continue
+            nodes = self._add_level(builder, frontier, frontier_valid, logprobs, k, take, level, sampled)
+            if last:
                 break
             frontier, frontier_valid = nodes, builder.last_valid
             logprobs = builder.expand(frontier, frontier_valid, depth=level)
         return builder.finish()
+
+    @classmethod
+    def _greedy_level(
+        cls, builder: TreeBuilder, frontier: torch.Tensor, frontier_valid: torch.Tensor, logprobs: torch.Tensor, out: torch.Tensor, k: int, take: int, level: int
+    ) -> torch.Tensor:
+        """A greedy level that is not the last (a captured level's body): the frontier's top-k
+        children, then their forward, whose distributions are written to `out` [B, take, V]."""
+        nodes = cls._add_level(builder, frontier, frontier_valid, logprobs, k, take, level, False)
+        return out.copy_(builder.expand(nodes, builder.last_valid, depth=level))
+
+    @staticmethod
+    def _add_level(
+        builder: TreeBuilder,
+        frontier: torch.Tensor,
+        frontier_valid: torch.Tensor,
+        logprobs: torch.Tensor,
+        k: int,
+        take: int,
+        level: int,
+        sampled: bool,
+    ) -> torch.Tensor:
+        """Add the frontier's [B, m] children at depth `level`: k each (their top-k, or k draws),
+        the first `take` in BFS order; returns them [B, take]."""
+        keys = None
+        if sampled:
+            parents, tokens, logq, valid, keys = builder.sample_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+        if sampled or take < frontier.shape[1] * k:
+            if not sampled:
+                parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+            return builder.add(
+                parents[:, :take],
+                tokens[:, :take],
+                logq[:, :take],
+                valid[:, :take],
+                sampled=sampled,
+                score=None if keys is None else keys[:, :take],
+                depth=level,
+                children_per_parent=k,
+            )
+        return builder.add_top_children(frontier, logprobs, k, None, depth=level)  # [B, m*k]; invalid frontier nodes have cum_logq -inf
 
 
 @dataclass

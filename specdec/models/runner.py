@@ -70,7 +70,7 @@ def forward_timing_default(device: torch.device, environ: Mapping[str, str] | No
 
 
 CAPTURE_LEVELS_ENV = "SPECDEC_CAPTURE_LEVELS"
-"""1: with CUDA graphs, capture whole drafting levels of the chain and EAGLE-2 policies (greedy) as
+"""1: with CUDA graphs, capture whole drafting levels of the chain, static and EAGLE-2 policies (greedy) as
 graphs (`specdec.drafting.levels`); 0 or unset: only model forwards are graphed"""
 
 
