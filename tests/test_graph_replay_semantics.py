@@ -328,3 +328,35 @@ def test_levels_are_not_captured_where_they_cannot_be():
     assert CapturedLevels.for_step(None, ("chain",), keep_draft_probs=False) is None
     source.runner.time_forwards = True
     assert CapturedLevels.for_step(source, ("chain",), keep_draft_probs=False) is None
+
+
+def test_captured_levels_replay_across_engines(tiny_pair_dir, monkeypatch):
+    """`SpeculativeDecoder.generate` makes a new engine (and draft source) per call, as a bench's
+    timed calls and a server's lanes do. The levels a first call captured replay in the next: the
+    level state (graphs, builder workspace, slot bookkeeping) is the draft model's, not a runner's.
+    The second call captures nothing new and drafts what op-by-op drafting does."""
+    from specdec.api import SpeculativeDecoder
+    from specdec.models.static import shared_state
+
+    decoder = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), method="eagle2", device="cpu", static_shapes=True)
+    levels = shared_state(decoder.draft).level_graphs = ReplayEmulator()
+    make_engine = SpeculativeEngine.__init__
+
+    def with_levels(self: SpeculativeEngine, *args: Any, **kwargs: Any) -> None:
+        make_engine(self, *args, **kwargs)
+        self.source.runner.level_graphs = shared_state(self.source.runner.model).level_graphs  # the model's, as CUDA runners take it
+        self.source.runner.time_forwards = False
+
+    monkeypatch.setattr(SpeculativeEngine, "__init__", with_levels)
+    drafts = recorded_drafts(decoder.engine("greedy"))  # the decoder's policy, shared by the engines of its calls
+    prompts = ["def add(a, b):", "for i in range(3):"]
+    first = decoder.generate(prompts, max_new_tokens=24, batch_size=2)
+    captured, first_drafts = levels.captures, len(drafts)
+    second = decoder.generate(prompts, max_new_tokens=24, batch_size=2)
+    assert captured > 0 and levels.captures == captured, "the second call's engine must replay the first's levels"
+    assert levels.replays > 0 and [r.text for r in first] == [r.text for r in second]
+    shared_state(decoder.draft).level_graphs = None
+    replayed = drafts[first_drafts:]
+    del drafts[:]
+    third = decoder.generate(prompts, max_new_tokens=24, batch_size=2)  # op by op
+    assert replayed == drafts and [r.text for r in third] == [r.text for r in first]
