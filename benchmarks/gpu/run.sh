@@ -39,6 +39,16 @@ pair() {  # the synthetic pair, built once per machine (a fresh machine starts b
   echo "synthetic $SHAPE pair built in $((SECONDS - t0)) s"; tail -3 "$OUT/pair.log"
 }
 
+per_batch_size() {  # SCRIPT NAME METHODS B: benchmarks/gpu/SCRIPT on the pair at B = 1 and B (12 prompts a row, at most 48),
+                   # the log appended to NAME.log, the outputs tarred as NAME.tar.gz
+  local script=$1 name=$2 methods=$3 b
+  for b in 1 $4; do
+    $PY "benchmarks/gpu/$script" --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods "$methods" --batch-size "$b" --num-prompts $((12 * b > 48 ? 48 : 12 * b)) --out "$OUT/$name/b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/$name.log"
+  done
+  tar -czf "$OUT/$name.tar.gz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
+}
+
 case "$stage" in
   tests)
     # the synthetic pair is built beside the tests (the GPU is idle during most of them), so a
@@ -100,11 +110,7 @@ case "$stage" in
     ;;
   trace)  # per-step draft forwards, nodes and times, and CAST's predictions beside them (step_trace.py), at B = 1 and TRACE_B
     pair
-    for b in 1 ${TRACE_B:-8}; do
-      $PY benchmarks/gpu/step_trace.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-        --methods "${TRACE_METHODS:-chain,eagle2,cast,cast:prune_rule=threshold,dynatree}" --batch-size "$b" --num-prompts $((12 * b > 48 ? 48 : 12 * b)) --out "$OUT/trace/b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/trace.log"
-    done
-    tar -czf "$OUT/trace.tar.gz" -C "$OUT" trace && rm -rf "$OUT/trace"
+    per_batch_size step_trace.py trace "${TRACE_METHODS:-chain,eagle2,cast,cast:prune_rule=threshold,dynatree}" "${TRACE_B:-8}"
     ;;
   ab)  # the same bench twice in one call: this tree's specdec, then an older copy of the package (OLD_PKG, a folder
       # holding specdec/: `git archive REV specdec | tar -x -C .oldpkg --exclude='specdec/assets/*'`, carried)
@@ -124,11 +130,7 @@ case "$stage" in
            # of one process (levels_ab.py) at B = 1 and LEVELS_B, drafts checked equal between the modes
     timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_static_shapes.py tests/test_graph_replay_semantics.py -k "level or graph" -rs 2>&1 | tail -15 | tee "$OUT/levels.log"
     pair
-    for b in 1 ${LEVELS_B:-8}; do
-      $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-        --methods "${LEVELS_METHODS:-chain,eagle2,static}" --batch-size "$b" --num-prompts $((12 * b > 48 ? 48 : 12 * b)) --out "$OUT/levels/b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
-    done
-    tar -czf "$OUT/levels.tar.gz" -C "$OUT" levels && rm -rf "$OUT/levels"
+    per_batch_size levels_ab.py levels "${LEVELS_METHODS:-chain,eagle2,static}" "${LEVELS_B:-8}"
     ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
     pair
