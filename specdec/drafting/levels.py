@@ -38,9 +38,10 @@ from typing import Any
 
 import torch
 
-from specdec.drafting.builder import TreeBuilder
+from specdec.drafting.builder import Draft, TreeBuilder
 from specdec.models.runner import ModelRunner
 from specdec.sources.base import DraftSource
+from specdec.tree import TokenTree
 
 MIN_USES = 2
 """a level's key is captured at this use (earlier uses run op by op)"""
@@ -105,6 +106,30 @@ class CapturedLevels:
             buf = self.runner.level_buffers[key] = torch.empty(shape, dtype=dtype, device=self.runner.device)
         return buf
 
+    def finish(self, select: Callable[[], Draft], width: int) -> Draft:
+        """The step's `Draft` from `select()` (the builder's selection of the verified nodes:
+        `TreeBuilder.finish` with a keep mask and `width`, keeping no draft distributions),
+        replayed like a level: the tree's tensors land in buffers at fixed addresses (overwritten
+        by the next step's selection), and the Draft is rebuilt around them."""
+        builder = self.builder
+        assert builder is not None, "begin() first"
+        fields = _tree_fields(builder.batch_size, min(width, builder.num_nodes))
+
+        def selection() -> torch.Tensor:
+            drafted = select()
+            assert drafted.tree.draft_logprobs is None, "a captured selection keeps no draft distributions"
+            for name, shape, dtype in fields:
+                value = drafted.builder_nodes if name == "builder_nodes" else getattr(drafted.tree, name)
+                assert tuple(value.shape) == shape and value.dtype == dtype, (name, tuple(value.shape), value.dtype)
+                self.output(("selection", name), shape, dtype).copy_(value)
+            return self.output(("selection", "tokens"), fields[0][1], fields[0][2])
+
+        self.run(("selection", width), selection, reads=())
+        out = {name: self.output(("selection", name), shape, dtype) for name, shape, dtype in fields}
+        builder_nodes = out.pop("builder_nodes")
+        tree = TokenTree(**out, depth_bound=builder.levels, max_children=builder.max_children)
+        return Draft(tree, builder, builder_nodes)
+
     def run(self, name: tuple[Any, ...], level: Callable[[], torch.Tensor], reads: Sequence[torch.Tensor]) -> None:
         """Run `level()` (tensor ops on the builder, the source and `reads`, the level-to-level
         buffers it reads and writes), replayed from its graph when its key was captured."""
@@ -148,6 +173,22 @@ class CapturedLevels:
         cache = runner.cache
         assert cache is not None
         cache.length = runner.past_len + runner.step_len
+
+
+def _tree_fields(b: int, m: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """(field, shape, dtype) of a selected tree's tensors of B rows and M nodes (`CapturedLevels.finish`)."""
+    long, flt, flag = torch.long, torch.float32, torch.bool
+    return (
+        ("tokens", (b, m), long),
+        ("parents", (b, m), long),
+        ("depths", (b, m), long),
+        ("logq", (b, m), flt),
+        ("cum_logq", (b, m), flt),
+        ("valid", (b, m), flag),
+        ("sampled", (b, m), flag),
+        ("ancestors", (b, m, m), flag),
+        ("builder_nodes", (b, m), long),
+    )
 
 
 def _host_state(builder: TreeBuilder, runner: ModelRunner) -> tuple[tuple[Any, ...], tuple[int, ...]]:

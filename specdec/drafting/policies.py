@@ -262,8 +262,10 @@ class Eagle2Policy:
                 out = levels.buffer(("frontier", level), frontier, copy=False)
                 levels.run(("level", level), partial(self._level, builder, frontier, out, k, None, level), reads=(frontier, out))
                 frontier = out
-        keep = builder.top_by_score(None, self.total_tokens)  # by builder.score
-        drafted = builder.finish(keep, width=1 + self.total_tokens)
+        def select() -> Draft:  # the best total_tokens nodes by builder.score
+            return builder.finish(builder.top_by_score(None, self.total_tokens), width=1 + self.total_tokens)
+
+        drafted = select() if levels is None or depth <= 1 else levels.finish(select, width=1 + self.total_tokens)
         if sampled:
             self._drew_tree = True
         return drafted

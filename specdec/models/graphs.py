@@ -110,10 +110,12 @@ class _Graph:
 class CudaGraphRunner:
     """Captures and replays one model's static-shape forwards; falls back to eager once for good."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_graphs: int = MAX_GRAPHS, what: str = "its forward") -> None:
+        """what: what the graphs hold, for the warning when capture fails ("its forward", "its drafting levels")."""
         if device.type != "cuda":
             raise SpecDecError(f"--cuda-graphs on needs a CUDA device; the device is {device.type}; use auto or off")
         self.model_name = type(model).__name__
+        self.what = what
         self.device = device
         self.max_graphs = max_graphs
         self.failed: str | None = None
@@ -175,4 +177,4 @@ class CudaGraphRunner:
             torch.cuda.synchronize(self.device)
         except Exception as sync_err:  # noqa: BLE001 - report the first error, not the aftermath
             self.failed = f"{reason} (then {type(sync_err).__name__} on synchronising)"
-        LOG.warning("CUDA graphs are off for %s: capturing its forward failed (%s); it runs eagerly", self.model_name, self.failed)
+        LOG.warning("CUDA graphs are off for %s: capturing %s failed (%s); it runs eagerly", self.model_name, self.what, self.failed)

@@ -300,7 +300,7 @@ class ModelRunner:
             self.graphs = self._shared.graphs
         capture_levels = cuda_graphs and capture_levels_default() and self._shared is not None
         if capture_levels and self._shared is not None and self._shared.level_graphs is None:
-            self._shared.level_graphs = CudaGraphRunner(model, self.device, max_graphs=MAX_LEVEL_GRAPHS)
+            self._shared.level_graphs = CudaGraphRunner(model, self.device, max_graphs=MAX_LEVEL_GRAPHS, what="its drafting levels (SPECDEC_CAPTURE_LEVELS=1)")
         self.level_graphs: CudaGraphRunner | None = self._shared.level_graphs if capture_levels and self._shared is not None else None
         """graphs of whole drafting levels (`specdec.drafting.levels`), the model's (`SharedState`);
         None: levels run op by op"""
