@@ -7,8 +7,8 @@ host time than GPU time, so a drafting level took 1.2-1.8 ms against 0.4-0.7 ms 
 
 What makes a level replayable (`CapturedLevels.run`):
 
-- Everything it reads or writes sits at the same address every step: the builder's node buffers
-  (a workspace kept by the draft runner, `TreeBuilder(workspace=...)`), the tensors handed from
+- Everything it reads or writes sits at the same address every step, whichever engine drafts:
+  the draft model's `SharedState` keeps the builder's node buffers (`TreeBuilder(workspace=...)`), the tensors handed from
   one level to the next (`buffer`: frontiers, distributions), the draft source's slot bookkeeping
   and root positions, the runner's KV storage, and S_past with the committed slots' mask row,
   which the runner writes into device buffers once a step (`ModelRunner.begin_levels`), so no
@@ -28,7 +28,10 @@ Capture needs a model draft source whose runner has `level_graphs` (CUDA graphs 
 SPECDEC_CAPTURE_LEVELS=1, `specdec.models.runner.capture_levels_default`), forwards untimed, no
 sliding-window layers, and a step that keeps no draft distributions (greedy, or top-k
 children): sampled children draw random numbers, which these graphs do not capture yet.
-`tests/test_graph_replay_semantics.py` checks captured levels by emulated replay on the CPU.
+Policies: the chain's and the static tree's greedy levels, EAGLE-2's levels and its selection of
+the verified nodes (`finish`). One drafting thread per draft model, as its static buffers assume.
+`tests/test_graph_replay_semantics.py` checks captured levels by emulated replay on the CPU; not
+yet run on a GPU (`benchmarks/gpu/levels_ab.py`).
 """
 
 from __future__ import annotations
