@@ -50,7 +50,7 @@ MIN_USES = 2
 """a level's key is captured at this use (earlier uses run op by op)"""
 
 MAX_KEYS = 4096
-"""level keys counted per runner before the counts start over"""
+"""level keys counted per draft model before the counts start over"""
 
 _BUILDER_STATE = ("_n", "_last", "levels", "max_children", "draft_forwards", "_dist_rows", "_any_sampled")
 """host-side fields of a `TreeBuilder` that a level advances (set after a replay)"""
@@ -94,11 +94,10 @@ class CapturedLevels:
         buffers = (builder._ints, builder._floats, builder._flags, builder._anc)
         self._base = (*runner.begin_levels(step_slots), *slots, *(t.data_ptr() for t in buffers))
 
-    def buffer(self, name: tuple[Any, ...], like: torch.Tensor, copy: bool = True) -> torch.Tensor:
-        """A tensor shaped as `like` at the same address every step (made on first use), with
-        `like` copied in (copy=True): how levels hand a frontier or distribution to the next."""
-        buf = self.output(name, tuple(like.shape), like.dtype)
-        return buf.copy_(like) if copy else buf
+    def buffer(self, name: tuple[Any, ...], like: torch.Tensor) -> torch.Tensor:
+        """`output(name)` shaped as `like`, with `like` copied in: how the first level gets what
+        was computed before the levels (a frontier, a distribution) at a fixed address."""
+        return self.output(name, tuple(like.shape), like.dtype).copy_(like)
 
     def output(self, name: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` at the same address every step (made on first use, contents

@@ -70,7 +70,7 @@ class ChainPolicy(_Stateless):
             logprobs = levels.buffer(("logprobs", 0), logprobs)
         for level in range(1, depth + 1):
             if levels is not None and level < depth:  # the level's greedy child and its forward, replayed
-                out = levels.buffer(("logprobs", level), logprobs, copy=False)
+                out = levels.output(("logprobs", level), tuple(logprobs.shape), logprobs.dtype)
                 levels.run(("level", level), partial(self._greedy_level, builder, logprobs, out, level), reads=(logprobs, out))
                 logprobs = out
                 continue
@@ -259,7 +259,7 @@ class Eagle2Policy:
             if levels is None:
                 frontier = self._level(builder, frontier, None, k, log_rates, level)
             else:  # replayed: the level's frontier buffer in, the next one out
-                out = levels.buffer(("frontier", level), frontier, copy=False)
+                out = levels.output(("frontier", level), tuple(frontier.shape), frontier.dtype)
                 levels.run(("level", level), partial(self._level, builder, frontier, out, k, None, level), reads=(frontier, out))
                 frontier = out
         def select() -> Draft:  # the best total_tokens nodes by builder.score

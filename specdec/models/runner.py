@@ -84,7 +84,7 @@ CAPACITY_STEP = 256
 """cache capacity grows in multiples of this many slots"""
 
 MAX_LEVEL_GRAPHS = 96
-"""captured drafting-level graphs kept per draft runner (least recently used dropped first)"""
+"""captured drafting-level graphs kept per draft model (least recently used dropped first)"""
 
 
 class SlotLayer(CacheLayerMixin):
@@ -309,8 +309,8 @@ class ModelRunner:
         self.in_level = False
         """a captured drafting level is running: forwards fill their inputs from the device-side
         offsets of `begin_levels` and call the model directly (inside the level's graph)"""
-        self._level_committed = torch.zeros(0, 0, device=self.device)  # [B, capacity] (`begin_levels`)
-        self._level_past = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] S_past of the step
+        self._level_committed: torch.Tensor | None = None  # [B, capacity] the committed slots' mask row (`begin_levels`)
+        self._level_past: torch.Tensor | None = None  # [1] S_past of the step (`begin_levels`)
         self.num_layers, self.window = _cache_layout(model)
         self.cache: SlotCache | None = None
         self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S_past]
@@ -454,7 +454,7 @@ class ModelRunner:
         s_past, s_step = self.past_len, self.step_len
         if step_visibility.shape not in ((b, n, s_step + n), (b, n, s_step)):
             raise ValueError(f"step_visibility shape {tuple(step_visibility.shape)} != {(b, n, s_step + n)} or {(b, n, s_step)}")
-        timer = self._start_timer() if self.time_forwards and not self.in_level else None
+        timer = self._start_timer() if self.time_forwards else None  # (captured levels need untimed forwards: `CapturedLevels.for_step`)
         if self.static_shapes:
             logits = self._forward_static(input_ids, position_ids, step_visibility, logits_to_keep, model_inputs, capture)
         else:
@@ -591,7 +591,7 @@ class ModelRunner:
         cache's length, and the model runs as part of the level's graph (not a graph of its own).
         Logits [B, n, V] float32."""
         cache, shared = self._cache(), self._shared
-        assert shared is not None and self.window is None
+        assert shared is not None and self.window is None and self._level_past is not None and self._level_committed is not None, "begin_levels() first"
         b, n = input_ids.shape
         s_step = self.step_len
         with shared.lock:
@@ -628,7 +628,7 @@ class ModelRunner:
         hidden = torch.finfo(committed.dtype).min
         committed.fill_(hidden)
         committed[:, : self.past_len].masked_fill_(self.slot_valid, 0.0)
-        return (b, capacity, committed.data_ptr(), self._level_past.data_ptr(), *(t.data_ptr() for t, _, _ in cache.tensors()))
+        return (b, capacity, committed.data_ptr(), past.data_ptr(), *(t.data_ptr() for t, _, _ in cache.tensors()))
 
     def _call_static_backends(self, buf: StaticInputs) -> torch.Tensor:
         """`_call_static` of a bucketed forward under the allowed attention backends (what a CUDA

@@ -144,9 +144,13 @@ class ModelDraftSource:
         # except for the captured P = 1 forward, whose static shape keeps both positions
         keep_root_only = p > 1 or not self.runner.static_shapes
         logits = self.runner.forward(ids, positions, visibility, logits_to_keep=1 if keep_root_only else 0, capture=p == 1)[:, -1]  # [B, V]
-        if self._root_pos.shape[0] != b:
-            self._root_pos = self._shared_buffer(("draft_root_pos", b), lambda: torch.empty(b, dtype=torch.long, device=roots.device))
-        self._root_pos.copy_(positions[:, p])  # at one address every step (captured levels read it)
+        if self.runner.level_graphs is None:
+            self._root_pos = positions[:, p]  # a view: no op
+        else:  # captured levels read it at one address every step, whichever source of the model drafts
+            root_pos = self.runner.level_buffers.get(("draft_root_pos", b))
+            if root_pos is None:
+                root_pos = self.runner.level_buffers[("draft_root_pos", b)] = torch.empty(b, dtype=torch.long, device=roots.device)
+            self._root_pos = root_pos.copy_(positions[:, p])
         return logits_to_logprobs(fit_draft_logits(logits, self.vocab), params)
 
     def reserve_step_slots(self, slots: int) -> tuple[int, ...]:
@@ -163,16 +167,6 @@ class ModelDraftSource:
             self._slot_ok = torch.cat([self._slot_ok, self._slot_ok.new_zeros(b, grow)], dim=1)
             if self.runner.level_graphs is not None:
                 self.runner.level_buffers[("draft_slot_node", b)], self.runner.level_buffers[("draft_slot_ok", b)] = self._slot_node, self._slot_ok
-
-    def _shared_buffer(self, key: tuple[object, ...], make: Any) -> torch.Tensor:
-        """The draft model's level buffer `key` (`SharedState.level_buffers`) when levels are
-        captured, made by `make()` on first use; a fresh `make()` otherwise."""
-        if self.runner.level_graphs is None:
-            return make()
-        buf = self.runner.level_buffers.get(key)
-        if buf is None:
-            buf = self.runner.level_buffers[key] = make()
-        return buf
 
     def _take_shared_slots(self, b: int, p: int) -> None:
         """The draft model's slot bookkeeping for B rows (shared by its sources, so captured
