@@ -365,3 +365,43 @@ def test_captured_levels_replay_across_engines(tiny_pair_dir, monkeypatch):
     del drafts[:]
     third = decoder.generate(prompts, max_new_tokens=24, batch_size=2)  # op by op
     assert replayed == drafts and [r.text for r in third] == [r.text for r in first]
+
+
+def test_interleaved_sessions_of_one_draft_model_draft_as_alone():
+    """Two engines over the same draft model (a server's lanes) stepped in turn share the model's
+    level state: each step the slot bookkeeping changes hands and is laid out afresh, so both
+    draft step for step what each drafts alone, op by op. The chain skips every other step, so
+    each drafted step forwards two owed tokens: a layout of P = 2 pending slots it keeps from one
+    of its steps to the next, while EAGLE-2 (P = 1) writes node slots over it in between."""
+    from test_kv_commit import _Deferring
+
+    target, draft = close_pair("llama")
+    shared = ReplayEmulator()
+
+    def make(method: str, capture: bool) -> SpeculativeEngine:
+        source = ModelDraftSource(draft, static_shapes=True)
+        policy = make_policy(method, **LEVEL_METHODS[method])
+        if method == "chain":
+            policy = _Deferring(policy, lambda step: step % 2 == 1)
+        engine = SpeculativeEngine(target, policy, GreedyRule(), source, eos_token_ids=[EOS], static_shapes=True)
+        source.runner.level_graphs, source.runner.time_forwards = (shared if capture else None), False
+        return engine
+
+    alone = {}
+    for method in ("chain", "eagle2"):
+        engine = make(method, capture=False)
+        drafts = recorded_drafts(engine)
+        engine.generate(PROMPTS[:2], 24, batch_size=2)
+        alone[method] = drafts
+    engines = {method: make(method, capture=True) for method in ("chain", "eagle2")}
+    drafts = {method: recorded_drafts(engine) for method, engine in engines.items()}
+    sessions = {method: engine.session(max_rows=2) for method, engine in engines.items()}
+    for session in sessions.values():
+        for prompt in PROMPTS[:2]:
+            session.submit(prompt, 24)
+    while not all(s.idle for s in sessions.values()):
+        for session in sessions.values():
+            if not session.idle:
+                session.step()
+    assert drafts == alone
+    assert shared.replays > 0
