@@ -76,9 +76,11 @@ def logits_to_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(logits, dim=-1)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One sample per row. probs: [..., V] (need not be normalised; rows of zeros give token 0).
-    Returns [...] int64.
+    Returns [...] int64. uniforms: the draw's U(0, 1) numbers, shaped as probs, drawn by the
+    caller (left as they are: a captured drafting level reads them from a buffer filled before
+    each replay); None draws them from `generator`.
 
     The exponential race: with E_v = -log(u_v) i.i.d. Exp(1), argmin_v E_v / probs_v is v with
     probability probs_v / sum(probs) (the smallest of independent exponentials of rates probs_v),
@@ -90,7 +92,10 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
     each E_v is cut at 16.6 and a token is left out of a draw with probability 2^-24: changes to
     the distribution below 1e-7, far under any test's resolution (as for `exponential_`)."""
     flat = probs.reshape(-1, probs.shape[-1]).float()
-    race = torch.rand(flat.shape, generator=generator, device=flat.device).log_()  # [rows, V] -Exp(1)
+    if uniforms is None:
+        race = torch.rand(flat.shape, generator=generator, device=flat.device).log_()  # [rows, V] -Exp(1)
+    else:
+        race = uniforms.reshape(flat.shape).log()
     return torch.div(race, flat, out=race).argmax(dim=-1).reshape(probs.shape[:-1])
 
 

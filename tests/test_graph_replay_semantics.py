@@ -315,21 +315,98 @@ def test_captured_top_k_levels_under_sampling_equal_op_by_op(temperature):
     assert levels.replays > 0
 
 
+def recorded_sampled_drafts(engine: SpeculativeEngine) -> list[Any]:
+    """`recorded_drafts`, with each tree's sampled flags and kept draft distributions."""
+    drafts: list[Any] = []
+    draft = engine.policy.draft
+
+    def recording(*args: Any) -> Any:
+        drafted = draft(*args)
+        tree = drafted.tree
+        fields = [t.tolist() for t in (tree.tokens, tree.parents, tree.valid, tree.sampled, drafted.builder_nodes)]
+        drafts.append((fields, None if tree.draft_logprobs is None else tree.draft_logprobs.clone()))
+        return drafted
+
+    engine.policy.draft = recording  # type: ignore[method-assign]
+    return drafts
+
+
+def same_drafts(a: list[Any], b: list[Any]) -> bool:
+    """Equal trees step for step, with bit-equal kept draft distributions."""
+    return len(a) == len(b) and all(
+        fa == fb and (da is None) == (db is None) and (da is None or torch.equal(da, db)) for (fa, da), (fb, db) in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("method", sorted(LEVEL_METHODS))
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_captured_sampled_levels_draw_what_op_by_op_draws(method, top_p):
+    """Children drawn from the draft (the chain's tokens, the static tree's and EAGLE-2's sampled
+    children) are captured too: each level's random numbers are drawn before its replay, from the
+    step's generator, as op-by-op drafting draws them. So one seed gives the same trees, the same
+    kept draft distributions (bit for bit) and the same output, at T = 0.8 with rows finishing and
+    joining at batch size 3."""
+    target, draft = close_pair("llama")
+    params = SamplingParams(temperature=0.8, top_p=top_p)
+    engine, levels = level_engine(target, draft, method, rule=SamplingRule(), **LEVEL_METHODS[method])
+    drafts = recorded_sampled_drafts(engine)
+    replayed = [o.token_ids for o in engine.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)]
+    assert levels.captures > 0 and levels.replays > 2 * levels.captures, "sampled levels must replay their traces"
+    eager = SpeculativeEngine(target, make_policy(method, **LEVEL_METHODS[method]), SamplingRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[EOS], static_shapes=True)
+    eager_drafts = recorded_sampled_drafts(eager)
+    assert replayed == [o.token_ids for o in eager.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)]
+    assert any(sampled for (fields, _) in drafts for row in fields[3] for sampled in row), "the steps must draw their children"
+    assert same_drafts(drafts, eager_drafts)
+
+
+def test_levels_of_other_sampling_params_are_captured_apart(monkeypatch):
+    """The sampling params shape every level (the draft's distributions), so they are part of its
+    key: one draft model's levels drafted at T = 0.8, then at T = 0.5, then greedily, each draw
+    what op-by-op drafting draws. The check can fail: without the params in the key, the T = 0.5
+    calls replay the T = 0.8 levels."""
+    from specdec.drafting import levels as levels_module
+
+    target, draft = close_pair("llama")
+    shared = ReplayEmulator()
+
+    def run(params: SamplingParams, capture: bool) -> list[Any]:
+        source = ModelDraftSource(draft, static_shapes=True)
+        engine = SpeculativeEngine(target, make_policy("chain", k=4), SamplingRule(), source, eos_token_ids=[EOS], static_shapes=True)
+        source.runner.level_graphs, source.runner.time_forwards = (shared if capture else None), False
+        drafts = recorded_sampled_drafts(engine)
+        engine.generate(PROMPTS[:2], 16, params=params, seed=5, batch_size=2)
+        return drafts
+
+    settings = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.5), SamplingParams()]
+    alone = [run(params, capture=False) for params in settings]
+    assert all(same_drafts(run(params, capture=True), drafts) for params, drafts in zip(settings, alone, strict=True))
+    assert shared.replays > 0
+    begin = levels_module.CapturedLevels.begin
+
+    def without_params(self: Any, builder: Any, step_slots: int) -> None:
+        begin(self, builder, step_slots)
+        self._base = self._base[1:]
+
+    monkeypatch.setattr(levels_module.CapturedLevels, "begin", without_params)
+    shared.clear()
+    for _ in range(2):
+        run(settings[0], capture=True)
+    assert not same_drafts(run(settings[1], capture=True), alone[1])
+
+
 def test_levels_are_not_captured_where_they_cannot_be():
-    """Sampled children (random draws), timed forwards and runners without level graphs run
-    their levels op by op."""
+    """Timed forwards and runners without level graphs run their levels op by op."""
     from specdec.drafting.levels import CapturedLevels
 
     _, draft = close_pair("llama")
     source = ModelDraftSource(draft, static_shapes=True)
-    assert CapturedLevels.for_step(source, ("chain",), keep_draft_probs=False) is None  # no level graphs
+    assert CapturedLevels.for_step(source, ("chain",)) is None  # no level graphs
     source.runner.level_graphs = ReplayEmulator()
     source.runner.time_forwards = False
-    assert CapturedLevels.for_step(source, ("chain",), keep_draft_probs=False) is not None
-    assert CapturedLevels.for_step(source, ("chain",), keep_draft_probs=True) is None
-    assert CapturedLevels.for_step(None, ("chain",), keep_draft_probs=False) is None
+    assert CapturedLevels.for_step(source, ("chain",)) is not None
+    assert CapturedLevels.for_step(None, ("chain",)) is None
     source.runner.time_forwards = True
-    assert CapturedLevels.for_step(source, ("chain",), keep_draft_probs=False) is None
+    assert CapturedLevels.for_step(source, ("chain",)) is None
 
 
 def test_captured_levels_replay_across_engines(tiny_pair_dir, monkeypatch):

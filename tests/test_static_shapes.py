@@ -411,6 +411,38 @@ def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("method", ["chain", "static", "eagle2"])
+def test_captured_sampled_levels_on_cuda_draw_as_op_by_op(method, monkeypatch):
+    """Sampled children in captured levels on CUDA (T = 0.8, top-p 0.9, one seed): each level's
+    random numbers are drawn outside its graph as op-by-op drafting draws them, so the output and
+    the steps are the op-by-op ones, and no level graph was given up."""
+    from specdec.sampling import SamplingParams
+    from specdec.verification.sampling import SamplingRule
+
+    monkeypatch.setenv("SPECDEC_CAPTURE_LEVELS", "1")
+    monkeypatch.setenv("SPECDEC_TIME_FORWARDS", "0")
+    target = sharpen(tiny_model("llama", seed=0)).cuda()
+    draft = sharpen(tiny_model("llama", seed=0)).cuda()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    results = []
+    for capture in (True, False):
+        source = ModelDraftSource(draft, cuda_graphs=True)
+        if not capture:
+            source.runner.level_graphs = None
+        engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), SamplingRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
+        for _ in range(2):  # the second call replays what the first captured
+            outs = engine.generate(PROMPTS, 24, params=params, seed=7, batch_size=3)
+        results.append(([o.token_ids for o in outs], [o.stats.steps for o in outs]))
+        if capture:
+            levels = source.runner.level_graphs
+            assert levels is not None and levels.failed is None and levels.captures > 0 and levels.replays > 0
+    assert results[0] == results[1]
+
+
+@needs_cuda
 def test_capture_failure_falls_back_once(caplog):
     """A forward that reads a device value on the host cannot be captured: one warning naming
     the model class, then eager forwards with the same results."""

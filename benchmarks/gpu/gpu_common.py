@@ -87,13 +87,13 @@ def gpu_us(call: Callable[[], object], device: torch.device, reps: int, rounds: 
     return statistics.median(times)
 
 
-def timed_generate(decoder: Any, prompts: list[str], max_new_tokens: int, batch_size: int, device: torch.device) -> tuple[list[Any], dict[str, float]]:
+def timed_generate(decoder: Any, prompts: list[str], max_new_tokens: int, batch_size: int, device: torch.device, **sampling: Any) -> tuple[list[Any], dict[str, float]]:
     """One synchronised `decoder.generate` call: its results and tok/s, ms/step, τ and draft
     ms/step. B > 1: steps are the longest row's (a divisor that stays the same within a method:
-    compare modes of one method, not methods)."""
+    compare modes of one method, not methods). sampling: `generate`'s temperature, seed, ..."""
     sync(device)
     t0 = time.perf_counter()
-    results = decoder.generate(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    results = decoder.generate(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, **sampling)
     sync(device)
     wall = time.perf_counter() - t0
     steps = max(1, max(r.stats.steps for r in results) if batch_size > 1 else sum(r.stats.steps for r in results))

@@ -1,14 +1,16 @@
 """What capturing whole drafting levels as CUDA graphs (SPECDEC_CAPTURE_LEVELS=1,
 `specdec.drafting.levels`) does to a decoding step: the same decoder with level capture on and
 off, in alternating rounds of one process, with each round's drafts checked equal to the other
-mode's (the same greedy tokens and the same steps).
+mode's (the same tokens and the same steps: greedy, or sampled with one seed, as captured
+levels draw what op-by-op levels draw).
 
 Built on the CPU (2026-11-25, fourth session) and checked there by emulated replay; on the CPU
 the host-launched ops a step outside graphs fell by about half (`benchmarks/captured-levels/`).
 Whether an H100 step gets faster is what this script measures.
 
     python benchmarks/gpu/levels_ab.py --target PAIR/target --draft PAIR/draft \
-        --prompts PAIR/prompts.jsonl --methods chain,eagle2,static --device cuda --out OUT/levels
+        --prompts PAIR/prompts.jsonl --methods chain,eagle2,static --device cuda --out OUT/levels \
+        [--temperature 1]
 
 Writes `summary.md` and `summary.json` under --out.
 """
@@ -34,12 +36,14 @@ def main() -> None:
     add_pair_arguments(ap, methods="chain,eagle2,static", num_prompts=12)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, every call seeded alike")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = read_prompts(args.prompts, args.num_prompts)
     device = torch.device(args.device)
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "batch_size": args.batch_size, "methods": {}}
+    sampling = {"temperature": args.temperature, "seed": 0}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "batch_size": args.batch_size, "temperature": args.temperature, "methods": {}}
     lines = ["| method | levels | τ | tok/s | ms/step | draft ms/step | level graphs (captures, replays) | same tokens and steps |", "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
     for spec, method, opts, _ in method_items(args.methods):
         dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, method=method, device=args.device, **opts)
@@ -47,12 +51,12 @@ def main() -> None:
         for mode in ("on", "off"):  # warm: graphs (level graphs too), costs
             os.environ[runner_module.CAPTURE_LEVELS_ENV] = "1" if mode == "on" else "0"
             for _ in range(2):
-                dec.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+                dec.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, **sampling)
         per_mode: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
         for r in range(args.rounds):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 os.environ[runner_module.CAPTURE_LEVELS_ENV] = "1" if mode == "on" else "0"  # read as each call makes its engine
-                results, metrics = timed_generate(dec, prompts, args.max_new_tokens, args.batch_size, device)
+                results, metrics = timed_generate(dec, prompts, args.max_new_tokens, args.batch_size, device, **sampling)
                 fingerprint = ([x.token_ids for x in results], [x.stats.steps for x in results])
                 reference.setdefault("fingerprint", fingerprint)
                 shared = runner_module.shared_state(dec.draft) if dec.draft is not None else None
@@ -83,7 +87,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     os.environ.pop(runner_module.CAPTURE_LEVELS_ENV, None)
     (out / "summary.json").write_text(json.dumps(result, indent=2))
-    (out / "summary.md").write_text(f"{result['device']}, B = {args.batch_size}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.rounds} alternating rounds\n\n" + "\n".join(lines) + "\n")
+    (out / "summary.md").write_text(f"{result['device']}, B = {args.batch_size}, T = {args.temperature:g}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.rounds} alternating rounds\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ class TreeBuilder:
         if keep_draft_probs:
             self._dist_chunks.append(self.root_logprobs[:, None, :])
             if not chain:  # a chain's chunk i is node i's (every node but the last is expanded, in order)
-                self._dist_slot = torch.zeros(b, cap, dtype=torch.long, device=dev)
+                self._dist_slot = _zeros(workspace, ("dist_slot", b, cap), (b, cap), dev)
             self._dist_rows = 1
         self.draft_forwards = 1
 
@@ -429,15 +429,19 @@ class TreeBuilder:
         top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
         return self.add_children(nodes, valid, top.indices, top.values, depth=depth)
 
-    def expand(self, nodes: torch.Tensor, valid: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    def expand(self, nodes: torch.Tensor, valid: torch.Tensor, depth: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """One draft forward over `nodes` [B, k]; returns their children's draft
         log-distributions [B, k, V].
 
         valid: [B, k] bool, False for padding entries and for every invalid node (callers pass
         `last_valid` or `valid.gather(1, nodes)`); the outputs of invalid entries are ignored.
-        depth: the nodes' depth when they all share one (a level-by-level policy), else None."""
+        depth: the nodes' depth when they all share one (a level-by-level policy), else None.
+        out: [B, k, V] where to write them (a captured level's output buffer, which is then
+        also what the builder keeps of them), or None."""
         batch = NodeBatch(nodes=nodes, valid=valid, tokens=self.tokens, depths=self.depths, ancestors=self.ancestors, depth=depth, chain=self.chain)
         logprobs = self.source.expand(batch, self.ctx.params)
+        if out is not None:
+            logprobs = out.copy_(logprobs)
         self.draft_forwards += 1
         if self.chain and self.keep_draft_probs:
             self._dist_chunks.append(logprobs)
@@ -462,16 +466,16 @@ class TreeBuilder:
         return nodes.repeat_interleave(k, dim=1), top.indices.reshape(b, m * k), top.values.reshape(b, m * k), valid.repeat_interleave(k, dim=1)
 
     def draw_children(
-        self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor
+        self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor, uniforms: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`sample_children` without the Gumbel keys, for policies that value drawn children by
         their own token-free rule (EAGLE-2's positional rates, CAST's values): (parents, tokens,
         logq, valid), each [B, m*k]."""
-        parents, tokens, logq, child_valid, _ = self._draw(nodes, logprobs, k, valid)
+        parents, tokens, logq, child_valid, _ = self._draw(nodes, logprobs, k, valid, uniforms)
         return parents, tokens.reshape(parents.shape), logq.reshape(parents.shape), child_valid
 
     def sample_children(
-        self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor
+        self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor, uniforms: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """k children of each node drawn at random without replacement from its draft
         distribution, in draw order, flattened node-major, with their Gumbel keys.
@@ -489,12 +493,14 @@ class TreeBuilder:
         the exactness of sampling verification needs (docs/ARCHITECTURE.md).
 
         nodes: [B, m]; logprobs: [B, m, V] the nodes' children distributions (after the
-        sampling params); valid: [B, m]. Draws from `ctx.generator`. Tokens outside the
+        sampling params); valid: [B, m]. Draws from `ctx.generator`, or reads the draw's U(0, 1)
+        numbers from `uniforms` [B, m, V] (left as they are; a captured level's buffer, filled
+        before each replay). Tokens outside the
         distribution's support (fewer than k) come back with logq -inf: `add` drops them.
         Returns (parents, tokens, logq, valid, keys), each [B, m*k]; pass keys to `add(score=...)`.
         """
         b, m, _ = logprobs.shape
-        parents, tokens, logq, child_valid, perturbed = self._draw(nodes, logprobs, k, valid)
+        parents, tokens, logq, child_valid, perturbed = self._draw(nodes, logprobs, k, valid, uniforms)
         safe = nodes.clamp(min=0)
         parent_key = self.score.gather(1, safe)[:, :, None]  # [B, m, 1]
         parent_cum = self.cum_logq.gather(1, safe)[:, :, None]  # [B, m, 1]
@@ -510,13 +516,17 @@ class TreeBuilder:
         return parents, tokens.reshape(b, m * k), logq.reshape(b, m * k), child_valid, key.reshape(b, m * k)
 
     def _draw(
-        self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor
+        self, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor, uniforms: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The Gumbel-top-k draw of `sample_children`: parents and valid [B, m*k]; tokens, logq
         and the perturbed log-probs (logq + Gumbel noise) [B, m, k], in draw order."""
         b, m, _ = logprobs.shape
         # -Gumbel noise as log(-log u) (torch's exponential_ is several times slower than rand on CPU)
-        noise = torch.rand(logprobs.shape, generator=self.ctx.generator, device=logprobs.device).log_().neg_().log_()
+        if uniforms is None:
+            noise = torch.rand(logprobs.shape, generator=self.ctx.generator, device=logprobs.device).log_()
+        else:  # read, not overwritten: a captured level runs twice on one fill (warm-up, capture)
+            noise = uniforms.log()
+        noise = noise.neg_().log_()
         top = torch.topk(torch.sub(logprobs, noise, out=noise), k, dim=-1)  # [B, m, k] logq + Gumbel, in draw order
         logq = logprobs.gather(-1, top.indices)  # [B, m, k]
         parents = nodes[:, :, None].expand(b, m, k).reshape(b, m * k)
@@ -662,6 +672,16 @@ def _initial_buffers(b: int, cap: int, chain: bool, device: torch.device) -> tup
         _BUFFERS.clear()
     _BUFFERS[key] = cached
     return cached
+
+
+def _zeros(workspace: dict[tuple[object, ...], torch.Tensor] | None, key: tuple[object, ...], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int64 zeros of `shape`: the workspace's buffer for `key` zeroed (made on first use), or a new tensor without a workspace."""
+    if workspace is None:
+        return torch.zeros(shape, dtype=torch.long, device=device)
+    buf = workspace.get(key)
+    if buf is None or buf.device != device:
+        buf = workspace[key] = torch.empty(shape, dtype=torch.long, device=device)
+    return buf.zero_()
 
 
 def _workspace_buffer(workspace: dict[tuple[object, ...], torch.Tensor], key: tuple[object, ...], layout: torch.Tensor) -> torch.Tensor:

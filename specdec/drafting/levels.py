@@ -24,12 +24,22 @@ What makes a level replayable (`CapturedLevels.run`):
   warm-up, then the capture's first replay), so a level must be idempotent: it writes only new
   node columns and step slots, and its output buffer is not its input.
 
+- Sampled children (the chain's tokens at T > 0, the static tree's and EAGLE-2's drawn
+  children) read their random numbers from a buffer that `uniforms` fills before the level's
+  replay, from the step's generator, with the same shape and in the same order as op-by-op
+  drafting draws them: no random draw is inside a graph, and one seed gives the same trees
+  either way. A level reads that buffer and never overwrites it (a capture runs the level twice
+  on one fill). The draft distributions such a step keeps for verification are written to output
+  buffers (`TreeBuilder.expand(out=...)`), recorded as part of the level's host-side effects and
+  handed back to the builder after each replay.
+- The sampling params (temperature, top-p, top-k) are part of every key: they shape the
+  draft's distributions inside the level.
+
 Capture needs a model draft source whose runner has `level_graphs` (CUDA graphs with
-SPECDEC_CAPTURE_LEVELS=1, `specdec.models.runner.capture_levels_default`), forwards untimed, no
-sliding-window layers, and a step that keeps no draft distributions (greedy, or top-k
-children): sampled children draw random numbers, which these graphs do not capture yet.
-Policies: the chain's and the static tree's greedy levels, EAGLE-2's levels and its selection of
-the verified nodes (`finish`). One drafting thread per draft model, as its static buffers assume.
+SPECDEC_CAPTURE_LEVELS=1, `specdec.models.runner.capture_levels_default`), forwards untimed and no
+sliding-window layers. Policies: the chain's levels and the static tree's (all but the last),
+greedy or sampled; EAGLE-2's levels, with top-k or drawn children, and its selection of the
+verified nodes (`finish`). One drafting thread per draft model, as its static buffers assume.
 `tests/test_graph_replay_semantics.py` checks captured levels by emulated replay on the CPU; not
 yet run on a GPU (`benchmarks/gpu/levels_ab.py`).
 """
@@ -70,13 +80,13 @@ class CapturedLevels:
         self._base: tuple[Any, ...] = ()
 
     @classmethod
-    def for_step(cls, source: DraftSource | None, tag: tuple[Any, ...], keep_draft_probs: bool) -> CapturedLevels | None:
+    def for_step(cls, source: DraftSource | None, tag: tuple[Any, ...]) -> CapturedLevels | None:
         """Captured levels for this step, or None when its levels run op by op (see the module).
-        tag: the policy and every option that shapes its levels."""
+        tag: the policy and every option that shapes its levels (the sampling params are added by `begin`)."""
         runner = getattr(source, "runner", None)
         if source is None or not isinstance(runner, ModelRunner) or not hasattr(source, "reserve_step_slots"):
             return None
-        if runner.level_graphs is None or runner.time_forwards or runner.window is not None or keep_draft_probs:
+        if runner.level_graphs is None or runner.time_forwards or runner.window is not None:
             return None
         return cls(source, runner, tag)
 
@@ -91,13 +101,22 @@ class CapturedLevels:
         self.builder = builder
         runner = self.runner
         slots = self.source.reserve_step_slots(runner.step_len + step_slots)  # type: ignore[attr-defined]
-        buffers = (builder._ints, builder._floats, builder._flags, builder._anc)
-        self._base = (*runner.begin_levels(step_slots), *slots, *(t.data_ptr() for t in buffers))
+        buffers = (builder._ints, builder._floats, builder._flags, builder._anc, *(() if builder._dist_slot is None else (builder._dist_slot,)))
+        # the sampling params shape every level (the draft's distributions: temperature, top-p, top-k)
+        self._base = (builder.ctx.params, *runner.begin_levels(step_slots), *slots, *(t.data_ptr() for t in buffers))
 
     def buffer(self, name: tuple[Any, ...], like: torch.Tensor) -> torch.Tensor:
         """`output(name)` shaped as `like`, with `like` copied in: how the first level gets what
         was computed before the levels (a frontier, a distribution) at a fixed address."""
         return self.output(name, tuple(like.shape), like.dtype).copy_(like)
+
+    def uniforms(self, name: tuple[Any, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """`output(name)` filled with U(0, 1) numbers from the step's generator (one op, outside
+        any graph): the random numbers of the next level's draws (`TreeBuilder.sample_children`,
+        `sample_from_probs`), drawn as op-by-op drafting draws them, in the same order."""
+        assert self.builder is not None, "begin() first"
+        buf = self.output(name, shape, torch.float32)
+        return torch.rand(shape, generator=self.builder.ctx.generator, device=buf.device, out=buf)
 
     def output(self, name: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` at the same address every step (made on first use, contents
@@ -110,26 +129,31 @@ class CapturedLevels:
 
     def finish(self, select: Callable[[], Draft], width: int) -> Draft:
         """The step's `Draft` from `select()` (the builder's selection of the verified nodes:
-        `TreeBuilder.finish` with a keep mask and `width`, keeping no draft distributions),
-        replayed like a level: the tree's tensors land in buffers at fixed addresses (overwritten
-        by the next step's selection), and the Draft is rebuilt around them."""
+        `TreeBuilder.finish` with a keep mask and `width`, with the kept nodes' draft
+        distributions when the builder keeps them), replayed like a level: the tree's tensors
+        land in buffers at fixed addresses (overwritten by the next step's selection), and the
+        Draft is rebuilt around them."""
         builder = self.builder
         assert builder is not None, "begin() first"
-        fields = _tree_fields(builder.batch_size, min(width, builder.num_nodes))
+        chunks = builder._dist_chunks
+        if chunks:  # the root's distribution, made before the levels: copied to a fixed address (the levels' are at theirs)
+            chunks[0] = self.buffer(("dist", 0), chunks[0])
+        fields = _tree_fields(builder.batch_size, min(width, builder.num_nodes), chunks[0].shape[-1] if builder.keep_draft_probs else 0)
 
         def selection() -> torch.Tensor:
             drafted = select()
-            assert drafted.tree.draft_logprobs is None, "a captured selection keeps no draft distributions"
             for name, shape, dtype in fields:
                 value = drafted.builder_nodes if name == "builder_nodes" else getattr(drafted.tree, name)
                 assert tuple(value.shape) == shape and value.dtype == dtype, (name, tuple(value.shape), value.dtype)
                 self.output(("selection", name), shape, dtype).copy_(value)
             return self.output(("selection", "tokens"), fields[0][1], fields[0][2])
 
-        self.run(("selection", width), selection, reads=())
+        self.run(("selection", width), selection, reads=tuple(chunks))
         out = {name: self.output(("selection", name), shape, dtype) for name, shape, dtype in fields}
         builder_nodes = out.pop("builder_nodes")
+        draft_logprobs = out.pop("draft_logprobs", None)
         tree = TokenTree(**out, depth_bound=builder.levels, max_children=builder.max_children)
+        tree.draft_logprobs = draft_logprobs
         return Draft(tree, builder, builder_nodes)
 
     def run(self, name: tuple[Any, ...], level: Callable[[], torch.Tensor], reads: Sequence[torch.Tensor]) -> None:
@@ -167,19 +191,24 @@ class CapturedLevels:
         with torch.inference_mode():  # as the runner's forwards (the KV storage is an inference tensor)
             graphs.run(key, call, keepalive=(tuple(reads), builder._ints, builder._floats, builder._flags, builder._anc))
         if ran:  # captured now (or graphs were given up and it ran op by op): what it did on the host
-            after = _host_state(builder, runner)
-            runner.level_effects[key] = (after[0], tuple(a - b for a, b in zip(after[1], before[1], strict=True)))
+            fields, counters, chunks = _host_state(builder, runner)
+            kept = chunks[len(before[2]) :]  # draft distributions the level kept: they must be buffers it writes
+            outputs = {id(t) for t in runner.level_buffers.values()}
+            assert all(id(t) in outputs for t in kept), "a captured level keeps its draft distributions in output buffers (`TreeBuilder.expand(out=...)`)"
+            runner.level_effects[key] = (fields, tuple(a - b for a, b in zip(counters, before[1], strict=True)), kept)
         else:
-            fields, deltas = runner.level_effects[key]
-            _set_host_state(builder, runner, (fields, tuple(b + d for b, d in zip(before[1], deltas, strict=True))))
+            fields, deltas, kept = runner.level_effects[key]
+            _set_host_state(builder, runner, (fields, tuple(b + d for b, d in zip(before[1], deltas, strict=True)), (*before[2], *kept)))
         cache = runner.cache
         assert cache is not None
         cache.length = runner.past_len + runner.step_len
 
 
-def _tree_fields(b: int, m: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
-    """(field, shape, dtype) of a selected tree's tensors of B rows and M nodes (`CapturedLevels.finish`)."""
+def _tree_fields(b: int, m: int, vocab: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """(field, shape, dtype) of a selected tree's tensors of B rows and M nodes, with their draft
+    distributions over `vocab` tokens when it is not 0 (`CapturedLevels.finish`)."""
     long, flt, flag = torch.long, torch.float32, torch.bool
+    dists = (("draft_logprobs", (b, m, vocab), flt),) if vocab else ()
     return (
         ("tokens", (b, m), long),
         ("parents", (b, m), long),
@@ -190,18 +219,24 @@ def _tree_fields(b: int, m: int) -> tuple[tuple[str, tuple[int, ...], torch.dtyp
         ("sampled", (b, m), flag),
         ("ancestors", (b, m, m), flag),
         ("builder_nodes", (b, m), long),
+        *dists,
     )
 
 
-def _host_state(builder: TreeBuilder, runner: ModelRunner) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-    """(builder fields and the runner's step slots, the runner's counters)"""
-    return (*(getattr(builder, f) for f in _BUILDER_STATE), runner.step_len), tuple(getattr(runner, f) for f in _RUNNER_COUNTERS)
+HostState = tuple[tuple[Any, ...], tuple[int, ...], tuple[torch.Tensor, ...]]
+"""(builder fields and the runner's step slots, the runner's counters, the builder's kept draft distributions)"""
 
 
-def _set_host_state(builder: TreeBuilder, runner: ModelRunner, state: tuple[tuple[Any, ...], tuple[int, ...]]) -> None:
-    fields, counters = state
+def _host_state(builder: TreeBuilder, runner: ModelRunner) -> HostState:
+    fields = (*(getattr(builder, f) for f in _BUILDER_STATE), runner.step_len)
+    return fields, tuple(getattr(runner, f) for f in _RUNNER_COUNTERS), tuple(builder._dist_chunks)
+
+
+def _set_host_state(builder: TreeBuilder, runner: ModelRunner, state: HostState) -> None:
+    fields, counters, chunks = state
     for name, value in zip(_BUILDER_STATE, fields[:-1], strict=True):
         setattr(builder, name, value)
     runner.step_len = fields[-1]
     for name, value in zip(_RUNNER_COUNTERS, counters, strict=True):
         setattr(runner, name, value)
+    builder._dist_chunks[:] = chunks

@@ -62,27 +62,21 @@ class ChainPolicy(_Stateless):
         sampling = not ctx.params.greedy
         may_be_empty = sampling and not getattr(source, "always_proposes", False)  # rows of all -inf: nothing to draft there
         depth = min(self.k, ctx.max_depth)
-        levels = None if sampling else CapturedLevels.for_step(source, ("chain",), keep_draft_probs=False)
+        levels = CapturedLevels.for_step(source, ("chain", may_be_empty))
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + depth, chain=True, workspace=levels and levels.workspace)
         logprobs = builder.root_logprobs  # [B, V]
         if levels is not None and depth > 1:
             levels.begin(builder, step_slots=(depth - 1) * node_bucket(1))
             logprobs = levels.buffer(("logprobs", 0), logprobs)
         for level in range(1, depth + 1):
-            if levels is not None and level < depth:  # the level's greedy child and its forward, replayed
-                out = levels.output(("logprobs", level), tuple(logprobs.shape), logprobs.dtype)
-                levels.run(("level", level), partial(self._greedy_level, builder, logprobs, out, level), reads=(logprobs, out))
-                logprobs = out
+            if levels is not None and level < depth:  # the level's child and its forward, replayed
+                out = levels.output(("logprobs", level), (logprobs.shape[0], 1, logprobs.shape[-1]), logprobs.dtype)  # [B, 1, V]
+                uniforms = levels.uniforms(("uniforms",), tuple(logprobs.shape)) if sampling else None
+                body = partial(self._level, builder, logprobs, out, level, uniforms, may_be_empty)
+                levels.run(("level", level), body, reads=(logprobs, out) if uniforms is None else (logprobs, out, uniforms))
+                logprobs = out[:, 0]
                 continue
-            if sampling:
-                probs = logprobs.exp()  # [B, V]
-                if may_be_empty:  # an empty row draws token 0, whose logq -inf makes the node invalid
-                    probs[:, 0] += probs.sum(dim=1) == 0
-                tok = sample_from_probs(probs, ctx.generator)[:, None]  # [B, 1]
-                logq = logprobs.gather(1, tok)
-            else:
-                logq, tok = logprobs.max(dim=-1, keepdim=True)  # [B, 1] each
-            node = builder.add_chain_child(tok, logq, sampled=sampling)  # a finished row's root has cum_logq -inf: its nodes are invalid
+            node = self._add_child(builder, logprobs, sampling, None, may_be_empty)
             if level < depth:
                 logprobs = builder.expand(node, builder.last_valid, depth=level)[:, 0]
         # a source that always proposes gives every token a finite logq (a greedy maximum or a
@@ -92,13 +86,29 @@ class ChainPolicy(_Stateless):
         drafted.tree.chain = True  # node i's parent is node i - 1
         return drafted
 
+    @classmethod
+    def _level(
+        cls, builder: TreeBuilder, logprobs: torch.Tensor, out: torch.Tensor, level: int, uniforms: torch.Tensor | None, may_be_empty: bool
+    ) -> torch.Tensor:
+        """One chain level that is not the last (a captured level's body): the child of the
+        newest node (logprobs [B, V]), then its forward, whose distribution is written to `out`
+        [B, 1, V]. uniforms: [B, V], the draw's random numbers when sampling; None: greedy."""
+        node = cls._add_child(builder, logprobs, uniforms is not None, uniforms, may_be_empty)
+        return builder.expand(node, builder.last_valid, depth=level, out=out)
+
     @staticmethod
-    def _greedy_level(builder: TreeBuilder, logprobs: torch.Tensor, out: torch.Tensor, level: int) -> torch.Tensor:
-        """One greedy chain level (a captured level's body): the draft's argmax under the newest
-        node (logprobs [B, V]) becomes its child, whose distribution is written to `out` [B, V]."""
-        logq, tok = logprobs.max(dim=-1, keepdim=True)  # [B, 1] each
-        node = builder.add_chain_child(tok, logq)
-        return out.copy_(builder.expand(node, builder.last_valid, depth=level)[:, 0])
+    def _add_child(builder: TreeBuilder, logprobs: torch.Tensor, sampling: bool, uniforms: torch.Tensor | None, may_be_empty: bool) -> torch.Tensor:
+        """Add the newest node's child from its distribution logprobs [B, V]: the draft's argmax,
+        or when sampling a draw (from `uniforms` [B, V] when given); returns it [B, 1]."""
+        if sampling:
+            probs = logprobs.exp()  # [B, V]
+            if may_be_empty:  # an empty row draws token 0, whose logq -inf makes the node invalid
+                probs[:, 0] += probs.sum(dim=1) == 0
+            tok = sample_from_probs(probs, builder.ctx.generator, uniforms)[:, None]  # [B, 1]
+            logq = logprobs.gather(1, tok)
+        else:
+            logq, tok = logprobs.max(dim=-1, keepdim=True)  # [B, 1] each
+        return builder.add_chain_child(tok, logq, sampled=sampling)  # a finished row's root has cum_logq -inf: its nodes are invalid
 
 
 @dataclass
@@ -125,7 +135,7 @@ class StaticTreePolicy(_Stateless):
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         sampled = ctx.samples_children(self.tree_sampling)
-        levels = None if sampled else CapturedLevels.for_step(source, ("static", self.branching, self.max_nodes), keep_draft_probs=False)
+        levels = CapturedLevels.for_step(source, ("static", self.branching, self.max_nodes, sampled))
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + self.max_nodes, workspace=levels and levels.workspace)
         frontier, frontier_valid = builder.root, builder.root_valid  # [B, 1] each
         logprobs = builder.root_logprobs[:, None, :]  # [B, m, V] children distributions of the frontier
@@ -141,7 +151,9 @@ class StaticTreePolicy(_Stateless):
             last = level == depth or budget == 0
             if levels is not None and not last:  # the level's children and their forward, replayed
                 out = levels.output(("logprobs", level), (roots.shape[0], take, logprobs.shape[-1]), logprobs.dtype)
-                levels.run(("level", level), partial(self._greedy_level, builder, frontier, frontier_valid, logprobs, out, k, take, level), reads=(logprobs, out))
+                uniforms = levels.uniforms(("uniforms", level), tuple(logprobs.shape)) if sampled else None
+                body = partial(self._level, builder, frontier, frontier_valid, logprobs, out, k, take, level, uniforms)
+                levels.run(("level", level), body, reads=(logprobs, out) if uniforms is None else (logprobs, out, uniforms))
                 start, end = builder._last  # the level's nodes: columns start..end - 1 (builder state, set after a replay too)
                 frontier, frontier_valid, logprobs = constants.arange(end, roots.device)[start:end].expand(roots.shape[0], end - start), builder.last_valid, out
                 continue
@@ -153,13 +165,23 @@ class StaticTreePolicy(_Stateless):
         return builder.finish()
 
     @classmethod
-    def _greedy_level(
-        cls, builder: TreeBuilder, frontier: torch.Tensor, frontier_valid: torch.Tensor, logprobs: torch.Tensor, out: torch.Tensor, k: int, take: int, level: int
+    def _level(
+        cls,
+        builder: TreeBuilder,
+        frontier: torch.Tensor,
+        frontier_valid: torch.Tensor,
+        logprobs: torch.Tensor,
+        out: torch.Tensor,
+        k: int,
+        take: int,
+        level: int,
+        uniforms: torch.Tensor | None,
     ) -> torch.Tensor:
-        """A greedy level that is not the last (a captured level's body): the frontier's top-k
-        children, then their forward, whose distributions are written to `out` [B, take, V]."""
-        nodes = cls._add_level(builder, frontier, frontier_valid, logprobs, k, take, level, False)
-        return out.copy_(builder.expand(nodes, builder.last_valid, depth=level))
+        """A level that is not the last (a captured level's body): the frontier's children (its
+        top-k, or k draws each from `uniforms` [B, m, V] when given), then their forward, whose
+        distributions are written to `out` [B, take, V]."""
+        nodes = cls._add_level(builder, frontier, frontier_valid, logprobs, k, take, level, uniforms is not None, uniforms)
+        return builder.expand(nodes, builder.last_valid, depth=level, out=out)
 
     @staticmethod
     def _add_level(
@@ -171,12 +193,13 @@ class StaticTreePolicy(_Stateless):
         take: int,
         level: int,
         sampled: bool,
+        uniforms: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Add the frontier's [B, m] children at depth `level`: k each (their top-k, or k draws),
-        the first `take` in BFS order; returns them [B, take]."""
+        """Add the frontier's [B, m] children at depth `level`: k each (their top-k, or k draws,
+        from `uniforms` [B, m, V] when given), the first `take` in BFS order; returns them [B, take]."""
         keys = None
         if sampled:
-            parents, tokens, logq, valid, keys = builder.sample_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
+            parents, tokens, logq, valid, keys = builder.sample_children(frontier, logprobs, k, frontier_valid, uniforms)  # [B, m*k]
         if sampled or take < frontier.shape[1] * k:
             if not sampled:
                 parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # [B, m*k]
@@ -243,7 +266,7 @@ class Eagle2Policy:
         k = self.top_k
         sampled = ctx.samples_children(self.tree_sampling)
         self._drew_tree = False
-        levels = CapturedLevels.for_step(source, ("eagle2", self.top_k), keep_draft_probs=sampled)
+        levels = CapturedLevels.for_step(source, ("eagle2", self.top_k, sampled))
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.capacity, workspace=levels and levels.workspace)
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)
@@ -255,12 +278,21 @@ class Eagle2Policy:
         if levels is not None and depth > 1:
             levels.begin(builder, step_slots=(depth - 1) * node_bucket(k))
             frontier = levels.buffer(("frontier", 1), frontier)
+            if log_rates is not None:
+                log_rates = levels.buffer(("log_rates",), log_rates)
         for level in range(2, depth + 1):
             if levels is None:
                 frontier = self._level(builder, frontier, None, k, log_rates, level)
             else:  # replayed: the level's frontier buffer in, the next one out
                 out = levels.output(("frontier", level), tuple(frontier.shape), frontier.dtype)
-                levels.run(("level", level), partial(self._level, builder, frontier, out, k, None, level), reads=(frontier, out))
+                reads: tuple[torch.Tensor, ...] = (frontier, out)
+                uniforms = dists = None
+                if sampled:  # the draws' random numbers in, the frontier's distributions (kept for verification) out
+                    assert log_rates is not None
+                    shape = (*frontier.shape, builder.root_logprobs.shape[-1])  # [B, k, V]
+                    uniforms, dists = levels.uniforms(("uniforms",), shape), levels.output(("dist", level), shape, builder.root_logprobs.dtype)
+                    reads = (*reads, log_rates, uniforms, dists)
+                levels.run(("level", level), partial(self._level, builder, frontier, out, k, log_rates, level, uniforms, dists), reads=reads)
                 frontier = out
         def select() -> Draft:  # the best total_tokens nodes by builder.score
             return builder.finish(builder.top_by_score(None, self.total_tokens), width=1 + self.total_tokens)
@@ -271,13 +303,25 @@ class Eagle2Policy:
         return drafted
 
     @classmethod
-    def _level(cls, builder: TreeBuilder, frontier: torch.Tensor, out: torch.Tensor | None, k: int, log_rates: torch.Tensor | None, level: int) -> torch.Tensor:
+    def _level(
+        cls,
+        builder: TreeBuilder,
+        frontier: torch.Tensor,
+        out: torch.Tensor | None,
+        k: int,
+        log_rates: torch.Tensor | None,
+        level: int,
+        uniforms: torch.Tensor | None = None,
+        dists: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Expand the frontier [B, k] (nodes at depth level - 1), add k children under each, and
-        return the next frontier [B, k], the k best of them (written to `out` when given)."""
+        return the next frontier [B, k], the k best of them (written to `out` when given).
+        A captured level passes the draws' random numbers (`uniforms` [B, k, V]) and where the
+        frontier's distributions go (`dists` [B, k, V]) when it draws children."""
         frontier_valid = builder.valid.gather(1, frontier)
-        logprobs = builder.expand(frontier, frontier_valid, depth=level - 1)  # [B, k, V]
+        logprobs = builder.expand(frontier, frontier_valid, depth=level - 1, out=dists)  # [B, k, V]
         start = builder.num_nodes
-        cls._children(builder, frontier, logprobs, k, frontier_valid, log_rates, level)  # [B, k*k] nodes: columns start..start + k*k - 1
+        cls._children(builder, frontier, logprobs, k, frontier_valid, log_rates, level, uniforms)  # [B, k*k] nodes: columns start..start + k*k - 1
         # builder.score: cum_logq, or the positional value of sampled children (never their own
         # tokens' logq); -inf at invalid nodes
         best = torch.topk(builder.score[:, start:], k, dim=1).indices  # [B, k]
@@ -285,13 +329,20 @@ class Eagle2Policy:
 
     @staticmethod
     def _children(
-        builder: TreeBuilder, nodes: torch.Tensor, logprobs: torch.Tensor, k: int, valid: torch.Tensor, log_rates: torch.Tensor | None, depth: int
+        builder: TreeBuilder,
+        nodes: torch.Tensor,
+        logprobs: torch.Tensor,
+        k: int,
+        valid: torch.Tensor,
+        log_rates: torch.Tensor | None,
+        depth: int,
+        uniforms: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Add k children of each node [B, m] (all at depth - 1): its top-k, or k draws valued by
-        the parent's value plus the log positional rate of their draw rank (log_rates [k]);
-        returns them [B, m*k]."""
+        """Add k children of each node [B, m] (all at depth - 1): its top-k, or k draws (from
+        `uniforms` [B, m, V] when given) valued by the parent's value plus the log positional
+        rate of their draw rank (log_rates [k]); returns them [B, m*k]."""
         if log_rates is None:
             return builder.add_top_children(nodes, logprobs, k, None, depth=depth)  # invalid nodes have cum_logq -inf
-        parents, tokens, logq, child_valid = builder.draw_children(nodes, logprobs, k, valid)  # valued by rank, not by Gumbel keys
+        parents, tokens, logq, child_valid = builder.draw_children(nodes, logprobs, k, valid, uniforms)  # valued by rank, not by Gumbel keys
         score = builder.score.gather(1, parents) + log_rates.repeat(nodes.shape[1])  # [B, m*k]: token-free, non-increasing in the rank
         return builder.add(parents, tokens, logq, child_valid, sampled=True, score=score, depth=depth, children_per_parent=k)
