@@ -227,7 +227,16 @@ def level_engine(target, draft, method: str, rule: Any = None, **options: Any) -
     return engine, levels
 
 
-LEVEL_METHODS = {"chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "static": {"depth": 3, "branching": 2, "max_nodes": 12}}
+LEVEL_METHODS = {
+    "chain": {"k": 4},
+    "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10},
+    "static": {"depth": 3, "branching": 2, "max_nodes": 12},
+    # inside a free width (CUDA's default rules): top-k children, levels of static widths, the growing
+    # count read from D_0 on (phase 3's gate), calibrated values whose tables a refit writes over
+    "dynatree": {"free_tokens": 24},
+}
+SAMPLED_LEVEL_METHODS = ("chain", "eagle2", "static")
+"""policies whose sampled children are captured too"""
 
 
 def recorded_drafts(engine: SpeculativeEngine) -> list[Any]:
@@ -261,7 +270,8 @@ def test_captured_levels_replay_exactly(arch, method, pair):
     drafts = recorded_drafts(engine)
     outs = engine.generate(PROMPTS, 32, batch_size=3)
     assert [o.token_ids for o in outs] == refs
-    assert levels.captures > 0 and levels.replays > 3 * levels.captures, "levels must replay their traces"
+    # DynaTree's keys also name its level widths and growth thresholds, which its history moves: fewer replays per capture
+    assert levels.captures > 0 and levels.replays > (1 if method == "dynatree" else 3) * levels.captures, "levels must replay their traces"
     eager_source = ModelDraftSource(draft, static_shapes=True)
     eager = SpeculativeEngine(target, make_policy(method, **LEVEL_METHODS[method]), GreedyRule(), eager_source, eos_token_ids=[EOS], static_shapes=True)
     eager_drafts = recorded_drafts(eager)
@@ -338,7 +348,7 @@ def same_drafts(a: list[Any], b: list[Any]) -> bool:
     )
 
 
-@pytest.mark.parametrize("method", sorted(LEVEL_METHODS))
+@pytest.mark.parametrize("method", SAMPLED_LEVEL_METHODS)
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_captured_sampled_levels_draw_what_op_by_op_draws(method, top_p):
     """Children drawn from the draft (the chain's tokens, the static tree's and EAGLE-2's sampled

@@ -381,7 +381,7 @@ def test_greedy_with_cuda_graphs_equals_target():
 
 
 @needs_cuda
-@pytest.mark.parametrize("method", ["chain", "static", "eagle2"])
+@pytest.mark.parametrize("method", ["chain", "static", "eagle2", "dynatree"])
 def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
     """SPECDEC_CAPTURE_LEVELS=1: whole drafting levels replay as CUDA graphs; greedy output is the
     target's, the drafts are the op-by-op ones (the same steps), and no level graph was given up."""
@@ -399,7 +399,8 @@ def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
         source = ModelDraftSource(draft, cuda_graphs=True)
         if not capture:
             source.runner.level_graphs = None
-        engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), GreedyRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
+        options = {"free_tokens": 24} if method == "dynatree" else METHODS[method]  # DynaTree's levels are captured inside a free width
+        engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
         for _ in range(2):  # the second call replays what the first captured
             outs = engine.generate(PROMPTS, 24, batch_size=3)
             assert [o.token_ids for o in outs] == refs, (method, capture)

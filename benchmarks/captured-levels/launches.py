@@ -11,6 +11,7 @@ captured every graph. The drafts must match: τ is printed for both modes.
     python benchmarks/captured-levels/launches.py chain 1        # levels off
     python benchmarks/captured-levels/launches.py chain 1 --levels
     python benchmarks/captured-levels/launches.py eagle2 1 --levels --temperature 1   # sampled children
+    python benchmarks/captured-levels/launches.py dynatree 1 --levels --options '{"free_tokens": 13}'
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
     ap.add_argument("batch_size", type=int)
     ap.add_argument("--levels", action="store_true")
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--options", default="{}", help="the method's options, JSON (DynaTree's levels are captured inside a free width: free_tokens)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (chain tokens, trees' sampled children)")
     args = ap.parse_args()
     emulators: dict[str, Emulator] = {}
@@ -72,7 +74,7 @@ def main() -> None:
 
     engine_module.SpeculativeEngine.__init__ = init  # type: ignore[method-assign]
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][: 2 * args.batch_size]
-    decoder = SpeculativeDecoder.from_pretrained(method=args.method, static_shapes=True)
+    decoder = SpeculativeDecoder.from_pretrained(method=args.method, static_shapes=True, **json.loads(args.options))
     decoder.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0, batch_size=args.batch_size)
     replays_before = sum(e.replays for e in emulators.values())
     with HostWorkCounter() as counter:
@@ -81,7 +83,7 @@ def main() -> None:
     tau = sum(r.stats.new_tokens for r in results) / max(1, sum(r.stats.steps for r in results))
     replays = sum(e.replays for e in emulators.values()) - replays_before
     print(
-        f"| {args.method} | {args.batch_size} | {args.temperature:g} | {'on' if args.levels else 'off'} | {tau:.2f} | {counter.ops / steps:.1f} | "
+        f"| {args.method}{' ' + args.options if args.options != '{}' else ''} | {args.batch_size} | {args.temperature:g} | {'on' if args.levels else 'off'} | {tau:.2f} | {counter.ops / steps:.1f} | "
         f"{replays / steps:.1f} | {counter.host_reads / steps:.2f} |"
     )
 

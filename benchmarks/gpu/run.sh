@@ -131,7 +131,7 @@ case "$stage" in
            # at T = 1 (sampled children, one seed) at B = 1
     timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_static_shapes.py tests/test_graph_replay_semantics.py -k "level or graph" -rs 2>&1 | tail -15 | tee "$OUT/levels.log"
     pair
-    per_batch_size levels_ab.py levels "${LEVELS_METHODS:-chain,eagle2,static}" "${LEVELS_B:-8}"
+    per_batch_size levels_ab.py levels "${LEVELS_METHODS:-chain,eagle2,static,dynatree}" "${LEVELS_B:-8}"
     $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
       --methods "${LEVELS_METHODS:-chain,eagle2,static}" --temperature 1 --out "$OUT/levels-t1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
     tar -czf "$OUT/levels-t1.tar.gz" -C "$OUT" levels-t1 && rm -rf "${OUT:?}/levels-t1"

@@ -163,6 +163,9 @@ class AcceptanceCalibrator:
         self._edges: dict[torch.device, torch.Tensor] = {}  # log q bin edges per device
         self._offsets: dict[tuple[int, torch.device], torch.Tensor] = {}  # `child_rates`' rank offsets per (k, device)
         self._gamma = np.ones(ranks)  # each rank's exponent γ as of the last refit (`rank_exponents`)
+        # the tables on each device they were asked for, at one address for good: a refit copies into them
+        # (a captured drafting level reads them, `specdec.drafting.levels`)
+        self._device_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._set_rates(np.tile(self.centers, (ranks, 1)))  # the identity until verdicts arrive
 
     @classmethod
@@ -350,15 +353,25 @@ class AcceptanceCalibrator:
 
     def _line(self, device: torch.device) -> torch.Tensor:
         """[R * bins, 2] each cell's log-rate line in log q (intercept, slope), on `device`."""
-        if self._flat_line.device != device:
-            self._flat_line = self._flat_line.to(device)
-        return self._flat_line
+        return self._device_table("line", self._flat_line, device)
+
+    def device_tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The tables `child_rates` reads on `device` (at fixed addresses: a refit writes over them)."""
+        return (self._line(device),) if self.rank_prior == "power" else (self._device_table("log_rate", self._flat_log_rate, device),)
 
     def log_rate(self, cells: torch.Tensor) -> torch.Tensor:
         """Calibrated log acceptance of the tokens in `cells` (finite everywhere: mask invalid nodes yourself)."""
-        if self._flat_log_rate.device != cells.device:
-            self._flat_log_rate = self._flat_log_rate.to(cells.device)
-        return self._flat_log_rate[cells]
+        return self._device_table("log_rate", self._flat_log_rate, cells.device)[cells]
+
+    def _device_table(self, name: str, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`host` (a table as of the last refit) on `device`: the CPU tensor itself there, else a
+        copy made once and refreshed in place by each refit (`_set_rates`)."""
+        if device.type == "cpu":
+            return host
+        table = self._device_tables.get((name, device))
+        if table is None:
+            table = self._device_tables[(name, device)] = host.to(device)
+        return table
 
     def observe_cells(self, cells: torch.Tensor, accepted: torch.Tensor, mask: torch.Tensor, logq: torch.Tensor | None = None) -> None:
         """`observe` for tokens given by their table cells (`cells`) and local log q (`logq`;
@@ -435,13 +448,22 @@ class AcceptanceCalibrator:
             self._child = np.array([self._rate_of(r) for r in range(1, self.ranks + 1)])
 
     def _set_rates(self, rates: np.ndarray) -> None:
+        """Refit: the tables from `rates` [R, bins], written over the last ones where they exist
+        (their addresses stay: a captured drafting level reads them)."""
         self._log_rate = torch.from_numpy(np.log(np.clip(rates, 1e-6, 1 - 1e-6))).float()  # [R, bins]
-        self._flat_log_rate = self._log_rate.reshape(-1)  # [R * bins], indexed by (rank - 1) * bins + q bin
+        flat_log_rate = self._log_rate.reshape(-1)  # [R * bins], indexed by (rank - 1) * bins + q bin
         # within a cell the rate follows the rank's power law through the cell's rate at its mean
         # q: log rate(q) = log rate_cell + γ (log q - mean log q)
         slope = np.broadcast_to(self._gamma[:, None], rates.shape)  # [R, bins]
         intercept = self._log_rate.double().numpy() - slope * self.mean_logq()
-        self._flat_line = torch.from_numpy(np.stack([intercept, slope], axis=-1).reshape(-1, 2)).float()  # [R * bins, 2]
+        flat_line = torch.from_numpy(np.stack([intercept, slope], axis=-1).reshape(-1, 2)).float()  # [R * bins, 2]
+        if hasattr(self, "_flat_line"):
+            self._flat_line.copy_(flat_line)
+            self._flat_log_rate.copy_(flat_log_rate)
+        else:
+            self._flat_line, self._flat_log_rate = flat_line, flat_log_rate.clone()
+        for (name, _), table in self._device_tables.items():
+            table.copy_(self._flat_line if name == "line" else self._flat_log_rate)
 
     def _rate_of(self, rank: int) -> float:
         r = min(max(rank, 1), self.ranks) - 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from statistics import NormalDist
 from typing import TYPE_CHECKING, ClassVar
 
@@ -32,7 +33,9 @@ import torch
 from specdec import constants
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling
 from specdec.drafting.calibration import AcceptanceCalibrator
+from specdec.drafting.levels import CapturedLevels
 from specdec.errors import SpecDecError
+from specdec.models.static import node_bucket
 
 if TYPE_CHECKING:
     from specdec.cost.profile import CostTableResolver
@@ -692,18 +695,122 @@ class DynaTreePolicy:
         option, or 0 inside the free width."""
         if depth >= limit:
             return None
-        if self.phase < 2:
+        threshold = self._growth_threshold(depth, rho_stop)
+        if threshold is None:
             return node_valid
-        threshold = _log(rho_stop) if depth < self.cur_d0 else max(_log(rho_stop), _log(self.cur_rho_deep))
         if threshold > float("-inf"):  # invalid nodes have score -inf (the builder writes it): the comparison alone
             return score >= threshold
         return (score >= threshold).logical_and_(node_valid)
+
+    def _growth_threshold(self, depth: int, rho_stop: float) -> float | None:
+        """The log p(u) a node at `depth` needs to grow (`_growing`): None in phases 0-1 (every valid node grows)."""
+        if self.phase < 2:
+            return None
+        return _log(rho_stop) if depth < self.cur_d0 else max(_log(rho_stop), _log(self.cur_rho_deep))
 
     def _growth_reads(self, depth: int) -> bool:
         """Inside the free width (no early stop): whether which nodes at `depth` grow depends on
         their values (the deep-expansion gate p(u) >= rho_deep, from D_0 on, phases 2-3), so the
         level needs its host read; shallower than D_0 (and in phases 0-1) every valid node grows."""
         return self.phase >= 2 and depth >= self.cur_d0
+
+    def _add_top_level(
+        self, builder: TreeBuilder, frontier: torch.Tensor, frontier_valid: torch.Tensor, logprobs: torch.Tensor, k: int, log_tau: float, depth: int
+    ) -> torch.Tensor:
+        """A level of top-k children where no node budget binds: one topk, the branching mask and
+        one add. frontier, frontier_valid: [B, m]; logprobs: [B, m, V]; returns the children [B, m*k]
+        (their table cells appended to `_cells` when calibrating)."""
+        dev = frontier.device
+        m = frontier.shape[1]
+        top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
+        if self._calibrating:  # p(child) = p(u) x the child's calibrated local rate; c(u) = the best child's rate
+            cells, gain = self._calibrator.child_rates(top.values, k)  # [B, m, k] each
+            self._cells.append(cells.view(cells.shape[0], m * k))
+            value = builder.score.gather(1, frontier)[:, :, None] + gain  # [B, m, k]
+            allowed = self._allowed_children(gain[:, :, :1], k, dev) & (value >= log_tau)  # [B, m, k]
+            allowed &= frontier_valid[:, :, None]  # frontier padding points at real (non-growing) nodes
+            return builder.add_children(frontier, allowed, top.indices, top.values, score=value, depth=depth)  # [B, m*k]
+        allowed = frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # [B, m, k] rank < B(u)
+        return builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau, depth=depth)  # [B, m*k]
+
+    @staticmethod
+    def _free_frontier(builder: TreeBuilder, grow: torch.Tensor, start: int, free: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inside the free width: the level's (builder columns start..) `free` best growing nodes by
+        p, growing ones first. grow: [B, w]. Returns their columns within the level and whether
+        each grows, [B, min(w, free)] each."""
+        cap = min(grow.shape[1], free)
+        order = torch.topk(builder.score[:, start:].masked_fill(~grow, float("-inf")), cap, dim=1).indices  # [B, cap]
+        return order, grow.gather(1, order)
+
+    def _captured_levels(
+        self,
+        levels: CapturedLevels,
+        builder: TreeBuilder,
+        frontier: torch.Tensor,
+        frontier_valid: torch.Tensor,
+        depth: int,
+        limit: int,
+        k: int,
+        free: int,
+        log_tau: float,
+    ) -> None:
+        """The levels below `depth` inside the free width, each replayed as one graph
+        (`specdec.drafting.levels`): the forward of the frontier [B, m] (nodes at `depth`), their
+        top-k children, which grow and the next frontier. Between two levels the host reads the
+        growing count only where the deep-expansion gate decides it (`_growth_reads`), as op by op."""
+        b = frontier.shape[0]
+        levels.begin(builder, step_slots=(limit - depth) * node_bucket(free))
+        frontier = levels.buffer(("frontier", depth), frontier)
+        frontier_valid = levels.buffer(("frontier_valid", depth), frontier_valid)
+        while True:
+            last = depth + 1 >= limit  # the children are at the depth limit: nothing grows under them
+            m = frontier.shape[1]
+            threshold = None if last else self._growth_threshold(depth + 1, 0.0)
+            cap = min(m * k, free)
+            next_frontier = levels.output(("frontier", depth + 1, m), (b, cap), torch.long)
+            next_valid = levels.output(("frontier_valid", depth + 1, m), (b, cap), torch.bool)
+            cells = levels.output(("cells", depth + 1, m), (b, m * k), torch.long) if self._calibrating else None
+            tables = self._calibrator.device_tables(frontier.device) if self._calibrating else ()
+            body = partial(self._captured_level, builder, frontier, frontier_valid, next_frontier, next_valid, cells, k, free, log_tau, depth, limit)
+            levels.run(("level", depth, m, threshold), body, reads=(frontier, frontier_valid, next_frontier, next_valid, *((cells,) if cells is not None else ()), *tables), lists=(self._cells,))
+            if last:
+                return
+            frontier, frontier_valid, depth = next_frontier, next_valid, depth + 1
+            if self._growth_reads(depth):  # how many nodes grow: the level's one host read
+                n_growing = int(frontier_valid.sum(dim=1).amax())
+                if not n_growing:
+                    return
+                n_growing = min(node_bucket(n_growing), frontier_valid.shape[1])
+                frontier, frontier_valid = frontier[:, :n_growing], frontier_valid[:, :n_growing]
+
+    def _captured_level(
+        self,
+        builder: TreeBuilder,
+        frontier: torch.Tensor,
+        frontier_valid: torch.Tensor,
+        next_frontier: torch.Tensor,
+        next_valid: torch.Tensor,
+        cells: torch.Tensor | None,
+        k: int,
+        free: int,
+        log_tau: float,
+        depth: int,
+        limit: int,
+    ) -> torch.Tensor:
+        """A captured level's body (`_captured_levels`): writes the next frontier's builder
+        columns and whether each grows to next_frontier, next_valid [B, min(m*k, free)], and
+        the children's table cells to `cells` [B, m*k] when calibrating."""
+        logprobs = builder.expand(frontier, frontier_valid, depth=depth)  # [B, m, V]
+        start = builder.num_nodes
+        self._add_top_level(builder, frontier, frontier_valid, logprobs, k, log_tau, depth + 1)
+        if cells is not None:  # the level's cells at a fixed address, for feedback
+            self._cells[-1] = cells.copy_(self._cells[-1])
+        grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit, 0.0)
+        if grow is None:
+            return builder.last_valid
+        order, grows = self._free_frontier(builder, grow, start, free)
+        next_valid.copy_(grows)
+        return torch.add(order, start, out=next_frontier)
 
     def _add_level_with_budget(
         self,
@@ -780,7 +887,12 @@ class DynaTreePolicy:
         self._free = bool(free)
         rho_stop = 0.0 if free else self.rho_stop
         level_cap, frontier_cap = self.level_caps(free)
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.builder_capacity(limit, free))
+        # inside the free width, top-k children: every level's shape is fixed by the host's options, so
+        # levels can replay as captured graphs (`_captured_levels`)
+        levels = None
+        if free and not sampled and limit > 1:
+            levels = CapturedLevels.for_step(source, ("dynatree", self.phase, proposed, free, self._calibrating))
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.builder_capacity(limit, free), workspace=levels and levels.workspace)
         dev = roots.device
         log_tau = float("-inf") if free else _log(self.prune_tau)
         frontier, frontier_valid = builder.root, builder.root_valid  # [B, m] builder indices to expand (finished rows: nothing grows)
@@ -802,17 +914,7 @@ class DynaTreePolicy:
             if sampled or budget_binds:  # drawn children, or the node budget may cut this level
                 nodes, room = self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, level_cap, log_tau, sampled, depth + 1, budget_binds)
             else:  # top-k children; the budget cannot bind: one topk, the branching mask and one add
-                top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
-                if calibrating:  # p(child) = p(u) x the child's calibrated local rate; c(u) = the best child's rate
-                    cells, gain = self._calibrator.child_rates(top.values, k)  # [B, m, k] each
-                    self._cells.append(cells.view(cells.shape[0], m * k))
-                    value = builder.score.gather(1, frontier)[:, :, None] + gain  # [B, m, k]
-                    allowed = self._allowed_children(gain[:, :, :1], k, dev) & (value >= log_tau)  # [B, m, k]
-                    allowed &= frontier_valid[:, :, None]  # frontier padding points at real (non-growing) nodes
-                    nodes = builder.add_children(frontier, allowed, top.indices, top.values, score=value, depth=depth + 1)  # [B, m*k]
-                else:
-                    allowed = frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # [B, m, k] rank < B(u)
-                    nodes = builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau, depth=depth + 1)  # [B, m*k]
+                nodes = self._add_top_level(builder, frontier, frontier_valid, logprobs, k, log_tau, depth + 1)
             tree_width += nodes.shape[1]  # an upper bound until the next read
             # p(u): cum_logq, or the node's score: its calibrated value, or for uncalibrated drawn nodes their Gumbel key
             grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit, rho_stop)  # [B, w] or None (no deeper level)
@@ -821,9 +923,7 @@ class DynaTreePolicy:
             last = grow is None
             if not last and free:  # the level's `free` best growing nodes by p, growing ones first
                 assert grow is not None
-                cap = min(grow.shape[1], free)
-                order = torch.topk(builder.score[:, start:].masked_fill(~grow, float("-inf")), cap, dim=1).indices  # [B, cap]
-                frontier_valid = grow.gather(1, order)
+                order, frontier_valid = self._free_frontier(builder, grow, start, free)  # [B, cap] each
             elif not last:
                 assert grow is not None
                 growing, order = torch.sort(grow, dim=1, descending=True, stable=True)  # growing nodes first, in creation order
@@ -847,16 +947,25 @@ class DynaTreePolicy:
                 tree_width, n_growing = int(head[0]), 0 if last else int(head[1])
                 if last or not n_growing:
                     break
+                if free:  # a few static widths (forwards are bucketed anyway): padding columns are not growing
+                    n_growing = min(node_bucket(n_growing), frontier_valid.shape[1])
                 if n_growing < frontier_valid.shape[1]:
                     frontier_valid, order = frontier_valid[:, :n_growing], order[:, :n_growing]
             frontier = order + start
+            if levels is not None:  # the deeper levels replay as captured graphs
+                self._captured_levels(levels, builder, frontier, frontier_valid, depth + 1, limit, k, free, log_tau)
+                break
             logprobs = builder.expand(frontier, frontier_valid, depth=depth + 1)  # [B, m', V]: one draft forward per level
         keep = builder.top_by_score(None, free) if free else builder.valid  # [B, N]: the free width's best nodes by p, or every valid one
         if predicts:  # each row's predicted accepted tokens: the sum of p(u) over its kept nodes (-inf at invalid ones), read in `feedback`
             value = (builder.score if calibrating else builder.cum_logq)[:, 1:]
             self._predicted_sum = (value.masked_fill(~keep[:, 1:], float("-inf")) if free else value).exp().sum(dim=1)  # [B]
         # the kept nodes only (levels are padded to a static width): `tree_width` columns, or the free width's
-        drafted = builder.finish(keep, width=1 + free if free else tree_width)
+        if levels is not None and levels.begun:  # replayed like a level, into fixed buffers (the keep mask read from one)
+            kept = levels.buffer(("keep",), keep)
+            drafted = levels.finish(lambda: builder.finish(kept, width=1 + free), width=1 + free, reads=(kept,))
+        else:
+            drafted = builder.finish(keep, width=1 + free if free else tree_width)
         if calibrating:
             tree = drafted.tree
             self._last_tree = (torch.cat(self._cells, dim=1).gather(1, drafted.builder_nodes), tree.parents, tree.valid)

@@ -39,7 +39,11 @@ Capture needs a model draft source whose runner has `level_graphs` (CUDA graphs 
 SPECDEC_CAPTURE_LEVELS=1, `specdec.models.runner.capture_levels_default`), forwards untimed and no
 sliding-window layers. Policies: the chain's levels and the static tree's (all but the last),
 greedy or sampled; EAGLE-2's levels, with top-k or drawn children, and its selection of the
-verified nodes (`finish`). One drafting thread per draft model, as its static buffers assume.
+verified nodes (`finish`); DynaTree's levels inside a free width with top-k children (CUDA's
+default rules: every level's width is fixed by the host's options, the growing count it reads
+from D_0 on is bucketed) and its selection. A policy's own lists that a level appends to (DynaTree's
+table cells) are tracked like the builder's kept distributions (`run(lists=...)`), and the tables a
+level reads (DynaTree's calibration) are refreshed in place. One drafting thread per draft model, as its static buffers assume.
 `tests/test_graph_replay_semantics.py` checks captured levels by emulated replay on the CPU; not
 yet run on a GPU (`benchmarks/gpu/levels_ab.py`).
 """
@@ -127,12 +131,17 @@ class CapturedLevels:
             buf = self.runner.level_buffers[key] = torch.empty(shape, dtype=dtype, device=self.runner.device)
         return buf
 
-    def finish(self, select: Callable[[], Draft], width: int) -> Draft:
+    @property
+    def begun(self) -> bool:
+        """`begin` was called this step (levels ran, captured or op by op)."""
+        return self.builder is not None
+
+    def finish(self, select: Callable[[], Draft], width: int, reads: Sequence[torch.Tensor] = ()) -> Draft:
         """The step's `Draft` from `select()` (the builder's selection of the verified nodes:
         `TreeBuilder.finish` with a keep mask and `width`, with the kept nodes' draft
         distributions when the builder keeps them), replayed like a level: the tree's tensors
         land in buffers at fixed addresses (overwritten by the next step's selection), and the
-        Draft is rebuilt around them."""
+        Draft is rebuilt around them. reads: what `select` reads besides the builder (a keep mask)."""
         builder = self.builder
         assert builder is not None, "begin() first"
         chunks = builder._dist_chunks
@@ -148,7 +157,7 @@ class CapturedLevels:
                 self.output(("selection", name), shape, dtype).copy_(value)
             return self.output(("selection", "tokens"), fields[0][1], fields[0][2])
 
-        self.run(("selection", width), selection, reads=tuple(chunks))
+        self.run(("selection", width), selection, reads=(*chunks, *reads))
         out = {name: self.output(("selection", name), shape, dtype) for name, shape, dtype in fields}
         builder_nodes = out.pop("builder_nodes")
         draft_logprobs = out.pop("draft_logprobs", None)
@@ -156,9 +165,11 @@ class CapturedLevels:
         tree.draft_logprobs = draft_logprobs
         return Draft(tree, builder, builder_nodes)
 
-    def run(self, name: tuple[Any, ...], level: Callable[[], torch.Tensor], reads: Sequence[torch.Tensor]) -> None:
+    def run(self, name: tuple[Any, ...], level: Callable[[], torch.Tensor], reads: Sequence[torch.Tensor], lists: Sequence[list[torch.Tensor]] = ()) -> None:
         """Run `level()` (tensor ops on the builder, the source and `reads`, the level-to-level
-        buffers it reads and writes), replayed from its graph when its key was captured."""
+        buffers it reads and writes), replayed from its graph when its key was captured.
+        lists: the policy's own lists of tensors the level appends to (as the builder's kept
+        draft distributions): what it appends must be output buffers, appended again after a replay."""
         runner, builder = self.runner, self.builder
         assert builder is not None, "begin() first"
         graphs = runner.level_graphs
@@ -174,12 +185,13 @@ class CapturedLevels:
         if key not in runner.level_effects and len(runner.level_effects) >= MAX_KEYS:  # addresses moved many times: start over
             runner.level_effects.clear()
             graphs.clear()
-        before = _host_state(builder, runner)
+        tracked = (builder._dist_chunks, *lists)
+        before = _host_state(builder, runner, tracked)
         ran = False
 
         def call() -> torch.Tensor:
             nonlocal ran
-            _set_host_state(builder, runner, before)  # a warm-up and a capture each run the level from its start
+            _set_host_state(builder, runner, tracked, before)  # a warm-up and a capture each run the level from its start
             runner.in_level = True
             try:
                 out = level()
@@ -191,14 +203,15 @@ class CapturedLevels:
         with torch.inference_mode():  # as the runner's forwards (the KV storage is an inference tensor)
             graphs.run(key, call, keepalive=(tuple(reads), builder._ints, builder._floats, builder._flags, builder._anc))
         if ran:  # captured now (or graphs were given up and it ran op by op): what it did on the host
-            fields, counters, chunks = _host_state(builder, runner)
-            kept = chunks[len(before[2]) :]  # draft distributions the level kept: they must be buffers it writes
+            fields, counters, items = _host_state(builder, runner, tracked)
+            appended = tuple(now[len(then) :] for now, then in zip(items, before[2], strict=True))  # what the level kept: buffers it writes
             outputs = {id(t) for t in runner.level_buffers.values()}
-            assert all(id(t) in outputs for t in kept), "a captured level keeps its draft distributions in output buffers (`TreeBuilder.expand(out=...)`)"
-            runner.level_effects[key] = (fields, tuple(a - b for a, b in zip(counters, before[1], strict=True)), kept)
+            assert all(id(t) in outputs for new in appended for t in new), "a captured level keeps tensors in output buffers (`TreeBuilder.expand(out=...)`)"
+            runner.level_effects[key] = (fields, tuple(a - b for a, b in zip(counters, before[1], strict=True)), appended)
         else:
-            fields, deltas, kept = runner.level_effects[key]
-            _set_host_state(builder, runner, (fields, tuple(b + d for b, d in zip(before[1], deltas, strict=True)), (*before[2], *kept)))
+            fields, deltas, appended = runner.level_effects[key]
+            items = tuple((*then, *new) for then, new in zip(before[2], appended, strict=True))
+            _set_host_state(builder, runner, tracked, (fields, tuple(b + d for b, d in zip(before[1], deltas, strict=True)), items))
         cache = runner.cache
         assert cache is not None
         cache.length = runner.past_len + runner.step_len
@@ -223,20 +236,22 @@ def _tree_fields(b: int, m: int, vocab: int) -> tuple[tuple[str, tuple[int, ...]
     )
 
 
-HostState = tuple[tuple[Any, ...], tuple[int, ...], tuple[torch.Tensor, ...]]
-"""(builder fields and the runner's step slots, the runner's counters, the builder's kept draft distributions)"""
+HostState = tuple[tuple[Any, ...], tuple[int, ...], tuple[tuple[torch.Tensor, ...], ...]]
+"""(builder fields and the runner's step slots, the runner's counters, the items of each tracked
+list: the builder's kept draft distributions, then the policy's lists)"""
 
 
-def _host_state(builder: TreeBuilder, runner: ModelRunner) -> HostState:
+def _host_state(builder: TreeBuilder, runner: ModelRunner, tracked: Sequence[list[torch.Tensor]]) -> HostState:
     fields = (*(getattr(builder, f) for f in _BUILDER_STATE), runner.step_len)
-    return fields, tuple(getattr(runner, f) for f in _RUNNER_COUNTERS), tuple(builder._dist_chunks)
+    return fields, tuple(getattr(runner, f) for f in _RUNNER_COUNTERS), tuple(tuple(items) for items in tracked)
 
 
-def _set_host_state(builder: TreeBuilder, runner: ModelRunner, state: HostState) -> None:
-    fields, counters, chunks = state
+def _set_host_state(builder: TreeBuilder, runner: ModelRunner, tracked: Sequence[list[torch.Tensor]], state: HostState) -> None:
+    fields, counters, items = state
     for name, value in zip(_BUILDER_STATE, fields[:-1], strict=True):
         setattr(builder, name, value)
     runner.step_len = fields[-1]
     for name, value in zip(_RUNNER_COUNTERS, counters, strict=True):
         setattr(runner, name, value)
-    builder._dist_chunks[:] = chunks
+    for target, values in zip(tracked, items, strict=True):
+        target[:] = values
