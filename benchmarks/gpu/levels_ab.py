@@ -18,6 +18,7 @@ Writes `summary.md` and `summary.json` under --out.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -53,9 +54,12 @@ def main() -> None:
             for _ in range(2):
                 dec.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, **sampling)
         per_mode: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+        models = {id(m): m for m in (dec.target, dec.draft) if m is not None}  # shared, never copied (a cost resolver holds them)
+        learned = copy.deepcopy(dec.policy, dict(models))  # adaptive policies learn across calls: every timed call starts from this state
         for r in range(args.rounds):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 os.environ[runner_module.CAPTURE_LEVELS_ENV] = "1" if mode == "on" else "0"  # read as each call makes its engine
+                dec.policy = copy.deepcopy(learned, dict(models))
                 results, metrics = timed_generate(dec, prompts, args.max_new_tokens, args.batch_size, device, **sampling)
                 fingerprint = ([x.token_ids for x in results], [x.stats.steps for x in results])
                 reference.setdefault("fingerprint", fingerprint)
