@@ -380,11 +380,8 @@ def test_greedy_with_cuda_graphs_equals_target():
         assert [o.token_ids for o in outs] == refs, method
 
 
-@needs_cuda
-@pytest.mark.parametrize("method", ["chain", "static", "eagle2", "dynatree"])
-def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
-    """SPECDEC_CAPTURE_LEVELS=1: whole drafting levels replay as CUDA graphs; greedy output is the
-    target's, the drafts are the op-by-op ones (the same steps), and no level graph was given up."""
+def _level_capture_pair(monkeypatch: pytest.MonkeyPatch) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """SPECDEC_CAPTURE_LEVELS=1 with untimed forwards, and a close llama pair on CUDA."""
     monkeypatch.setenv("SPECDEC_CAPTURE_LEVELS", "1")
     monkeypatch.setenv("SPECDEC_TIME_FORWARDS", "0")
     target = sharpen(tiny_model("llama", seed=0)).cuda()
@@ -392,6 +389,15 @@ def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.01 * torch.randn_like(p))
+    return target, draft
+
+
+@needs_cuda
+@pytest.mark.parametrize("method", ["chain", "static", "eagle2", "dynatree"])
+def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
+    """SPECDEC_CAPTURE_LEVELS=1: whole drafting levels replay as CUDA graphs; greedy output is the
+    target's, the drafts are the op-by-op ones (the same steps), and no level graph was given up."""
+    target, draft = _level_capture_pair(monkeypatch)
     refs = [reference(target.cpu(), p, 24) for p in PROMPTS]
     target.cuda()
     steps = []
@@ -420,13 +426,7 @@ def test_captured_sampled_levels_on_cuda_draw_as_op_by_op(method, monkeypatch):
     from specdec.sampling import SamplingParams
     from specdec.verification.sampling import SamplingRule
 
-    monkeypatch.setenv("SPECDEC_CAPTURE_LEVELS", "1")
-    monkeypatch.setenv("SPECDEC_TIME_FORWARDS", "0")
-    target = sharpen(tiny_model("llama", seed=0)).cuda()
-    draft = sharpen(tiny_model("llama", seed=0)).cuda()
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.01 * torch.randn_like(p))
+    target, draft = _level_capture_pair(monkeypatch)
     params = SamplingParams(temperature=0.8, top_p=0.9)
     results = []
     for capture in (True, False):
