@@ -449,19 +449,21 @@ class AcceptanceCalibrator:
 
     def _set_rates(self, rates: np.ndarray) -> None:
         """Refit: the tables from `rates` [R, bins], written over the last ones where they exist
-        (their addresses stay: a captured drafting level reads them)."""
-        self._log_rate = torch.from_numpy(np.log(np.clip(rates, 1e-6, 1 - 1e-6))).float()  # [R, bins]
-        flat_log_rate = self._log_rate.reshape(-1)  # [R * bins], indexed by (rank - 1) * bins + q bin
+        (their addresses stay: a captured drafting level reads them). Computed in numpy; one copy
+        into each table."""
+        log_rate = np.log(np.clip(rates, 1e-6, 1 - 1e-6)).astype(np.float32)  # [R, bins]
         # within a cell the rate follows the rank's power law through the cell's rate at its mean
         # q: log rate(q) = log rate_cell + γ (log q - mean log q)
         slope = np.broadcast_to(self._gamma[:, None], rates.shape)  # [R, bins]
-        intercept = self._log_rate.double().numpy() - slope * self.mean_logq()
-        flat_line = torch.from_numpy(np.stack([intercept, slope], axis=-1).reshape(-1, 2)).float()  # [R * bins, 2]
-        if hasattr(self, "_flat_line"):
+        intercept = log_rate.astype(np.float64) - slope * self.mean_logq()
+        flat_log_rate = torch.from_numpy(log_rate.reshape(-1))  # [R * bins], indexed by (rank - 1) * bins + q bin
+        flat_line = torch.from_numpy(np.stack([intercept, slope], axis=-1).reshape(-1, 2).astype(np.float32))  # [R * bins, 2]
+        if getattr(self, "_flat_line", None) is None:  # the first fit (the constructor's)
+            self._flat_line, self._flat_log_rate = flat_line, flat_log_rate
+            self._log_rate = flat_log_rate.view(rates.shape)  # [R, bins]: the same table
+        else:
             self._flat_line.copy_(flat_line)
             self._flat_log_rate.copy_(flat_log_rate)
-        else:
-            self._flat_line, self._flat_log_rate = flat_line, flat_log_rate.clone()
         for (name, _), table in self._device_tables.items():
             table.copy_(self._flat_line if name == "line" else self._flat_log_rate)
 

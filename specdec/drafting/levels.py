@@ -205,8 +205,9 @@ class CapturedLevels:
         if ran:  # captured now (or graphs were given up and it ran op by op): what it did on the host
             fields, counters, items = _host_state(builder, runner, tracked)
             appended = tuple(now[len(then) :] for now, then in zip(items, before[2], strict=True))  # what the level kept: buffers it writes
-            outputs = {id(t) for t in runner.level_buffers.values()}
-            assert all(id(t) in outputs for new in appended for t in new), "a captured level keeps tensors in output buffers (`TreeBuilder.expand(out=...)`)"
+            if any(appended):
+                outputs = {id(t) for t in runner.level_buffers.values()}
+                assert all(id(t) in outputs for new in appended for t in new), "a captured level keeps tensors in output buffers (`TreeBuilder.expand(out=...)`)"
             runner.level_effects[key] = (fields, tuple(a - b for a, b in zip(counters, before[1], strict=True)), appended)
         else:
             fields, deltas, appended = runner.level_effects[key]
