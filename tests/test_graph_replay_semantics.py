@@ -235,7 +235,7 @@ LEVEL_METHODS = {
     # count read from D_0 on (phase 3's gate), calibrated values whose tables a refit writes over
     "dynatree": {"free_tokens": 24},
 }
-SAMPLED_LEVEL_METHODS = ("chain", "eagle2", "static")
+SAMPLED_LEVEL_METHODS = ("chain", "dynatree", "eagle2", "static")
 """policies whose sampled children are captured too"""
 
 

@@ -418,7 +418,7 @@ def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("method", ["chain", "static", "eagle2"])
+@pytest.mark.parametrize("method", ["chain", "static", "eagle2", "dynatree"])
 def test_captured_sampled_levels_on_cuda_draw_as_op_by_op(method, monkeypatch):
     """Sampled children in captured levels on CUDA (T = 0.8, top-p 0.9, one seed): each level's
     random numbers are drawn outside its graph as op-by-op drafting draws them, so the output and
@@ -433,7 +433,8 @@ def test_captured_sampled_levels_on_cuda_draw_as_op_by_op(method, monkeypatch):
         source = ModelDraftSource(draft, cuda_graphs=True)
         if not capture:
             source.runner.level_graphs = None
-        engine = SpeculativeEngine(target, make_policy(method, **METHODS[method]), SamplingRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
+        options = {"free_tokens": 24} if method == "dynatree" else METHODS[method]  # DynaTree's levels are captured inside a free width
+        engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
         for _ in range(2):  # the second call replays what the first captured
             outs = engine.generate(PROMPTS, 24, params=params, seed=7, batch_size=3)
         results.append(([o.token_ids for o in outs], [o.stats.steps for o in outs]))

@@ -133,7 +133,7 @@ case "$stage" in
     pair
     per_batch_size levels_ab.py levels "${LEVELS_METHODS:-chain,eagle2,static,dynatree}" "${LEVELS_B:-8}"
     $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods "${LEVELS_METHODS:-chain,eagle2,static}" --temperature 1 --out "$OUT/levels-t1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
+      --methods "${LEVELS_T1_METHODS:-${LEVELS_METHODS:-chain,eagle2,static,dynatree}}" --temperature 1 --out "$OUT/levels-t1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
     tar -czf "$OUT/levels-t1.tar.gz" -C "$OUT" levels-t1 && rm -rf "${OUT:?}/levels-t1"
     ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)

@@ -753,12 +753,16 @@ class DynaTreePolicy:
         k: int,
         free: int,
         log_tau: float,
+        sampled: bool,
     ) -> None:
         """The levels below `depth` inside the free width, each replayed as one graph
         (`specdec.drafting.levels`): the forward of the frontier [B, m] (nodes at `depth`), their
-        top-k children, which grow and the next frontier. Between two levels the host reads the
-        growing count only where the deep-expansion gate decides it (`_growth_reads`), as op by op."""
+        top-k or drawn children, which grow and the next frontier. Between two levels the host reads
+        the growing count only where the deep-expansion gate decides it (`_growth_reads`), as op by op.
+        Drawn children read their random numbers from a buffer filled before the level (as op by op
+        draws them) and the frontier's distributions, kept for verification, go to an output buffer."""
         b = frontier.shape[0]
+        vocab = builder.root_logprobs.shape[-1]
         levels.begin(builder, step_slots=(limit - depth) * node_bucket(free))
         frontier = levels.buffer(("frontier", depth), frontier)
         frontier_valid = levels.buffer(("frontier_valid", depth), frontier_valid)
@@ -771,8 +775,13 @@ class DynaTreePolicy:
             next_valid = levels.output(("frontier_valid", depth + 1, m), (b, cap), torch.bool)
             cells = levels.output(("cells", depth + 1, m), (b, m * k), torch.long) if self._calibrating else None
             tables = self._calibrator.device_tables(frontier.device) if self._calibrating else ()
-            body = partial(self._captured_level, builder, frontier, frontier_valid, next_frontier, next_valid, cells, k, free, log_tau, depth, limit)
-            levels.run(("level", depth, m, threshold), body, reads=(frontier, frontier_valid, next_frontier, next_valid, *((cells,) if cells is not None else ()), *tables), lists=(self._cells,))
+            draws: tuple[torch.Tensor, torch.Tensor] | None = None
+            if sampled:  # the draws' random numbers in, the frontier's distributions out (both [B, m, V])
+                shape = (b, m, vocab)
+                draws = levels.uniforms(("uniforms", depth, m), shape), levels.output(("dist", depth, m), shape, builder.root_logprobs.dtype)
+            body = partial(self._captured_level, builder, frontier, frontier_valid, next_frontier, next_valid, cells, k, free, log_tau, depth, limit, draws)
+            reads = (frontier, frontier_valid, next_frontier, next_valid, *((cells,) if cells is not None else ()), *tables, *(draws or ()))
+            levels.run(("level", depth, m, threshold), body, reads=reads, lists=(self._cells,))
             if last:
                 return
             frontier, frontier_valid, depth = next_frontier, next_valid, depth + 1
@@ -796,13 +805,20 @@ class DynaTreePolicy:
         log_tau: float,
         depth: int,
         limit: int,
+        draws: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """A captured level's body (`_captured_levels`): writes the next frontier's builder
         columns and whether each grows to next_frontier, next_valid [B, min(m*k, free)], and
-        the children's table cells to `cells` [B, m*k] when calibrating."""
-        logprobs = builder.expand(frontier, frontier_valid, depth=depth)  # [B, m, V]
+        the children's table cells to `cells` [B, m*k] when calibrating. draws: for drawn
+        children, their random numbers and where the frontier's distributions go ([B, m, V] each)."""
+        uniforms, dists = draws if draws is not None else (None, None)
+        logprobs = builder.expand(frontier, frontier_valid, depth=depth, out=dists)  # [B, m, V]
         start = builder.num_nodes
-        self._add_top_level(builder, frontier, frontier_valid, logprobs, k, log_tau, depth + 1)
+        if draws is not None:
+            m = frontier.shape[1]
+            self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, m * k, log_tau, True, depth + 1, budget_binds=False, uniforms=uniforms)
+        else:
+            self._add_top_level(builder, frontier, frontier_valid, logprobs, k, log_tau, depth + 1)
         if cells is not None:  # the level's cells at a fixed address, for feedback
             self._cells[-1] = cells.copy_(self._cells[-1])
         grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit, 0.0)
@@ -824,12 +840,14 @@ class DynaTreePolicy:
         sampled: bool,
         depth: int,
         budget_binds: bool = True,
+        uniforms: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One level the general way (drawn children, or a node budget that may bind): the
         children of each frontier node (B(u) of its k candidates), pruned by path probability,
         cut to each row's remaining budget (when `budget_binds`: the level's candidates may
         reach it), compacted and added at `depth`. Returns their indices [B, w] and which rows
-        have budget left ([B] bool; None when the budget could not bind)."""
+        have budget left ([B] bool; None when the budget could not bind). uniforms: the draws'
+        random numbers [B, m, V] (a captured level's buffer), or None to draw them here."""
         dev = frontier.device
         b, m = frontier.shape
         budget = self.max_nodes - (builder.valid.sum(dim=1) - 1) if budget_binds else None  # [B] draft tokens each row may still add
@@ -838,11 +856,11 @@ class DynaTreePolicy:
             # drawn children are valued without their own token: the parent's value times the calibrated
             # rate of the draw rank given the parent's collision mass, non-increasing in the rank so that
             # pruning and the budget keep the first draws (as CAST's)
-            parents, tokens, logq, valid = builder.draw_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+            parents, tokens, logq, valid = builder.draw_children(frontier, logprobs, k, frontier_valid, uniforms)  # each [B, m*k]
             cells, gain = self._calibrator.drawn_child_rates(logprobs, k)  # [B, m, k] each
             cum = builder.score.gather(1, parents) + gain.view(b, m * k)
         elif sampled:  # uncalibrated: drawn children are pruned and cut by their Gumbel keys, never by their own logq
-            parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
+            parents, tokens, logq, valid, cum = builder.sample_children(frontier, logprobs, k, frontier_valid, uniforms)  # each [B, m*k]
         else:
             parents, tokens, logq, valid = builder.top_children(frontier, logprobs, k, frontier_valid)  # each [B, m*k]
             if self._calibrating:  # p(child): the parent's calibrated value times the child's calibrated local rate
@@ -887,11 +905,11 @@ class DynaTreePolicy:
         self._free = bool(free)
         rho_stop = 0.0 if free else self.rho_stop
         level_cap, frontier_cap = self.level_caps(free)
-        # inside the free width, top-k children: every level's shape is fixed by the host's options, so
-        # levels can replay as captured graphs (`_captured_levels`)
+        # inside the free width every level's shape is fixed by the host's options (top-k or drawn
+        # children), so levels can replay as captured graphs (`_captured_levels`)
         levels = None
-        if free and not sampled and limit > 1:
-            levels = CapturedLevels.for_step(source, ("dynatree", self.phase, proposed, free, self._calibrating))
+        if free and limit > 1:
+            levels = CapturedLevels.for_step(source, ("dynatree", self.phase, proposed, free, self._calibrating, sampled))
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.builder_capacity(limit, free), workspace=levels and levels.workspace)
         dev = roots.device
         log_tau = float("-inf") if free else _log(self.prune_tau)
@@ -953,7 +971,7 @@ class DynaTreePolicy:
                     frontier_valid, order = frontier_valid[:, :n_growing], order[:, :n_growing]
             frontier = order + start
             if levels is not None:  # the deeper levels replay as captured graphs
-                self._captured_levels(levels, builder, frontier, frontier_valid, depth + 1, limit, k, free, log_tau)
+                self._captured_levels(levels, builder, frontier, frontier_valid, depth + 1, limit, k, free, log_tau, sampled)
                 break
             logprobs = builder.expand(frontier, frontier_valid, depth=depth + 1)  # [B, m', V]: one draft forward per level
         keep = builder.top_by_score(None, free) if free else builder.valid  # [B, N]: the free width's best nodes by p, or every valid one
