@@ -369,6 +369,62 @@ def test_captured_sampled_levels_draw_what_op_by_op_draws(method, top_p):
     assert same_drafts(drafts, eager_drafts)
 
 
+def near_pair(arch: str, noise: float = 0.005) -> tuple[Any, Any]:
+    """A sharpened tiny target and its copy with a little noise: agrees often enough that CAST's
+    break-even rules draft several layers of changing widths."""
+    target, draft = sharpen(tiny_model(arch, seed=0)), sharpen(tiny_model(arch, seed=0))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    return target, draft
+
+
+def recorded_real_drafts(engine: SpeculativeEngine, widths: list[tuple[int, ...]]) -> list[Any]:
+    """Each step's tree (tokens of valid nodes, parents, validity; not the builder nodes, whose
+    layout captured CAST layers pad) and the policy's layer widths (appended to `widths`)."""
+    drafts: list[Any] = []
+    draft = engine.policy.draft
+
+    def recording(*args: Any) -> Any:
+        drafted = draft(*args)
+        tree = drafted.tree
+        drafts.append([t.tolist() for t in (tree.tokens.masked_fill(~tree.valid, -1), tree.parents, tree.valid)])
+        widths.append(tuple(engine.policy.last_widths))
+        return drafted
+
+    engine.policy.draft = recording  # type: ignore[method-assign]
+    return drafts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_captured_cast_layers_draft_what_op_by_op_drafts(arch):
+    """CAST's break-even layers replay as captured graphs at a node bucket of their planned width,
+    the columns beyond it masked out on the device: every step's tree is the op-by-op one (valid
+    nodes, parents, validity), rows finishing and joining at batch size 3, and the output is
+    `generate`'s. Deterministic (no wall-clock overheads) so both engines plan alike; the pair
+    agrees often enough for several layers, some narrower than their bucket (masking matters:
+    unmasked padding columns would grow valid children and change the trees). CAST's default
+    calibrated values: with raw draft confidences this pair rarely drafts past the first layer."""
+    target, draft = near_pair(arch)
+    table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
+    options = {"cost_table": table, "plain_steps": False, "deterministic": True, "top_k": 4, "total_tokens": 24}
+    refs = [reference(target, p, 32) for p in PROMPTS]
+    engine, levels = level_engine(target, draft, "cast", **options)
+    widths: list[tuple[int, ...]] = []
+    drafts = recorded_real_drafts(engine, widths)
+    outs = engine.generate(PROMPTS, 32, batch_size=3)
+    assert [o.token_ids for o in outs] == refs
+    assert levels.captures > 0 and levels.replays > levels.captures, "layers must replay their traces"
+    assert any(w[i] not in (1, 2, 4) for w in widths for i in range(len(w) - 1)), f"no layer narrower than its bucket: {widths}"
+    eager = SpeculativeEngine(target, make_policy("cast", **options), GreedyRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[EOS], static_shapes=True)
+    eager_widths: list[tuple[int, ...]] = []
+    eager_drafts = recorded_real_drafts(eager, eager_widths)
+    eager.generate(PROMPTS, 32, batch_size=3)
+    assert widths == eager_widths
+    assert drafts == eager_drafts
+
+
 def test_levels_of_other_sampling_params_are_captured_apart(monkeypatch):
     """The sampling params shape every level (the draft's distributions), so they are part of its
     key: one draft model's levels drafted at T = 0.8, then at T = 0.5, then greedily, each draw

@@ -392,8 +392,21 @@ def _level_capture_pair(monkeypatch: pytest.MonkeyPatch) -> tuple[torch.nn.Modul
     return target, draft
 
 
+def _level_options(method: str) -> dict[str, Any]:
+    """A level-capture test's options: DynaTree inside a free width, CAST deterministic (its plans
+    do not follow wall-clock times, so both modes draft alike) on a GPU-like synthetic table."""
+    if method == "dynatree":
+        return {"free_tokens": 24}
+    if method == "cast":
+        from specdec.cost import CostTable
+
+        table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
+        return {"cost_table": table, "plain_steps": False, "deterministic": True, "top_k": 4, "total_tokens": 24}
+    return METHODS[method]
+
+
 @needs_cuda
-@pytest.mark.parametrize("method", ["chain", "static", "eagle2", "dynatree"])
+@pytest.mark.parametrize("method", ["chain", "static", "eagle2", "dynatree", "cast"])
 def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
     """SPECDEC_CAPTURE_LEVELS=1: whole drafting levels replay as CUDA graphs; greedy output is the
     target's, the drafts are the op-by-op ones (the same steps), and no level graph was given up."""
@@ -405,8 +418,7 @@ def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
         source = ModelDraftSource(draft, cuda_graphs=True)
         if not capture:
             source.runner.level_graphs = None
-        options = {"free_tokens": 24} if method == "dynatree" else METHODS[method]  # DynaTree's levels are captured inside a free width
-        engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
+        engine = SpeculativeEngine(target, make_policy(method, **_level_options(method)), GreedyRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
         for _ in range(2):  # the second call replays what the first captured
             outs = engine.generate(PROMPTS, 24, batch_size=3)
             assert [o.token_ids for o in outs] == refs, (method, capture)
@@ -433,8 +445,7 @@ def test_captured_sampled_levels_on_cuda_draw_as_op_by_op(method, monkeypatch):
         source = ModelDraftSource(draft, cuda_graphs=True)
         if not capture:
             source.runner.level_graphs = None
-        options = {"free_tokens": 24} if method == "dynatree" else METHODS[method]  # DynaTree's levels are captured inside a free width
-        engine = SpeculativeEngine(target, make_policy(method, **options), SamplingRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
+        engine = SpeculativeEngine(target, make_policy(method, **_level_options(method)), SamplingRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
         for _ in range(2):  # the second call replays what the first captured
             outs = engine.generate(PROMPTS, 24, params=params, seed=7, batch_size=3)
         results.append(([o.token_ids for o in outs], [o.stats.steps for o in outs]))

@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu/run.sh host    # where the host's time goes per step, by function (pyinstrument; carry its wheel)
 #   bash benchmarks/gpu/run.sh trace   # per-step draft forwards, nodes, times; CAST's predictions beside them
 #   bash benchmarks/gpu/run.sh levels  # captured drafting levels: their CUDA tests, then on / off alternating (levels_ab.py)
+#   bash benchmarks/gpu/run.sh levels-t1  # its T = 1 half alone (LEVELS_T1=0 levels ... leaves it for this second call)
 #   bash benchmarks/gpu/run.sh sampling  # the same pair at T = 1, B = 1: the trees' sampled rules against the chain (#19),
 #                                        # traversal on the device (the default) against child by child
 #
@@ -17,7 +18,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|pair|costs}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -47,6 +48,12 @@ per_batch_size() {  # SCRIPT NAME METHODS B: benchmarks/gpu/SCRIPT on the pair a
       --methods "$methods" --batch-size "$b" --num-prompts $((12 * b > 48 ? 48 : 12 * b)) --out "$OUT/$name/b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/$name.log"
   done
   tar -czf "$OUT/$name.tar.gz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
+}
+
+levels_t1() {  # captured levels on / off at T = 1, B = 1 (levels_ab.py, seeded)
+  $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+    --methods "${LEVELS_T1_METHODS:-chain,eagle2,static,dynatree}" --temperature 1 --out "$OUT/levels-t1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
+  tar -czf "$OUT/levels-t1.tar.gz" -C "$OUT" levels-t1 && rm -rf "${OUT:?}/levels-t1"
 }
 
 case "$stage" in
@@ -127,14 +134,17 @@ case "$stage" in
     done
     ;;
   levels)  # captured drafting levels (SPECDEC_CAPTURE_LEVELS=1): their CUDA tests, then on / off in alternating rounds
-           # of one process (levels_ab.py) at B = 1 and LEVELS_B, drafts checked equal between the modes; greedy, then
-           # at T = 1 (sampled children, one seed) at B = 1
+           # of one process (levels_ab.py) at B = 1 and LEVELS_B, drafts checked equal between the modes (CAST's plans
+           # follow its measured step times, so its drafts may differ); greedy, then (unless LEVELS_T1=0; it is also
+           # a stage of its own, for a second call) at T = 1 (sampled children, one seed) at B = 1
     timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_static_shapes.py tests/test_graph_replay_semantics.py -k "level or graph" -rs 2>&1 | tail -15 | tee "$OUT/levels.log"
     pair
-    per_batch_size levels_ab.py levels "${LEVELS_METHODS:-chain,eagle2,static,dynatree}" "${LEVELS_B:-8}"
-    $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods "${LEVELS_T1_METHODS:-${LEVELS_METHODS:-chain,eagle2,static,dynatree}}" --temperature 1 --out "$OUT/levels-t1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
-    tar -czf "$OUT/levels-t1.tar.gz" -C "$OUT" levels-t1 && rm -rf "${OUT:?}/levels-t1"
+    per_batch_size levels_ab.py levels "${LEVELS_METHODS:-chain,eagle2,static,dynatree,cast}" "${LEVELS_B:-8}"
+    [ "${LEVELS_T1:-1}" = 0 ] || levels_t1
+    ;;
+  levels-t1)  # the T = 1 half of `levels`
+    pair
+    levels_t1
     ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
     pair

@@ -53,7 +53,9 @@ from specdec import constants
 from specdec.cost.table import CostTable, check_cost_profile_path
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling, root_only_draft
 from specdec.drafting.calibration import AcceptanceCalibrator, collision_log_mass
+from specdec.drafting.levels import CapturedLevels
 from specdec.errors import SpecDecError
+from specdec.models.static import node_bucket
 
 if TYPE_CHECKING:
     from specdec.cost.profile import CostTableResolver
@@ -829,6 +831,7 @@ class CastPolicy:
     """calibration's child rates as of the drafted step, while a deferred `_replan` runs"""
     _resolver: CostTableResolver | None = field(default=None, init=False, repr=False)
     _capacity: int = field(default=64, init=False, repr=False)
+    _levels: CapturedLevels | None = field(default=None, init=False, repr=False)
     """the largest builder capacity a step has needed (the next builder starts with it)"""
     _loaded: CostTable | None = field(default=None, init=False, repr=False)
     plain_check: PlainDecodingCheck = field(default_factory=PlainDecodingCheck, init=False, repr=False)
@@ -979,8 +982,14 @@ class CastPolicy:
                 return root_only_draft(roots)
             self._step_plain = False if depth > 0 else None
         self._catching_up, self._owed = self._owed, False
+        # break-even layers are drafted at the widths the host planned, without reading their values:
+        # with top-k children each can replay as a captured graph (`_expand`), its width bucketed
+        levels = None
+        if self.prune_rule == "break-even" and not self._sampled and depth > 1:
+            levels = CapturedLevels.for_step(source, ("cast", self.children_per_node, self.calibrate))
+        self._levels = levels
         # capacity: the most nodes a step has needed so far, so the builder's buffers rarely grow mid-step
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=self._capacity)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=self._capacity, workspace=levels and levels.workspace)
         dev = roots.device
         rows = ctx.active.to(dev).bool()  # [B] rows whose utilities count
         active_rows = [r for r, a in enumerate(ctx.host_active) if a] if ctx.host_active is not None else rows.nonzero().flatten().tolist()
@@ -1016,11 +1025,15 @@ class CastPolicy:
         self._cells = [constants.full((b, 1), 0, torch.long, dev)]  # per add: calibration cells (calibrate only)
         root_value = builder.score[:, :1]  # [B, 1]
         candidates, cand_value = self._add(builder, builder.root, root_value, builder.root_logprobs[:, None, :], builder.root_valid, k, 1)  # [B, k] best first
+        if levels is not None:  # the layers' inputs at fixed addresses
+            levels.begin(builder, step_slots=(depth - 1) * node_bucket(k))
+            candidates, cand_value = levels.buffer(("candidates", 1), candidates), levels.buffer(("values", 1), cand_value)
         if self.prune_rule == "break-even":
             count = self._draft_planned(builder, st, candidates, cand_value)
         else:
             count = self._draft_layerwise(builder, st, candidates, cand_value)
         self._capacity = max(self._capacity, builder.capacity)
+        self._levels = None
         keep = builder.top_by_score(None, count)  # by the nodes' values: the builder's score (`_add`)
         drafted = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
         tree = drafted.tree
@@ -1041,10 +1054,49 @@ class CastPolicy:
         st.forward_ms += f_draft
         st.drafted_ms += f_draft + st.o_node * width + st.o_draft
         st.expanded += width
+        levels = self._levels
+        if levels is not None:
+            bucket = min(node_bucket(width), candidates.shape[1])
+            if builder.num_nodes + bucket * st.k <= builder.capacity:
+                return self._captured_layer(levels, builder, candidates, cand_value, width, bucket, st.k, level)
+            # the builder outgrows its buffers: op by op for the rest of the step; the next step's have room
+            self._levels = None
+            self._capacity = max(self._capacity, 2 * builder.capacity, builder.num_nodes + bucket * st.k)
         frontier = candidates[:, :width]  # [B, n_i]
         frontier_valid = builder.valid.gather(1, frontier)
         logprobs = builder.expand(frontier, frontier_valid, depth=level)  # [B, n_i, V]
         return self._add(builder, frontier, cand_value[:, :width], logprobs, frontier_valid, st.k, level + 1)
+
+    def _captured_layer(
+        self, levels: CapturedLevels, builder: TreeBuilder, candidates: torch.Tensor, cand_value: torch.Tensor, width: int, bucket: int, k: int, level: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_expand` replayed as one graph (`specdec.drafting.levels`): the best `bucket` >= width
+        candidates are expanded (a node bucket: a few shapes to capture, the width a static-shape
+        forward pads to anyway), the ones beyond `width` masked out by a device mask filled before
+        the replay, so their children are invalid (value -inf, sorted after every real child) and
+        the tree is the op-by-op one. Returns the children and values, best first, [B, bucket * k]
+        each, in output buffers (the first width * k as `_expand`'s)."""
+        b, dev = builder.batch_size, builder.device
+        shape = (b, bucket * k)
+        nodes = levels.output(("candidates", level + 1, bucket), shape, torch.long)
+        values = levels.output(("values", level + 1, bucket), shape, cand_value.dtype)
+        expanded = levels.buffer(("expanded", level, bucket), constants.below(bucket, width, dev))  # [bucket]: the first `width`
+        cells = levels.output(("cells", level + 1, bucket), shape, torch.long) if self.calibrate else None
+        tables = self._calibrator.device_tables(dev) if self.calibrate else ()
+
+        def layer() -> torch.Tensor:
+            frontier = candidates[:, :bucket]  # [B, bucket]
+            frontier_valid = builder.valid.gather(1, frontier).logical_and_(expanded)
+            logprobs = builder.expand(frontier, frontier_valid, depth=level)  # [B, bucket, V]
+            children, child_values = self._add(builder, frontier, cand_value[:, :bucket], logprobs, frontier_valid, k, level + 1, masked=True)
+            if cells is not None:  # the layer's calibration cells at a fixed address, for feedback
+                self._cells[-1] = cells.copy_(self._cells[-1])
+            values.copy_(child_values)
+            return nodes.copy_(children)
+
+        reads = (candidates, cand_value, expanded, nodes, values, *((cells,) if cells is not None else ()), *tables)
+        levels.run(("layer", level, bucket), layer, reads=reads, lists=(self._cells,))
+        return nodes, values
 
     def _draft_planned(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor) -> int:
         """Break-even pruning with few reads. The layers' widths come from the plan made at the
@@ -1272,7 +1324,7 @@ class CastPolicy:
         return self.last_verified
 
     def _add(
-        self, builder: TreeBuilder, nodes: torch.Tensor, parent_value: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int, depth: int
+        self, builder: TreeBuilder, nodes: torch.Tensor, parent_value: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int, depth: int, masked: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add k children of each node [B, m] (all at depth - 1; values parent_value [B, m], -inf
         at invalid nodes; distributions logprobs [B, m, V]), laid out k per parent in the
@@ -1291,6 +1343,8 @@ class CastPolicy:
         logq (or taken as is without calibration), and made non-increasing in the rank so the
         kept siblings are always the first ones drawn. (CAST ranks by these values, so no
         Gumbel keys are computed: `draw_children`.)
+        masked: `valid` masks out valid nodes too (a captured layer's padding columns), so top-k
+        children take it as well (else a node's validity is its own, from its cum_logq).
         """
         start = builder.num_nodes  # the new nodes are columns start..start + m*k - 1
         b, m, _ = logprobs.shape
@@ -1313,7 +1367,7 @@ class CastPolicy:
             builder.add(parents, tokens, logq, child_valid, sampled=True, score=value.reshape(b, m * k), depth=depth, children_per_parent=k)
         else:
             # invalid parents have cum_logq -inf: their children are invalid without a validity mask
-            builder.add_children(nodes, None, top.indices, top.values, score=value, depth=depth)
+            builder.add_children(nodes, valid if masked else None, top.indices, top.values, score=value, depth=depth)
         top_nodes = torch.sort(builder.score[:, start:], dim=1, descending=True, stable=True)  # [B, m*k] the new nodes, best first
         return top_nodes.indices.add_(start), top_nodes.values
 

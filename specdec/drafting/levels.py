@@ -41,7 +41,8 @@ sliding-window layers. Policies: the chain's levels and the static tree's (all b
 greedy or sampled; EAGLE-2's levels, with top-k or drawn children, and its selection of the
 verified nodes (`finish`); DynaTree's levels inside a free width (CUDA's default rules), with
 top-k or drawn children (every level's width is fixed by the host's options, the growing count it
-reads from D_0 on is bucketed), and its selection. A policy's own lists that a level appends to (DynaTree's
+reads from D_0 on is bucketed), and its selection; CAST's planned layers with top-k children (a
+layer's width bucketed, the columns beyond it masked out by a device mask filled before the replay). A policy's own lists that a level appends to (DynaTree's
 table cells) are tracked like the builder's kept distributions (`run(lists=...)`), and the tables a
 level reads (DynaTree's calibration) are refreshed in place. One drafting thread per draft model, as its static buffers assume.
 `tests/test_graph_replay_semantics.py` checks captured levels by emulated replay on the CPU; not
