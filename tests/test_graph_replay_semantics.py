@@ -397,8 +397,7 @@ def recorded_real_drafts(engine: SpeculativeEngine, widths: list[tuple[int, ...]
     return drafts
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_captured_cast_layers_draft_what_op_by_op_drafts(arch):
+def test_captured_cast_layers_draft_what_op_by_op_drafts():
     """CAST's break-even layers replay as captured graphs at a node bucket of their planned width,
     the columns beyond it masked out on the device: every step's tree is the op-by-op one (valid
     nodes, parents, validity), rows finishing and joining at batch size 3, and the output is
@@ -406,7 +405,7 @@ def test_captured_cast_layers_draft_what_op_by_op_drafts(arch):
     agrees often enough for several layers, some narrower than their bucket (masking matters:
     unmasked padding columns would grow valid children and change the trees). CAST's default
     calibrated values: with raw draft confidences this pair rarely drafts past the first layer."""
-    target, draft = near_pair(arch)
+    target, draft = near_pair("llama")  # the architectures' forwards inside levels: `test_captured_levels_replay_exactly`
     table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
     options = {"cost_table": table, "plain_steps": False, "deterministic": True, "top_k": 4, "total_tokens": 24}
     refs = [reference(target, p, 32) for p in PROMPTS]
