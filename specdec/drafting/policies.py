@@ -273,13 +273,13 @@ class Eagle2Policy:
         if depth == 0:
             return builder.finish()
         k = min(self.top_k, builder.root_logprobs.shape[-1])
-        log_rates = self.ranks.log_rates(k, dev) if sampled else None  # [k]
+        log_rates = None  # [k] the log rates of draw ranks 1..k (sampled children)
+        if sampled:  # at a fixed address when levels are captured (one copy from the host either way)
+            log_rates = self.ranks.log_rates(k, dev) if levels is None else levels.output(("log_rates",), (k,), torch.float32).copy_(self.ranks.log_rates(k))
         frontier = self._children(builder, builder.root, builder.root_logprobs[:, None, :], k, builder.root_valid, log_rates, 1)  # [B, k]
         if levels is not None and depth > 1:
             levels.begin(builder, step_slots=(depth - 1) * node_bucket(k))
             frontier = levels.buffer(("frontier", 1), frontier)
-            if log_rates is not None:
-                log_rates = levels.buffer(("log_rates",), log_rates)
         for level in range(2, depth + 1):
             if levels is None:
                 frontier = self._level(builder, frontier, None, k, log_rates, level)
