@@ -763,9 +763,6 @@ class DynaTreePolicy:
         draws them) and the frontier's distributions, kept for verification, go to an output buffer."""
         b = frontier.shape[0]
         vocab = builder.root_logprobs.shape[-1]
-        levels.begin(builder, step_slots=(limit - depth) * node_bucket(free))
-        frontier = levels.buffer(("frontier", depth), frontier)
-        frontier_valid = levels.buffer(("frontier_valid", depth), frontier_valid)
         while True:
             last = depth + 1 >= limit  # the children are at the depth limit: nothing grows under them
             m = frontier.shape[1]
@@ -786,11 +783,56 @@ class DynaTreePolicy:
                 return
             frontier, frontier_valid, depth = next_frontier, next_valid, depth + 1
             if self._growth_reads(depth):  # how many nodes grow: the level's one host read
-                n_growing = int(frontier_valid.sum(dim=1).amax())
-                if not n_growing:
+                cut = self._growing_frontier(frontier, frontier_valid)
+                if cut is None:
                     return
-                n_growing = min(node_bucket(n_growing), frontier_valid.shape[1])
-                frontier, frontier_valid = frontier[:, :n_growing], frontier_valid[:, :n_growing]
+                frontier, frontier_valid = cut
+
+    @staticmethod
+    def _growing_frontier(frontier: torch.Tensor, frontier_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A free-width frontier [B, m] (growing nodes first) cut to the node bucket of its largest
+        row's growing count (one host read); None when nothing grows."""
+        n_growing = int(frontier_valid.sum(dim=1).amax())
+        if not n_growing:
+            return None
+        n_growing = min(node_bucket(n_growing), frontier_valid.shape[1])
+        return frontier[:, :n_growing], frontier_valid[:, :n_growing]
+
+    def _captured_first_level(
+        self, levels: CapturedLevels, builder: TreeBuilder, k: int, free: int, log_tau: float, limit: int, sampled: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The root's children, which of them grow and the next frontier, replayed as one graph (as
+        the op-by-op loop's first level); the root's distribution is copied to a level buffer first
+        (it is also the kept distribution of the root when sampling). Returns the frontier and
+        whether each grows, [B, min(k, free)] each, in level buffers."""
+        b = builder.batch_size
+        root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
+        if sampled:  # the kept root distribution: the buffer (`CapturedLevels.finish` reads it there)
+            builder._dist_chunks[0] = root
+        cap = min(k, free)
+        frontier = levels.output(("frontier", 1, 1), (b, cap), torch.long)
+        frontier_valid = levels.output(("frontier_valid", 1, 1), (b, cap), torch.bool)
+        cells = levels.output(("cells", 1, 1), (b, k), torch.long) if self._calibrating else None
+        tables = self._calibrator.device_tables(builder.device) if self._calibrating else ()
+        uniforms = levels.uniforms(("uniforms", 0, 1), tuple(root.shape)) if sampled else None
+
+        def level() -> torch.Tensor:
+            start = builder.num_nodes
+            if uniforms is not None:
+                self._add_level_with_budget(builder, builder.root, builder.root_valid, root, k, k, log_tau, True, 1, budget_binds=False, uniforms=uniforms)
+            else:
+                self._add_top_level(builder, builder.root, builder.root_valid, root, k, log_tau, 1)
+            if cells is not None:  # the level's cells at a fixed address, for feedback
+                self._cells[-1] = cells.copy_(self._cells[-1])
+            grow = self._growing(1, builder.last_valid, builder.score[:, start:], limit, 0.0)
+            assert grow is not None  # limit > 1
+            order, grows = self._free_frontier(builder, grow, start, free)
+            frontier_valid.copy_(grows)
+            return torch.add(order, start, out=frontier)
+
+        reads = (root, frontier, frontier_valid, *((cells,) if cells is not None else ()), *tables, *(() if uniforms is None else (uniforms,)))
+        levels.run(("level", 0, 1, self._growth_threshold(1, 0.0)), level, reads=reads, lists=(self._cells,))
+        return frontier, frontier_valid
 
     def _captured_level(
         self,
@@ -922,7 +964,14 @@ class DynaTreePolicy:
         self._predicted_sum = None
         calibrating = self._calibrating
         self._cells = [constants.full((roots.shape[0], 1), 0, torch.long, dev)] if calibrating else []  # the root's cell (never observed)
-        for depth in range(limit):  # the frontier sits at `depth`, its children at depth + 1
+        if levels is not None:  # every level, the root's children's included, replays as a captured graph
+            levels.begin(builder, step_slots=(limit - 1) * node_bucket(free))
+            first: tuple[torch.Tensor, torch.Tensor] | None = self._captured_first_level(levels, builder, k, free, log_tau, limit, sampled)
+            if first is not None and sampled and self._growth_reads(1):  # read as the op-by-op loop reads drawn levels
+                first = self._growing_frontier(*first)
+            if first is not None:
+                self._captured_levels(levels, builder, *first, 1, limit, k, free, log_tau, sampled)
+        for depth in range(limit if levels is None else 0):  # the frontier sits at `depth`, its children at depth + 1
             start = builder.num_nodes
             m = frontier.shape[1]
             room = None  # [B] bool: rows with budget left after this level (None: all, the budget cannot bind)
@@ -970,16 +1019,13 @@ class DynaTreePolicy:
                 if n_growing < frontier_valid.shape[1]:
                     frontier_valid, order = frontier_valid[:, :n_growing], order[:, :n_growing]
             frontier = order + start
-            if levels is not None:  # the deeper levels replay as captured graphs
-                self._captured_levels(levels, builder, frontier, frontier_valid, depth + 1, limit, k, free, log_tau, sampled)
-                break
             logprobs = builder.expand(frontier, frontier_valid, depth=depth + 1)  # [B, m', V]: one draft forward per level
         keep = builder.top_by_score(None, free) if free else builder.valid  # [B, N]: the free width's best nodes by p, or every valid one
         if predicts:  # each row's predicted accepted tokens: the sum of p(u) over its kept nodes (-inf at invalid ones), read in `feedback`
             value = (builder.score if calibrating else builder.cum_logq)[:, 1:]
             self._predicted_sum = (value.masked_fill(~keep[:, 1:], float("-inf")) if free else value).exp().sum(dim=1)  # [B]
         # the kept nodes only (levels are padded to a static width): `tree_width` columns, or the free width's
-        if levels is not None and levels.begun:  # replayed like a level, into fixed buffers (the keep mask read from one)
+        if levels is not None:  # replayed like a level, into fixed buffers (the keep mask read from one)
             kept = levels.buffer(("keep",), keep)
             drafted = levels.finish(lambda: builder.finish(kept, width=1 + free), width=1 + free, reads=(kept,))
         else:

@@ -146,8 +146,10 @@ class CapturedLevels:
         builder = self.builder
         assert builder is not None, "begin() first"
         chunks = builder._dist_chunks
-        if chunks:  # the root's distribution, made before the levels: copied to a fixed address (the levels' are at theirs)
-            chunks[0] = self.buffer(("dist", 0), chunks[0])
+        if chunks:  # the root's distribution, made before the levels: at a fixed address (the levels' are at theirs)
+            root = self.output(("dist", 0), tuple(chunks[0].shape), chunks[0].dtype)
+            if chunks[0].data_ptr() != root.data_ptr():  # not copied there yet (a policy whose first level is captured copies it first)
+                chunks[0] = root.copy_(chunks[0])
         fields = _tree_fields(builder.batch_size, min(width, builder.num_nodes), chunks[0].shape[-1] if builder.keep_draft_probs else 0)
 
         def selection() -> torch.Tensor:

@@ -76,6 +76,11 @@ class ChainPolicy(_Stateless):
                 levels.run(("level", level), body, reads=(logprobs, out) if uniforms is None else (logprobs, out, uniforms))
                 logprobs = out[:, 0]
                 continue
+            if levels is not None and depth > 1:  # the last level: its child alone (no forward), replayed
+                uniforms = levels.uniforms(("uniforms",), tuple(logprobs.shape)) if sampling else None
+                body = partial(self._add_child, builder, logprobs, sampling, uniforms, may_be_empty)
+                levels.run(("last", level), body, reads=(logprobs,) if uniforms is None else (logprobs, uniforms))
+                break
             node = self._add_child(builder, logprobs, sampling, None, may_be_empty)
             if level < depth:
                 logprobs = builder.expand(node, builder.last_valid, depth=level)[:, 0]
@@ -157,6 +162,11 @@ class StaticTreePolicy(_Stateless):
                 start, end = builder._last  # the level's nodes: columns start..end - 1 (builder state, set after a replay too)
                 frontier, frontier_valid, logprobs = constants.arange(end, roots.device)[start:end].expand(roots.shape[0], end - start), builder.last_valid, out
                 continue
+            if levels is not None and level > 1:  # the last level below captured ones: its children alone (no forward), replayed
+                uniforms = levels.uniforms(("uniforms", level), tuple(logprobs.shape)) if sampled else None
+                body = partial(self._add_level, builder, frontier, frontier_valid, logprobs, k, take, level, sampled, uniforms)
+                levels.run(("last", level), body, reads=(logprobs,) if uniforms is None else (logprobs, uniforms))
+                break
             nodes = self._add_level(builder, frontier, frontier_valid, logprobs, k, take, level, sampled)
             if last:
                 break
@@ -276,10 +286,17 @@ class Eagle2Policy:
         log_rates = None  # [k] the log rates of draw ranks 1..k (sampled children)
         if sampled:  # at a fixed address when levels are captured (one copy from the host either way)
             log_rates = self.ranks.log_rates(k, dev) if levels is None else levels.output(("log_rates",), (k,), torch.float32).copy_(self.ranks.log_rates(k))
-        frontier = self._children(builder, builder.root, builder.root_logprobs[:, None, :], k, builder.root_valid, log_rates, 1)  # [B, k]
-        if levels is not None and depth > 1:
+        if levels is not None and depth > 1:  # the root's children replay too, from its distribution copied to a level buffer
             levels.begin(builder, step_slots=(depth - 1) * node_bucket(k))
-            frontier = levels.buffer(("frontier", 1), frontier)
+            root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
+            if sampled:  # the kept root distribution: the buffer (`CapturedLevels.finish` reads it there)
+                builder._dist_chunks[0] = root
+            frontier = levels.output(("frontier", 1), (builder.batch_size, k), torch.long)
+            root_uniforms = levels.uniforms(("uniforms", 1), tuple(root.shape)) if sampled else None
+            first = partial(self._first_level, builder, root, frontier, k, log_rates, root_uniforms)
+            levels.run(("level", 1), first, reads=(root, frontier, *(() if log_rates is None or root_uniforms is None else (log_rates, root_uniforms))))
+        else:
+            frontier = self._children(builder, builder.root, builder.root_logprobs[:, None, :], k, builder.root_valid, log_rates, 1)  # [B, k]
         for level in range(2, depth + 1):
             if levels is None:
                 frontier = self._level(builder, frontier, None, k, log_rates, level)
@@ -301,6 +318,14 @@ class Eagle2Policy:
         if sampled:
             self._drew_tree = True
         return drafted
+
+    @classmethod
+    def _first_level(
+        cls, builder: TreeBuilder, root: torch.Tensor, out: torch.Tensor, k: int, log_rates: torch.Tensor | None, uniforms: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A captured first level: the root's k children from its distribution `root` [B, 1, V]
+        (drawn from `uniforms` [B, 1, V] when sampling), written to `out` [B, k]."""
+        return out.copy_(cls._children(builder, builder.root, root, k, builder.root_valid, log_rates, 1, uniforms))
 
     @classmethod
     def _level(
