@@ -1024,10 +1024,11 @@ class CastPolicy:
         # path; the root's is its score (0, or -inf for a finished row)
         self._cells = [constants.full((b, 1), 0, torch.long, dev)]  # per add: calibration cells (calibrate only)
         root_value = builder.score[:, :1]  # [B, 1]
-        candidates, cand_value = self._add(builder, builder.root, root_value, builder.root_logprobs[:, None, :], builder.root_valid, k, 1)  # [B, k] best first
-        if levels is not None:  # the layers' inputs at fixed addresses
+        if levels is not None:  # the root's children replay too, from its distribution copied to a level buffer
             levels.begin(builder, step_slots=(depth - 1) * node_bucket(k))
-            candidates, cand_value = levels.buffer(("candidates", 1), candidates), levels.buffer(("values", 1), cand_value)
+            candidates, cand_value = self._captured_root_layer(levels, builder, k)
+        else:
+            candidates, cand_value = self._add(builder, builder.root, root_value, builder.root_logprobs[:, None, :], builder.root_valid, k, 1)  # [B, k] best first
         if self.prune_rule == "break-even":
             count = self._draft_planned(builder, st, candidates, cand_value)
         else:
@@ -1066,6 +1067,26 @@ class CastPolicy:
         frontier_valid = builder.valid.gather(1, frontier)
         logprobs = builder.expand(frontier, frontier_valid, depth=level)  # [B, n_i, V]
         return self._add(builder, frontier, cand_value[:, :width], logprobs, frontier_valid, st.k, level + 1)
+
+    def _captured_root_layer(self, levels: CapturedLevels, builder: TreeBuilder, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The root's k children (`_add`) replayed as one graph: their indices and values, best
+        first, [B, k] each, in output buffers."""
+        b = builder.batch_size
+        root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
+        nodes = levels.output(("candidates", 1, 1), (b, k), torch.long)
+        values = levels.output(("values", 1, 1), (b, k), builder.score.dtype)
+        cells = levels.output(("cells", 1, 1), (b, k), torch.long) if self.calibrate else None
+        tables = self._calibrator.device_tables(builder.device) if self.calibrate else ()
+
+        def layer() -> torch.Tensor:
+            children, child_values = self._add(builder, builder.root, builder.score[:, :1], root, builder.root_valid, k, 1)
+            if cells is not None:  # the layer's calibration cells at a fixed address, for feedback
+                self._cells[-1] = cells.copy_(self._cells[-1])
+            values.copy_(child_values)
+            return nodes.copy_(children)
+
+        levels.run(("layer", 0, 1), layer, reads=(root, nodes, values, *((cells,) if cells is not None else ()), *tables), lists=(self._cells,))
+        return nodes, values
 
     def _captured_layer(
         self, levels: CapturedLevels, builder: TreeBuilder, candidates: torch.Tensor, cand_value: torch.Tensor, width: int, bucket: int, k: int, level: int

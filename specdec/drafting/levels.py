@@ -37,14 +37,19 @@ What makes a level replayable (`CapturedLevels.run`):
 
 Capture needs a model draft source whose runner has `level_graphs` (CUDA graphs with
 SPECDEC_CAPTURE_LEVELS=1, `specdec.models.runner.capture_levels_default`), forwards untimed and no
-sliding-window layers. Policies: the chain's levels and the static tree's (all but the last),
-greedy or sampled; EAGLE-2's levels, with top-k or drawn children, and its selection of the
-verified nodes (`finish`); DynaTree's levels inside a free width (CUDA's default rules), with
-top-k or drawn children (every level's width is fixed by the host's options, the growing count it
-reads from D_0 on is bucketed), and its selection; CAST's planned layers with top-k children (a
-layer's width bucketed, the columns beyond it masked out by a device mask filled before the replay). A policy's own lists that a level appends to (DynaTree's
-table cells) are tracked like the builder's kept distributions (`run(lists=...)`), and the tables a
-level reads (DynaTree's calibration) are refreshed in place. One drafting thread per draft model, as its static buffers assume.
+sliding-window layers. Policies, greedy or sampled unless said:
+- the chain's levels and the static tree's, each level's children with their forward, and the
+  last level's children alone;
+- EAGLE-2's levels, the root's children included (its distribution is copied to a level buffer
+  once), and its selection of the verified nodes (`finish`);
+- DynaTree's levels inside a free width (CUDA's default rules), the root's children included:
+  every level's width is fixed by the host's options, the growing count it reads from D_0 on is
+  bucketed; and its selection;
+- CAST's planned layers and the root's children, top-k children only (greedy): a layer's width is
+  bucketed, the columns beyond it masked out by a device mask filled before the replay.
+A policy's own lists that a level appends to (DynaTree's and CAST's table cells) are tracked like
+the builder's kept distributions (`run(lists=...)`), and the tables a level reads (calibration)
+are refreshed in place. One drafting thread per draft model, as its static buffers assume.
 `tests/test_graph_replay_semantics.py` checks captured levels by emulated replay on the CPU; not
 yet run on a GPU (`benchmarks/gpu/levels_ab.py`).
 """
