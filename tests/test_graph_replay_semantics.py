@@ -424,6 +424,50 @@ def test_captured_cast_layers_draft_what_op_by_op_drafts():
     assert drafts == eager_drafts
 
 
+def test_captured_cast_sampled_layers_draw_what_op_by_op_draws():
+    """CAST's layers of drawn children (T = 0.5, one seed) are captured too: each layer's first
+    `width` columns of random numbers are drawn before its replay as op by op draws them (the
+    bucket's other columns are masked out), so every step draws the op-by-op tree (valid tokens,
+    parents, validity, sampled flags) with the same layer widths, and the output is the op-by-op
+    output. The kept draft distributions of the tree's nodes agree to float rounding: the padding
+    columns take step slots, so later layers' keys sit at other cache columns and attention sums
+    them in another order."""
+    target, draft = near_pair("llama")
+    table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
+    options = {"cost_table": table, "plain_steps": False, "deterministic": True, "top_k": 4, "total_tokens": 24}
+    params = SamplingParams(temperature=0.5)
+
+    def run(engine: SpeculativeEngine) -> tuple[list[list[int]], list[Any], list[tuple[int, ...]]]:
+        drafts: list[Any] = []
+        widths: list[tuple[int, ...]] = []
+        draft_step = engine.policy.draft
+
+        def recording(*args: Any) -> Any:
+            drafted = draft_step(*args)
+            tree = drafted.tree
+            v = tree.valid
+            fields = [t.tolist() for t in (tree.tokens.masked_fill(~v, -1), tree.parents, v, tree.sampled & v)]
+            drafts.append((fields, tree.draft_logprobs[v].clone()))
+            widths.append(tuple(engine.policy.last_widths))
+            return drafted
+
+        engine.policy.draft = recording  # type: ignore[method-assign]
+        outs = engine.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)
+        return [o.token_ids for o in outs], drafts, widths
+
+    engine, levels = level_engine(target, draft, "cast", rule=SamplingRule(), **options)
+    outs, drafts, widths = run(engine)
+    assert levels.captures > 0 and levels.replays > 0
+    assert any(w[i] not in (1, 2, 4) for w in widths for i in range(len(w) - 1)), f"no layer narrower than its bucket: {widths}"
+    eager = SpeculativeEngine(target, make_policy("cast", **options), SamplingRule(), ModelDraftSource(draft, static_shapes=True), eos_token_ids=[EOS], static_shapes=True)
+    eager_outs, eager_drafts, eager_widths = run(eager)
+    assert outs == eager_outs and widths == eager_widths
+    assert any(any(row) for fields, _ in drafts for row in fields[3]), "the steps must draw their children"
+    assert [fields for fields, _ in drafts] == [fields for fields, _ in eager_drafts]
+    for (_, dists), (_, eager_dists) in zip(drafts, eager_drafts, strict=True):
+        torch.testing.assert_close(dists, eager_dists, atol=1e-5, rtol=0)
+
+
 def test_levels_of_other_sampling_params_are_captured_apart(monkeypatch):
     """The sampling params shape every level (the draft's distributions), so they are part of its
     key: one draft model's levels drafted at T = 0.8, then at T = 0.5, then greedily, each draw

@@ -52,7 +52,7 @@ per_batch_size() {  # SCRIPT NAME METHODS B: benchmarks/gpu/SCRIPT on the pair a
 
 levels_t1() {  # captured levels on / off at T = 1, B = 1 (levels_ab.py, seeded)
   $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-    --methods "${LEVELS_T1_METHODS:-chain,eagle2,static,dynatree}" --temperature 1 --out "$OUT/levels-t1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
+    --methods "${LEVELS_T1_METHODS:-chain,eagle2,static,dynatree,cast}" --temperature 1 --out "$OUT/levels-t1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
   tar -czf "$OUT/levels-t1.tar.gz" -C "$OUT" levels-t1 && rm -rf "${OUT:?}/levels-t1"
 }
 

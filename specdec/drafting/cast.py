@@ -983,10 +983,10 @@ class CastPolicy:
             self._step_plain = False if depth > 0 else None
         self._catching_up, self._owed = self._owed, False
         # break-even layers are drafted at the widths the host planned, without reading their values:
-        # with top-k children each can replay as a captured graph (`_expand`), its width bucketed
+        # each can replay as a captured graph (`_expand`), its width bucketed
         levels = None
-        if self.prune_rule == "break-even" and not self._sampled and depth > 1:
-            levels = CapturedLevels.for_step(source, ("cast", self.children_per_node, self.calibrate))
+        if self.prune_rule == "break-even" and depth > 1:
+            levels = CapturedLevels.for_step(source, ("cast", self.children_per_node, self.calibrate, self._sampled))
         self._levels = levels
         # capacity: the most nodes a step has needed so far, so the builder's buffers rarely grow mid-step
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=self._capacity, workspace=levels and levels.workspace)
@@ -1070,22 +1070,29 @@ class CastPolicy:
 
     def _captured_root_layer(self, levels: CapturedLevels, builder: TreeBuilder, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The root's k children (`_add`) replayed as one graph: their indices and values, best
-        first, [B, k] each, in output buffers."""
+        first, [B, k] each, in output buffers. Drawn children read their random numbers from a
+        buffer filled before the replay, and the root's distribution, kept for verification, is
+        the level buffer it was copied to."""
         b = builder.batch_size
         root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
+        uniforms = None
+        if self._sampled:
+            builder._dist_chunks[0] = root
+            uniforms = levels.uniforms(("uniforms", 0, 1), tuple(root.shape))
         nodes = levels.output(("candidates", 1, 1), (b, k), torch.long)
         values = levels.output(("values", 1, 1), (b, k), builder.score.dtype)
         cells = levels.output(("cells", 1, 1), (b, k), torch.long) if self.calibrate else None
         tables = self._calibrator.device_tables(builder.device) if self.calibrate else ()
 
         def layer() -> torch.Tensor:
-            children, child_values = self._add(builder, builder.root, builder.score[:, :1], root, builder.root_valid, k, 1)
+            children, child_values = self._add(builder, builder.root, builder.score[:, :1], root, builder.root_valid, k, 1, uniforms=uniforms)
             if cells is not None:  # the layer's calibration cells at a fixed address, for feedback
                 self._cells[-1] = cells.copy_(self._cells[-1])
             values.copy_(child_values)
             return nodes.copy_(children)
 
-        levels.run(("layer", 0, 1), layer, reads=(root, nodes, values, *((cells,) if cells is not None else ()), *tables), lists=(self._cells,))
+        reads = (root, nodes, values, *((cells,) if cells is not None else ()), *tables, *(() if uniforms is None else (uniforms,)))
+        levels.run(("layer", 0, 1), layer, reads=reads, lists=(self._cells,))
         return nodes, values
 
     def _captured_layer(
@@ -1096,7 +1103,9 @@ class CastPolicy:
         forward pads to anyway), the ones beyond `width` masked out by a device mask filled before
         the replay, so their children are invalid (value -inf, sorted after every real child) and
         the tree is the op-by-op one. Returns the children and values, best first, [B, bucket * k]
-        each, in output buffers (the first width * k as `_expand`'s)."""
+        each, in output buffers (the first width * k as `_expand`'s). Drawn children read their
+        random numbers from a buffer whose first `width` columns are drawn before the replay as op
+        by op draws them, and the expanded nodes' distributions go to an output buffer."""
         b, dev = builder.batch_size, builder.device
         shape = (b, bucket * k)
         nodes = levels.output(("candidates", level + 1, bucket), shape, torch.long)
@@ -1104,18 +1113,23 @@ class CastPolicy:
         expanded = levels.buffer(("expanded", level, bucket), constants.below(bucket, width, dev))  # [bucket]: the first `width`
         cells = levels.output(("cells", level + 1, bucket), shape, torch.long) if self.calibrate else None
         tables = self._calibrator.device_tables(dev) if self.calibrate else ()
+        uniforms = dists = None
+        if self._sampled:  # [B, bucket, V] each
+            shape3 = (b, bucket, builder.root_logprobs.shape[-1])
+            uniforms = levels.uniforms(("uniforms", level, bucket), shape3, width=width)
+            dists = levels.output(("dist", level, bucket), shape3, builder.root_logprobs.dtype)
 
         def layer() -> torch.Tensor:
             frontier = candidates[:, :bucket]  # [B, bucket]
             frontier_valid = builder.valid.gather(1, frontier).logical_and_(expanded)
-            logprobs = builder.expand(frontier, frontier_valid, depth=level)  # [B, bucket, V]
-            children, child_values = self._add(builder, frontier, cand_value[:, :bucket], logprobs, frontier_valid, k, level + 1, masked=True)
+            logprobs = builder.expand(frontier, frontier_valid, depth=level, out=dists)  # [B, bucket, V]
+            children, child_values = self._add(builder, frontier, cand_value[:, :bucket], logprobs, frontier_valid, k, level + 1, masked=True, uniforms=uniforms)
             if cells is not None:  # the layer's calibration cells at a fixed address, for feedback
                 self._cells[-1] = cells.copy_(self._cells[-1])
             values.copy_(child_values)
             return nodes.copy_(children)
 
-        reads = (candidates, cand_value, expanded, nodes, values, *((cells,) if cells is not None else ()), *tables)
+        reads = (candidates, cand_value, expanded, nodes, values, *((cells,) if cells is not None else ()), *tables, *(() if uniforms is None or dists is None else (uniforms, dists)))
         levels.run(("layer", level, bucket), layer, reads=reads, lists=(self._cells,))
         return nodes, values
 
@@ -1345,7 +1359,16 @@ class CastPolicy:
         return self.last_verified
 
     def _add(
-        self, builder: TreeBuilder, nodes: torch.Tensor, parent_value: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor, k: int, depth: int, masked: bool = False
+        self,
+        builder: TreeBuilder,
+        nodes: torch.Tensor,
+        parent_value: torch.Tensor,
+        logprobs: torch.Tensor,
+        valid: torch.Tensor,
+        k: int,
+        depth: int,
+        masked: bool = False,
+        uniforms: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add k children of each node [B, m] (all at depth - 1; values parent_value [B, m], -inf
         at invalid nodes; distributions logprobs [B, m, V]), laid out k per parent in the
@@ -1366,12 +1389,14 @@ class CastPolicy:
         Gumbel keys are computed: `draw_children`.)
         masked: `valid` masks out valid nodes too (a captured layer's padding columns), so top-k
         children take it as well (else a node's validity is its own, from its cum_logq).
+        uniforms: drawn children's random numbers [B, m, V] (a captured layer's buffer), or None
+        to draw them here.
         """
         start = builder.num_nodes  # the new nodes are columns start..start + m*k - 1
         b, m, _ = logprobs.shape
         cells = gain = None  # [B, m, k] each; gain None: the value is cum_logq (log v(u))
         if self._sampled:
-            parents, tokens, logq, child_valid = builder.draw_children(nodes, logprobs, k, valid)  # valued below, not by Gumbel keys
+            parents, tokens, logq, child_valid = builder.draw_children(nodes, logprobs, k, valid, uniforms)  # valued below, not by Gumbel keys
             if self.calibrate:
                 cells, gain = self._calibrator.drawn_child_rates(logprobs, k)
             else:  # the collision mass itself, the same for each parent's k draws

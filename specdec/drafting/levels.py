@@ -45,8 +45,9 @@ sliding-window layers. Policies, greedy or sampled unless said:
 - DynaTree's levels inside a free width (CUDA's default rules), the root's children included:
   every level's width is fixed by the host's options, the growing count it reads from D_0 on is
   bucketed; and its selection;
-- CAST's planned layers and the root's children, top-k children only (greedy): a layer's width is
-  bucketed, the columns beyond it masked out by a device mask filled before the replay.
+- CAST's planned layers and the root's children: a layer's width is bucketed, the columns beyond
+  it masked out by a device mask filled before the replay (a drawn layer's first `width` columns
+  of random numbers are drawn as op by op draws them, `uniforms(width=...)`).
 A policy's own lists that a level appends to (DynaTree's and CAST's table cells) are tracked like
 the builder's kept distributions (`run(lists=...)`), and the tables a level reads (calibration)
 are refreshed in place. One drafting thread per draft model, as its static buffers assume.
@@ -120,13 +121,25 @@ class CapturedLevels:
         was computed before the levels (a frontier, a distribution) at a fixed address."""
         return self.output(name, tuple(like.shape), like.dtype).copy_(like)
 
-    def uniforms(self, name: tuple[Any, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    def uniforms(self, name: tuple[Any, ...], shape: tuple[int, ...], width: int | None = None) -> torch.Tensor:
         """`output(name)` filled with U(0, 1) numbers from the step's generator (one op, outside
         any graph): the random numbers of the next level's draws (`TreeBuilder.sample_children`,
-        `sample_from_probs`), drawn as op-by-op drafting draws them, in the same order."""
+        `sample_from_probs`), drawn as op-by-op drafting draws them, in the same order.
+        width: a level whose op-by-op draws are [B, width, ...] inside a wider bucket (CAST's
+        layers): only the first `width` columns are drawn, as op by op (a draw and a copy); the
+        others keep earlier numbers (0.5 when the buffer is new), read only by masked-out columns."""
         assert self.builder is not None, "begin() first"
+        gen = self.builder.ctx.generator
+        if width is None or width == shape[1]:
+            buf = self.output(name, shape, torch.float32)
+            return torch.rand(shape, generator=gen, device=buf.device, out=buf)
+        new = ("level_buffer", self.tag, name, shape, torch.float32) not in self.runner.level_buffers
         buf = self.output(name, shape, torch.float32)
-        return torch.rand(shape, generator=self.builder.ctx.generator, device=buf.device, out=buf)
+        if new:
+            buf.fill_(0.5)
+        drawn = torch.rand((shape[0], width, *shape[2:]), generator=gen, device=buf.device, out=self.output((*name, "drawn", width), (shape[0], width, *shape[2:]), torch.float32))
+        buf[:, :width].copy_(drawn)
+        return buf
 
     def output(self, name: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` at the same address every step (made on first use, contents
