@@ -1102,7 +1102,8 @@ class CastPolicy:
         candidates are expanded (a node bucket: a few shapes to capture, the width a static-shape
         forward pads to anyway), the ones beyond `width` masked out by a device mask filled before
         the replay, so their children are invalid (value -inf, sorted after every real child) and
-        the tree is the op-by-op one. Returns the children and values, best first, [B, bucket * k]
+        the tree is the op-by-op one (up to float rounding: the padding columns' step slots move
+        later layers' keys to other cache columns). Returns the children and values, best first, [B, bucket * k]
         each, in output buffers (the first width * k as `_expand`'s). Drawn children read their
         random numbers from a buffer whose first `width` columns are drawn before the replay as op
         by op draws them, and the expanded nodes' distributions go to an output buffer."""
