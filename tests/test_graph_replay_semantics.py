@@ -380,16 +380,24 @@ def near_pair(arch: str, noise: float = 0.005) -> tuple[Any, Any]:
     return target, draft
 
 
+def real_columns(tree: Any) -> int:
+    """The tree's columns up to its last valid node in any row (a captured CAST selection pads the
+    tree to the node bucket of its width with invalid columns)."""
+    return int(tree.valid.any(dim=0).nonzero().max()) + 1
+
+
 def recorded_real_drafts(engine: SpeculativeEngine, widths: list[tuple[int, ...]]) -> list[Any]:
-    """Each step's tree (tokens of valid nodes, parents, validity; not the builder nodes, whose
-    layout captured CAST layers pad) and the policy's layer widths (appended to `widths`)."""
+    """Each step's tree (tokens of valid nodes, parents, validity, up to its last valid column; not
+    the builder nodes, whose layout captured CAST layers pad) and the policy's layer widths
+    (appended to `widths`)."""
     drafts: list[Any] = []
     draft = engine.policy.draft
 
     def recording(*args: Any) -> Any:
         drafted = draft(*args)
         tree = drafted.tree
-        drafts.append([t.tolist() for t in (tree.tokens.masked_fill(~tree.valid, -1), tree.parents, tree.valid)])
+        n = real_columns(tree)
+        drafts.append([t[:, :n].tolist() for t in (tree.tokens.masked_fill(~tree.valid, -1), tree.parents, tree.valid)])
         widths.append(tuple(engine.policy.last_widths))
         return drafted
 
@@ -445,8 +453,8 @@ def test_captured_cast_sampled_layers_draw_what_op_by_op_draws():
         def recording(*args: Any) -> Any:
             drafted = draft_step(*args)
             tree = drafted.tree
-            v = tree.valid
-            fields = [t.tolist() for t in (tree.tokens.masked_fill(~v, -1), tree.parents, v, tree.sampled & v)]
+            v, n = tree.valid, real_columns(tree)
+            fields = [t[:, :n].tolist() for t in (tree.tokens.masked_fill(~v, -1), tree.parents, v, tree.sampled & v)]
             drafts.append((fields, tree.draft_logprobs[v].clone()))
             widths.append(tuple(engine.policy.last_widths))
             return drafted
@@ -501,6 +509,29 @@ def test_levels_of_other_sampling_params_are_captured_apart(monkeypatch):
     for _ in range(2):
         run(settings[0], capture=True)
     assert not same_drafts(run(settings[1], capture=True), alone[1])
+
+
+def test_level_keys_name_the_builders_level_count():
+    """A replay restores the builder's host state, its count of levels (the tree's depth bound)
+    included, so two layouts with the same node count and a different number of levels (CAST's
+    layers of other widths: one layer of two expanded nodes, or two layers of one) must not share
+    a graph. Without the level count in the key, a replayed CAST selection bounded the tree's
+    depth by another step's and the accepted path overran it."""
+    from types import SimpleNamespace
+
+    from specdec.drafting.levels import CapturedLevels
+
+    _, draft = close_pair("llama")
+    source = ModelDraftSource(draft, static_shapes=True)
+    source.runner.level_graphs = ReplayEmulator()
+    source.runner.time_forwards = False
+    levels = CapturedLevels.for_step(source, ("cast",))
+    assert levels is not None
+    keys = []
+    for n_levels in (2, 3):
+        levels.builder = SimpleNamespace(_n=17, levels=n_levels)  # type: ignore[assignment]
+        keys.append(levels.key(("selection", 8), ()))
+    assert keys[0] != keys[1]
 
 
 def test_levels_are_not_captured_where_they_cannot_be():

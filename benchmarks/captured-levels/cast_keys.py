@@ -33,7 +33,7 @@ def main() -> None:
     run = levels_module.CapturedLevels.run
 
     def counting_run(self: Any, name: Any, level: Any, reads: Any, lists: Any = ()) -> None:
-        key = (self.tag, name, self.runner.step_len, self.builder._n, *self._base, *(t.data_ptr() for t in reads))  # as `run` makes it
+        key = self.key(name, reads)
         uses = self.runner.level_uses.get(key, 0)
         runs["op by op" if uses + 1 < levels_module.MIN_USES else "replayed" if key in self.runner.level_graphs.traces else "captured"] += 1
         run(self, name, level, reads, lists)

@@ -1034,15 +1034,21 @@ class CastPolicy:
         else:
             count = self._draft_layerwise(builder, st, candidates, cand_value)
         self._capacity = max(self._capacity, builder.capacity)
+        verified = 1 + min(count, builder.num_nodes - 1)  # the root + count nodes
+        # every layer was captured: so is a greedy step's selection, at the node bucket of its width (at T > 0
+        # the verifier's random numbers follow the tree's width, so a padded tree would change the sampled text)
+        if self._levels is not None and ctx.params.greedy:
+            drafted = self._captured_selection(self._levels, builder, verified)
+        else:
+            keep = builder.top_by_score(None, count)  # by the nodes' values: the builder's score (`_add`)
+            drafted = builder.finish(keep, width=verified)  # no read
         self._levels = None
-        keep = builder.top_by_score(None, count)  # by the nodes' values: the builder's score (`_add`)
-        drafted = builder.finish(keep, width=1 + min(count, builder.num_nodes - 1))  # the root + count nodes: no read
         tree = drafted.tree
         if self.calibrate:
             # top-k children: their own log q, which their cells were looked up by (drawn ones: a stand-in)
             self._last_tree = (torch.cat(self._cells, dim=1).gather(1, drafted.builder_nodes), tree.parents, tree.valid, None if self._sampled else tree.logq)
         if self._learns_costs:
-            nodes = min(tree.num_nodes, len(t_verify) - 1)
+            nodes = min(verified, len(t_verify) - 1)
             self.overheads.expect(st.forward_ms, builder.draft_forwards - 1, st.expanded, t_verify[nodes], nodes)
         return drafted
 
@@ -1067,6 +1073,24 @@ class CastPolicy:
         frontier_valid = builder.valid.gather(1, frontier)
         logprobs = builder.expand(frontier, frontier_valid, depth=level)  # [B, n_i, V]
         return self._add(builder, frontier, cand_value[:, :width], logprobs, frontier_valid, st.k, level + 1)
+
+    @staticmethod
+    def _captured_selection(levels: CapturedLevels, builder: TreeBuilder, verified: int) -> Draft:
+        """The tree of the `verified` best nodes by value (the root first: `top_by_score`), replayed
+        as one graph (`CapturedLevels.finish`): its width is the node bucket of `verified` (what a
+        static-shape verification pads to anyway), and which sorted ranks are kept is a device mask
+        filled before the replay, so one graph serves every count of a bucket. The kept nodes are
+        the op-by-op ones, in the same order; the columns past them are padding (invalid)."""
+        b, n, dev = builder.batch_size, builder.num_nodes, builder.device
+        width = min(node_bucket(verified), n)
+        kept_ranks = levels.buffer(("kept_ranks", width), constants.below(width, verified, dev))  # [width]: the first `verified`
+
+        def select() -> Draft:
+            order = torch.sort(builder.score, dim=1, descending=True, stable=True).indices[:, :width]  # [B, width] best first
+            keep = torch.zeros(b, n, dtype=torch.bool, device=dev).scatter_(1, order, kept_ranks.expand(b, width))
+            return builder.finish(keep.logical_and_(builder.valid), width=width)
+
+        return levels.finish(select, width=width, reads=(kept_ranks,))
 
     def _captured_root_layer(self, levels: CapturedLevels, builder: TreeBuilder, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The root's k children (`_add`) replayed as one graph: their indices and values, best

@@ -186,6 +186,15 @@ class CapturedLevels:
         tree.draft_logprobs = draft_logprobs
         return Draft(tree, builder, builder_nodes)
 
+    def key(self, name: tuple[Any, ...], reads: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        """The graph key of the level `name` that reads `reads`, as the builder and the runner stand:
+        besides the step's base (`begin`), the builder's node count and its count of levels (the
+        host state a replay restores: two layouts with the same node count can have different
+        levels, CAST's layers of other widths) and the runner's step slots."""
+        builder = self.builder
+        assert builder is not None, "begin() first"
+        return (self.tag, name, self.runner.step_len, builder._n, builder.levels, *self._base, *(t.data_ptr() for t in reads))
+
     def run(self, name: tuple[Any, ...], level: Callable[[], torch.Tensor], reads: Sequence[torch.Tensor], lists: Sequence[list[torch.Tensor]] = ()) -> None:
         """Run `level()` (tensor ops on the builder, the source and `reads`, the level-to-level
         buffers it reads and writes), replayed from its graph when its key was captured.
@@ -195,7 +204,7 @@ class CapturedLevels:
         assert builder is not None, "begin() first"
         graphs = runner.level_graphs
         assert graphs is not None
-        key = (self.tag, name, runner.step_len, builder._n, *self._base, *(t.data_ptr() for t in reads))
+        key = self.key(name, reads)
         uses = runner.level_uses.get(key, 0)
         if uses + 1 < MIN_USES:  # a key met for the first time: op by op
             if len(runner.level_uses) >= MAX_KEYS:
