@@ -47,7 +47,8 @@ sliding-window layers. Policies, greedy or sampled unless said:
   bucketed; and its selection;
 - CAST's planned layers and the root's children: a layer's width is bucketed, the columns beyond
   it masked out by a device mask filled before the replay (a drawn layer's first `width` columns
-  of random numbers are drawn as op by op draws them, `uniforms(width=...)`).
+  of random numbers are drawn as op by op draws them, `uniforms(width=...)`); and a greedy step's
+  selection, at the node bucket of its width.
 A policy's own lists that a level appends to (DynaTree's and CAST's table cells) are tracked like
 the builder's kept distributions (`run(lists=...)`), and the tables a level reads (calibration)
 are refreshed in place. One drafting thread per draft model, as its static buffers assume.
