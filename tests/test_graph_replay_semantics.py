@@ -511,15 +511,15 @@ def test_levels_of_other_sampling_params_are_captured_apart(monkeypatch):
     assert not same_drafts(run(settings[1], capture=True), alone[1])
 
 
-def test_level_keys_name_the_builders_level_count():
-    """A replay restores the builder's host state, its count of levels (the tree's depth bound)
-    included, so two layouts with the same node count and a different number of levels (CAST's
-    layers of other widths: one layer of two expanded nodes, or two layers of one) must not share
-    a graph. Without the level count in the key, a replayed CAST selection bounded the tree's
-    depth by another step's and the accepted path overran it."""
+def test_level_keys_name_every_host_field_a_replay_sets():
+    """A replay sets the builder's host fields to what the capture left, so the key names each of
+    them as it was before the level: a change in any one gives another graph. Without the count of
+    levels in the key, two CAST layouts with the same node count and a different number of layers
+    shared a selection graph, whose replay restored the other step's depth bound, and the accepted
+    path overran it."""
     from types import SimpleNamespace
 
-    from specdec.drafting.levels import CapturedLevels
+    from specdec.drafting.levels import _BUILDER_STATE, CapturedLevels
 
     _, draft = close_pair("llama")
     source = ModelDraftSource(draft, static_shapes=True)
@@ -527,11 +527,13 @@ def test_level_keys_name_the_builders_level_count():
     source.runner.time_forwards = False
     levels = CapturedLevels.for_step(source, ("cast",))
     assert levels is not None
-    keys = []
-    for n_levels in (2, 3):
-        levels.builder = SimpleNamespace(_n=17, levels=n_levels)  # type: ignore[assignment]
-        keys.append(levels.key(("selection", 8), ()))
-    assert keys[0] != keys[1]
+    state = {"_n": 17, "_last": (5, 17), "levels": 2, "max_children": 4, "draft_forwards": 2, "_dist_rows": 3, "_any_sampled": False}
+    assert set(state) == set(_BUILDER_STATE)
+    levels.builder = SimpleNamespace(**state)  # type: ignore[assignment]
+    base = levels.key(("selection", 8), ())
+    for name, value in state.items():
+        levels.builder = SimpleNamespace(**{**state, name: (value, 1) if isinstance(value, tuple) else not value if isinstance(value, bool) else value + 1})  # type: ignore[assignment]
+        assert levels.key(("selection", 8), ()) != base, name
 
 
 def test_levels_are_not_captured_where_they_cannot_be():

@@ -59,6 +59,7 @@ yet run on a GPU (`benchmarks/gpu/levels_ab.py`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -134,21 +135,19 @@ class CapturedLevels:
         if width is None or width == shape[1]:
             buf = self.output(name, shape, torch.float32)
             return torch.rand(shape, generator=gen, device=buf.device, out=buf)
-        new = ("level_buffer", self.tag, name, shape, torch.float32) not in self.runner.level_buffers
-        buf = self.output(name, shape, torch.float32)
-        if new:
-            buf.fill_(0.5)
+        buf = self.output(name, shape, torch.float32, fill=0.5)
         drawn = torch.rand((shape[0], width, *shape[2:]), generator=gen, device=buf.device, out=self.output((*name, "drawn", width), (shape[0], width, *shape[2:]), torch.float32))
         buf[:, :width].copy_(drawn)
         return buf
 
-    def output(self, name: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def output(self, name: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = None) -> torch.Tensor:
         """A tensor of `shape` at the same address every step (made on first use, contents
-        unspecified): where a level writes what the next one reads."""
+        unspecified, or `fill` when made): where a level writes what the next one reads."""
         key = ("level_buffer", self.tag, name, shape, dtype)
         buf = self.runner.level_buffers.get(key)
         if buf is None:
-            buf = self.runner.level_buffers[key] = torch.empty(shape, dtype=dtype, device=self.runner.device)
+            make = torch.empty if fill is None else partial(torch.full, fill_value=fill)
+            buf = self.runner.level_buffers[key] = make(shape, dtype=dtype, device=self.runner.device)
         return buf
 
     @property
@@ -189,12 +188,13 @@ class CapturedLevels:
 
     def key(self, name: tuple[Any, ...], reads: Sequence[torch.Tensor]) -> tuple[Any, ...]:
         """The graph key of the level `name` that reads `reads`, as the builder and the runner stand:
-        besides the step's base (`begin`), the builder's node count and its count of levels (the
-        host state a replay restores: two layouts with the same node count can have different
-        levels, CAST's layers of other widths) and the runner's step slots."""
+        besides the step's base (`begin`), every host field a replay sets (`_BUILDER_STATE` and the
+        runner's step slots) as it is before the level. A replay sets them to what the capture left,
+        which is right only for the state the capture started from: two layouts with the same node
+        count can differ in their count of levels (CAST's layers of other widths), the tree's depth bound."""
         builder = self.builder
         assert builder is not None, "begin() first"
-        return (self.tag, name, self.runner.step_len, builder._n, builder.levels, *self._base, *(t.data_ptr() for t in reads))
+        return (self.tag, name, *(getattr(builder, f) for f in _BUILDER_STATE), self.runner.step_len, *self._base, *(t.data_ptr() for t in reads))
 
     def run(self, name: tuple[Any, ...], level: Callable[[], torch.Tensor], reads: Sequence[torch.Tensor], lists: Sequence[list[torch.Tensor]] = ()) -> None:
         """Run `level()` (tensor ops on the builder, the source and `reads`, the level-to-level

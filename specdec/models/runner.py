@@ -70,8 +70,8 @@ def forward_timing_default(device: torch.device, environ: Mapping[str, str] | No
 
 
 CAPTURE_LEVELS_ENV = "SPECDEC_CAPTURE_LEVELS"
-"""1: with CUDA graphs, capture whole drafting levels of the chain, static and EAGLE-2 policies (greedy) as
-graphs (`specdec.drafting.levels`); 0 or unset: only model forwards are graphed"""
+"""1: with CUDA graphs, capture whole drafting levels of the tree policies as graphs
+(`specdec.drafting.levels` lists which); 0 or unset: only model forwards are graphed"""
 
 
 def capture_levels_default(environ: Mapping[str, str] | None = None) -> bool:
