@@ -1026,7 +1026,7 @@ class CastPolicy:
         root_value = builder.score[:, :1]  # [B, 1]
         if levels is not None:  # the root's children replay too, from its distribution copied to a level buffer
             levels.begin(builder, step_slots=(depth - 1) * node_bucket(k))
-            candidates, cand_value = self._captured_root_layer(levels, builder, k)
+            candidates, cand_value = self._captured_layer(levels, builder, None, root_value, 1, 1, k, 0)
         else:
             candidates, cand_value = self._add(builder, builder.root, root_value, builder.root_logprobs[:, None, :], builder.root_valid, k, 1)  # [B, k] best first
         if self.prune_rule == "break-even":
@@ -1092,37 +1092,13 @@ class CastPolicy:
 
         return levels.finish(select, width=width, reads=(kept_ranks,))
 
-    def _captured_root_layer(self, levels: CapturedLevels, builder: TreeBuilder, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The root's k children (`_add`) replayed as one graph: their indices and values, best
-        first, [B, k] each, in output buffers. Drawn children read their random numbers from a
-        buffer filled before the replay, and the root's distribution, kept for verification, is
-        the level buffer it was copied to."""
-        b = builder.batch_size
-        root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
-        uniforms = None
-        if self._sampled:
-            builder._dist_chunks[0] = root
-            uniforms = levels.uniforms(("uniforms", 0, 1), tuple(root.shape))
-        nodes = levels.output(("candidates", 1, 1), (b, k), torch.long)
-        values = levels.output(("values", 1, 1), (b, k), builder.score.dtype)
-        cells = levels.output(("cells", 1, 1), (b, k), torch.long) if self.calibrate else None
-        tables = self._calibrator.device_tables(builder.device) if self.calibrate else ()
-
-        def layer() -> torch.Tensor:
-            children, child_values = self._add(builder, builder.root, builder.score[:, :1], root, builder.root_valid, k, 1, uniforms=uniforms)
-            if cells is not None:  # the layer's calibration cells at a fixed address, for feedback
-                self._cells[-1] = cells.copy_(self._cells[-1])
-            values.copy_(child_values)
-            return nodes.copy_(children)
-
-        reads = (root, nodes, values, *((cells,) if cells is not None else ()), *tables, *(() if uniforms is None else (uniforms,)))
-        levels.run(("layer", 0, 1), layer, reads=reads, lists=(self._cells,))
-        return nodes, values
-
     def _captured_layer(
-        self, levels: CapturedLevels, builder: TreeBuilder, candidates: torch.Tensor, cand_value: torch.Tensor, width: int, bucket: int, k: int, level: int
+        self, levels: CapturedLevels, builder: TreeBuilder, candidates: torch.Tensor | None, cand_value: torch.Tensor, width: int, bucket: int, k: int, level: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_expand` replayed as one graph (`specdec.drafting.levels`): the best `bucket` >= width
+        """`_expand` replayed as one graph (`specdec.drafting.levels`), or with `candidates` None
+        the root's children (level 0, from its distribution copied to a level buffer, which is
+        also the kept root distribution when sampling; cand_value: the root's value [B, 1]).
+        A layer below the root: the best `bucket` >= width
         candidates are expanded (a node bucket: a few shapes to capture, the width a static-shape
         forward pads to anyway), the ones beyond `width` masked out by a device mask filled before
         the replay, so their children are invalid (value -inf, sorted after every real child) and
@@ -1132,29 +1108,38 @@ class CastPolicy:
         random numbers from a buffer whose first `width` columns are drawn before the replay as op
         by op draws them, and the expanded nodes' distributions go to an output buffer."""
         b, dev = builder.batch_size, builder.device
+        root = None
+        if candidates is None:
+            root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
+            if self._sampled:
+                builder._dist_chunks[0] = root
         shape = (b, bucket * k)
         nodes = levels.output(("candidates", level + 1, bucket), shape, torch.long)
         values = levels.output(("values", level + 1, bucket), shape, cand_value.dtype)
-        expanded = levels.buffer(("expanded", level, bucket), constants.below(bucket, width, dev))  # [bucket]: the first `width`
+        expanded = None if root is not None else levels.buffer(("expanded", level, bucket), constants.below(bucket, width, dev))  # [bucket]: the first `width`
         cells = levels.output(("cells", level + 1, bucket), shape, torch.long) if self.calibrate else None
         tables = self._calibrator.device_tables(dev) if self.calibrate else ()
         uniforms = dists = None
         if self._sampled:  # [B, bucket, V] each
             shape3 = (b, bucket, builder.root_logprobs.shape[-1])
             uniforms = levels.uniforms(("uniforms", level, bucket), shape3, width=width)
-            dists = levels.output(("dist", level, bucket), shape3, builder.root_logprobs.dtype)
+            dists = root if root is not None else levels.output(("dist", level, bucket), shape3, builder.root_logprobs.dtype)
 
         def layer() -> torch.Tensor:
-            frontier = candidates[:, :bucket]  # [B, bucket]
-            frontier_valid = builder.valid.gather(1, frontier).logical_and_(expanded)
-            logprobs = builder.expand(frontier, frontier_valid, depth=level, out=dists)  # [B, bucket, V]
-            children, child_values = self._add(builder, frontier, cand_value[:, :bucket], logprobs, frontier_valid, k, level + 1, masked=True, uniforms=uniforms)
+            if candidates is None or expanded is None:  # the root's children
+                frontier, frontier_valid, logprobs = builder.root, builder.root_valid, root
+                assert logprobs is not None
+            else:
+                frontier = candidates[:, :bucket]  # [B, bucket]
+                frontier_valid = builder.valid.gather(1, frontier).logical_and_(expanded)
+                logprobs = builder.expand(frontier, frontier_valid, depth=level, out=dists)  # [B, bucket, V]
+            children, child_values = self._add(builder, frontier, cand_value[:, :bucket], logprobs, frontier_valid, k, level + 1, masked=root is None, uniforms=uniforms)
             if cells is not None:  # the layer's calibration cells at a fixed address, for feedback
                 self._cells[-1] = cells.copy_(self._cells[-1])
             values.copy_(child_values)
             return nodes.copy_(children)
 
-        reads = (candidates, cand_value, expanded, nodes, values, *((cells,) if cells is not None else ()), *tables, *(() if uniforms is None or dists is None else (uniforms, dists)))
+        reads = tuple(t for t in (candidates, cand_value, expanded, nodes, values, cells, *tables, uniforms, dists) if t is not None)
         levels.run(("layer", level, bucket), layer, reads=reads, lists=(self._cells,))
         return nodes, values
 

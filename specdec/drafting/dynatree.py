@@ -743,26 +743,22 @@ class DynaTreePolicy:
         return order, grow.gather(1, order)
 
     def _captured_levels(
-        self,
-        levels: CapturedLevels,
-        builder: TreeBuilder,
-        frontier: torch.Tensor,
-        frontier_valid: torch.Tensor,
-        depth: int,
-        limit: int,
-        k: int,
-        free: int,
-        log_tau: float,
-        sampled: bool,
+        self, levels: CapturedLevels, builder: TreeBuilder, limit: int, k: int, free: int, log_tau: float, sampled: bool
     ) -> None:
-        """The levels below `depth` inside the free width, each replayed as one graph
-        (`specdec.drafting.levels`): the forward of the frontier [B, m] (nodes at `depth`), their
-        top-k or drawn children, which grow and the next frontier. Between two levels the host reads
-        the growing count only where the deep-expansion gate decides it (`_growth_reads`), as op by op.
-        Drawn children read their random numbers from a buffer filled before the level (as op by op
-        draws them) and the frontier's distributions, kept for verification, go to an output buffer."""
-        b = frontier.shape[0]
+        """Every level inside the free width, from the root's children down, each replayed as one
+        graph (`specdec.drafting.levels`): the forward of the frontier [B, m] (nodes at `depth`;
+        the root's distribution, copied to a level buffer, for the first level), their top-k or
+        drawn children, which grow and the next frontier. Between two levels the host reads the
+        growing count only where op by op reads it: where the deep-expansion gate decides it
+        (`_growth_reads`), under the root's children only for drawn ones. Drawn children read their
+        random numbers from a buffer filled before the level (as op by op draws them) and the
+        frontier's distributions, kept for verification, go to an output buffer."""
+        b = builder.batch_size
         vocab = builder.root_logprobs.shape[-1]
+        root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
+        if sampled:  # the kept root distribution: the buffer (`CapturedLevels.finish` reads it there)
+            builder._dist_chunks[0] = root
+        frontier, frontier_valid, depth = builder.root, builder.root_valid, 0
         while True:
             last = depth + 1 >= limit  # the children are at the depth limit: nothing grows under them
             m = frontier.shape[1]
@@ -771,18 +767,19 @@ class DynaTreePolicy:
             next_frontier = levels.output(("frontier", depth + 1, m), (b, cap), torch.long)
             next_valid = levels.output(("frontier_valid", depth + 1, m), (b, cap), torch.bool)
             cells = levels.output(("cells", depth + 1, m), (b, m * k), torch.long) if self._calibrating else None
-            tables = self._calibrator.device_tables(frontier.device) if self._calibrating else ()
-            draws: tuple[torch.Tensor, torch.Tensor] | None = None
-            if sampled:  # the draws' random numbers in, the frontier's distributions out (both [B, m, V])
-                shape = (b, m, vocab)
-                draws = levels.uniforms(("uniforms", depth, m), shape), levels.output(("dist", depth, m), shape, builder.root_logprobs.dtype)
-            body = partial(self._captured_level, builder, frontier, frontier_valid, next_frontier, next_valid, cells, k, free, log_tau, depth, limit, draws)
-            reads = (frontier, frontier_valid, next_frontier, next_valid, *((cells,) if cells is not None else ()), *tables, *(draws or ()))
+            tables = self._calibrator.device_tables(builder.device) if self._calibrating else ()
+            shape = (b, m, vocab)
+            uniforms = levels.uniforms(("uniforms", depth, m), shape) if sampled else None  # the draws' random numbers
+            # the frontier's distributions: the root's buffer, or the level's forward into an output buffer (kept when sampling)
+            dists = root if depth == 0 else levels.output(("dist", depth, m), shape, builder.root_logprobs.dtype) if sampled else None
+            body = partial(self._captured_level, builder, frontier, frontier_valid, next_frontier, next_valid, cells, k, free, log_tau, depth, limit, uniforms, dists)
+            reads = (frontier, frontier_valid, next_frontier, next_valid, *((cells,) if cells is not None else ()), *tables)
+            reads += tuple(t for t in (uniforms, dists) if t is not None)
             levels.run(("level", depth, m, threshold), body, reads=reads, lists=(self._cells,))
             if last:
                 return
             frontier, frontier_valid, depth = next_frontier, next_valid, depth + 1
-            if self._growth_reads(depth):  # how many nodes grow: the level's one host read
+            if self._growth_reads(depth) and (depth > 1 or sampled):  # how many nodes grow: the level's one host read
                 cut = self._growing_frontier(frontier, frontier_valid)
                 if cut is None:
                     return
@@ -798,42 +795,6 @@ class DynaTreePolicy:
         n_growing = min(node_bucket(n_growing), frontier_valid.shape[1])
         return frontier[:, :n_growing], frontier_valid[:, :n_growing]
 
-    def _captured_first_level(
-        self, levels: CapturedLevels, builder: TreeBuilder, k: int, free: int, log_tau: float, limit: int, sampled: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The root's children, which of them grow and the next frontier, replayed as one graph (as
-        the op-by-op loop's first level); the root's distribution is copied to a level buffer first
-        (it is also the kept distribution of the root when sampling). Returns the frontier and
-        whether each grows, [B, min(k, free)] each, in level buffers."""
-        b = builder.batch_size
-        root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
-        if sampled:  # the kept root distribution: the buffer (`CapturedLevels.finish` reads it there)
-            builder._dist_chunks[0] = root
-        cap = min(k, free)
-        frontier = levels.output(("frontier", 1, 1), (b, cap), torch.long)
-        frontier_valid = levels.output(("frontier_valid", 1, 1), (b, cap), torch.bool)
-        cells = levels.output(("cells", 1, 1), (b, k), torch.long) if self._calibrating else None
-        tables = self._calibrator.device_tables(builder.device) if self._calibrating else ()
-        uniforms = levels.uniforms(("uniforms", 0, 1), tuple(root.shape)) if sampled else None
-
-        def level() -> torch.Tensor:
-            start = builder.num_nodes
-            if uniforms is not None:
-                self._add_level_with_budget(builder, builder.root, builder.root_valid, root, k, k, log_tau, True, 1, budget_binds=False, uniforms=uniforms)
-            else:
-                self._add_top_level(builder, builder.root, builder.root_valid, root, k, log_tau, 1)
-            if cells is not None:  # the level's cells at a fixed address, for feedback
-                self._cells[-1] = cells.copy_(self._cells[-1])
-            grow = self._growing(1, builder.last_valid, builder.score[:, start:], limit, 0.0)
-            assert grow is not None  # limit > 1
-            order, grows = self._free_frontier(builder, grow, start, free)
-            frontier_valid.copy_(grows)
-            return torch.add(order, start, out=frontier)
-
-        reads = (root, frontier, frontier_valid, *((cells,) if cells is not None else ()), *tables, *(() if uniforms is None else (uniforms,)))
-        levels.run(("level", 0, 1, self._growth_threshold(1, 0.0)), level, reads=reads, lists=(self._cells,))
-        return frontier, frontier_valid
-
     def _captured_level(
         self,
         builder: TreeBuilder,
@@ -847,16 +808,19 @@ class DynaTreePolicy:
         log_tau: float,
         depth: int,
         limit: int,
-        draws: tuple[torch.Tensor, torch.Tensor] | None,
+        uniforms: torch.Tensor | None,
+        dists: torch.Tensor | None,
     ) -> torch.Tensor:
         """A captured level's body (`_captured_levels`): writes the next frontier's builder
         columns and whether each grows to next_frontier, next_valid [B, min(m*k, free)], and
-        the children's table cells to `cells` [B, m*k] when calibrating. draws: for drawn
-        children, their random numbers and where the frontier's distributions go ([B, m, V] each)."""
-        uniforms, dists = draws if draws is not None else (None, None)
-        logprobs = builder.expand(frontier, frontier_valid, depth=depth, out=dists)  # [B, m, V]
+        the children's table cells to `cells` [B, m*k] when calibrating. uniforms: drawn
+        children's random numbers [B, m, V] (None: top-k children). dists [B, m, V]: at depth 0
+        the root's distribution; below, where the frontier's forward writes its distributions
+        (None: anywhere, when they are not kept)."""
+        logprobs = dists if depth == 0 else builder.expand(frontier, frontier_valid, depth=depth, out=dists)  # [B, m, V]
+        assert logprobs is not None
         start = builder.num_nodes
-        if draws is not None:
+        if uniforms is not None:
             m = frontier.shape[1]
             self._add_level_with_budget(builder, frontier, frontier_valid, logprobs, k, m * k, log_tau, True, depth + 1, budget_binds=False, uniforms=uniforms)
         else:
@@ -966,11 +930,7 @@ class DynaTreePolicy:
         self._cells = [constants.full((roots.shape[0], 1), 0, torch.long, dev)] if calibrating else []  # the root's cell (never observed)
         if levels is not None:  # every level, the root's children's included, replays as a captured graph
             levels.begin(builder, step_slots=(limit - 1) * node_bucket(free))
-            first: tuple[torch.Tensor, torch.Tensor] | None = self._captured_first_level(levels, builder, k, free, log_tau, limit, sampled)
-            if first is not None and sampled and self._growth_reads(1):  # read as the op-by-op loop reads drawn levels
-                first = self._growing_frontier(*first)
-            if first is not None:
-                self._captured_levels(levels, builder, *first, 1, limit, k, free, log_tau, sampled)
+            self._captured_levels(levels, builder, limit, k, free, log_tau, sampled)
         for depth in range(limit if levels is None else 0):  # the frontier sits at `depth`, its children at depth + 1
             start = builder.num_nodes
             m = frontier.shape[1]
