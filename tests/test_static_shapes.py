@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -413,20 +414,28 @@ def test_captured_levels_on_cuda_equal_target(method, monkeypatch):
     target, draft = _level_capture_pair(monkeypatch)
     refs = [reference(target.cpu(), p, 24) for p in PROMPTS]
     target.cuda()
-    steps = []
+    runs = _captured_and_op_by_op(target, draft, method, GreedyRule(), lambda engine: engine.generate(PROMPTS, 24, batch_size=3))
+    for capture, calls in zip((True, False), runs, strict=True):
+        for outs in calls:
+            assert [o.token_ids for o in outs] == refs, (method, capture)
+    assert [o.stats.steps for o in runs[0][1]] == [o.stats.steps for o in runs[1][1]]
+
+
+def _captured_and_op_by_op(target: Any, draft: Any, method: str, rule: Any, call: Callable[[SpeculativeEngine], Any]) -> list[Any]:
+    """`call(engine)` twice (the second replays what the first captured) with the method's levels
+    captured, then with them op by op: [[first, second] captured, [first, second] op by op]. Checks
+    that levels were captured and replayed and that no level graph was given up."""
+    results = []
     for capture in (True, False):
         source = ModelDraftSource(draft, cuda_graphs=True)
         if not capture:
             source.runner.level_graphs = None
-        engine = SpeculativeEngine(target, make_policy(method, **_level_options(method)), GreedyRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
-        for _ in range(2):  # the second call replays what the first captured
-            outs = engine.generate(PROMPTS, 24, batch_size=3)
-            assert [o.token_ids for o in outs] == refs, (method, capture)
-        steps.append([o.stats.steps for o in outs])
+        engine = SpeculativeEngine(target, make_policy(method, **_level_options(method)), rule, source, eos_token_ids=[EOS], cuda_graphs=True)
+        results.append([call(engine), call(engine)])
         if capture:
             levels = source.runner.level_graphs
             assert levels is not None and levels.failed is None and levels.captures > 0 and levels.replays > 0
-    assert steps[0] == steps[1]
+    return results
 
 
 @needs_cuda
@@ -440,19 +449,9 @@ def test_captured_sampled_levels_on_cuda_draw_as_op_by_op(method, monkeypatch):
 
     target, draft = _level_capture_pair(monkeypatch)
     params = SamplingParams(temperature=0.8, top_p=0.9)
-    results = []
-    for capture in (True, False):
-        source = ModelDraftSource(draft, cuda_graphs=True)
-        if not capture:
-            source.runner.level_graphs = None
-        engine = SpeculativeEngine(target, make_policy(method, **_level_options(method)), SamplingRule(), source, eos_token_ids=[EOS], cuda_graphs=True)
-        for _ in range(2):  # the second call replays what the first captured
-            outs = engine.generate(PROMPTS, 24, params=params, seed=7, batch_size=3)
-        results.append(([o.token_ids for o in outs], [o.stats.steps for o in outs]))
-        if capture:
-            levels = source.runner.level_graphs
-            assert levels is not None and levels.failed is None and levels.captures > 0 and levels.replays > 0
-    assert results[0] == results[1]
+    runs = _captured_and_op_by_op(target, draft, method, SamplingRule(), lambda engine: engine.generate(PROMPTS, 24, params=params, seed=7, batch_size=3))
+    captured, op_by_op = ([(o.token_ids, o.stats.steps) for o in calls[1]] for calls in runs)
+    assert captured == op_by_op
 
 
 @needs_cuda
