@@ -60,7 +60,7 @@ def logits_to_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
         # float32 logit under 1e35 overflows, and the hot path skips the extra passes
         top = logits.amax(dim=-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # a row of all -inf stays -inf
         logits = (logits - top).div_(max(params.temperature, torch.finfo(torch.float32).tiny))
-    else:
+    elif params.temperature != 1.0:  # x / 1.0 == x exactly: T = 1 skips a pass over [..., V]
         logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]

@@ -557,3 +557,16 @@ def test_mixed_drawn_and_point_mass_siblings(walk):
     second = torch.where(verdict.accepted_len == 2, tree.tokens[:, 4], verdict.bonus_tokens)[via_node1]
     pvalue = chi2_pvalue(np.bincount(second.numpy(), minlength=V), ONE_NODE_TARGET.double().numpy())
     assert pvalue > P_PASS, f"{walk} walk, second token: chi-square p = {pvalue:.2e}"
+
+
+def test_temperature_one_changes_no_logit():
+    """At T = 1 the division is skipped: the log-probabilities are the model's own, and the logits
+    the caller passed are left as they were."""
+    logits = torch.randn(2, 5, 50, generator=torch.Generator().manual_seed(1)) * 3
+    before = logits.clone()
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=7), SamplingParams(temperature=1.0, top_p=0.8)):
+        got = logits_to_logprobs(logits, params)
+        assert torch.equal(logits, before)
+        scaled = SamplingParams(temperature=1.0 + 1e-7, top_k=params.top_k, top_p=params.top_p)  # the division path, a hair away
+        assert torch.allclose(got, logits_to_logprobs(logits, scaled), atol=1e-5, equal_nan=True)
+    assert torch.equal(logits_to_logprobs(logits, SamplingParams(temperature=1.0)), torch.log_softmax(logits, dim=-1))
