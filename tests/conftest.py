@@ -126,6 +126,16 @@ def close_pair(arch: str):
     return target, draft
 
 
+def cast_level_options() -> dict[str, object]:
+    """CAST's options in the level-capture tests: deterministic (its plans do not follow wall-clock
+    times, so captured and op-by-op runs plan alike) on a GPU-like synthetic table (verification
+    nearly flat in n, a cheap draft: trees of several layers of changing widths)."""
+    from specdec.cost import CostTable
+
+    table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
+    return {"cost_table": table, "plain_steps": False, "deterministic": True, "top_k": 4, "total_tokens": 24}
+
+
 def decode_in_session(engine, prompts: list[list[int]], budgets: list[int], max_rows: int) -> tuple[list[list[int]], list[int]]:
     """Decode `prompts` (each with its token budget) in one rolling-batch session of `engine` with
     `max_rows` rows; returns each prompt's tokens and the batch size of every step (riders included)."""

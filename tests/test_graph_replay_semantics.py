@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EOS, close_pair, sharpen, tiny_any_config, tiny_model
+from conftest import EOS, cast_level_options, close_pair, sharpen, tiny_any_config, tiny_model
 from torch.fx.experimental.proxy_tensor import make_fx
 from transformers import AutoModelForCausalLM
 
@@ -414,8 +414,7 @@ def test_captured_cast_layers_draft_what_op_by_op_drafts():
     unmasked padding columns would grow valid children and change the trees). CAST's default
     calibrated values: with raw draft confidences this pair rarely drafts past the first layer."""
     target, draft = near_pair("llama")  # the architectures' forwards inside levels: `test_captured_levels_replay_exactly`
-    table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
-    options = {"cost_table": table, "plain_steps": False, "deterministic": True, "top_k": 4, "total_tokens": 24}
+    options = cast_level_options()
     refs = [reference(target, p, 32) for p in PROMPTS]
     engine, levels = level_engine(target, draft, "cast", **options)
     widths: list[tuple[int, ...]] = []
@@ -441,8 +440,7 @@ def test_captured_cast_sampled_layers_draw_what_op_by_op_draws():
     columns take step slots, so later layers' keys sit at other cache columns and attention sums
     them in another order."""
     target, draft = near_pair("llama")
-    table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
-    options = {"cost_table": table, "plain_steps": False, "deterministic": True, "top_k": 4, "total_tokens": 24}
+    options = cast_level_options()
     params = SamplingParams(temperature=0.5)
 
     def run(engine: SpeculativeEngine) -> tuple[list[list[int]], list[Any], list[tuple[int, ...]]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ARCHS, EOS, decode_in_session, needs_serve, sharpen, tiny_any_config, tiny_config, tiny_model
+from conftest import ARCHS, EOS, cast_level_options, decode_in_session, needs_serve, sharpen, tiny_any_config, tiny_config, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
@@ -399,10 +399,7 @@ def _level_options(method: str) -> dict[str, Any]:
     if method == "dynatree":
         return {"free_tokens": 24}
     if method == "cast":
-        from specdec.cost import CostTable
-
-        table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
-        return {"cost_table": table, "plain_steps": False, "deterministic": True, "top_k": 4, "total_tokens": 24}
+        return cast_level_options()
     return METHODS[method]
 
 

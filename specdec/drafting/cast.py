@@ -831,8 +831,9 @@ class CastPolicy:
     """calibration's child rates as of the drafted step, while a deferred `_replan` runs"""
     _resolver: CostTableResolver | None = field(default=None, init=False, repr=False)
     _capacity: int = field(default=64, init=False, repr=False)
-    _levels: CapturedLevels | None = field(default=None, init=False, repr=False)
     """the largest builder capacity a step has needed (the next builder starts with it)"""
+    _levels: CapturedLevels | None = field(default=None, init=False, repr=False)
+    """this step's captured layers (`_captured_layer`); None: op by op (not captured, or the builder outgrew its buffers)"""
     _loaded: CostTable | None = field(default=None, init=False, repr=False)
     plain_check: PlainDecodingCheck = field(default_factory=PlainDecodingCheck, init=False, repr=False)
     """drafted against plain steps, timed (`plain_steps`)"""
