@@ -51,9 +51,12 @@ observation of issue 18, 3B target). Otherwise the width is measured (`FREE_WIDT
 
 FREE_WIDTH_TOLERANCE = 0.10
 """a measured free width ends at the knee of the target's costs (`cost_knee`), and at the latest
-where a forward over n tokens a row costs this share more than a forward over one token (at the
-same batch size and context): a dimensionless rule, where a fixed token count holds for one model
-on one device"""
+where a forward over n tokens a row costs more than a forward over one token by this share of the
+step's least cost: that forward plus D_0 draft forwards of one token a row (at the same batch size
+and context). A dimensionless rule, where a fixed token count holds for one model on one device.
+Until 2026-11-26 the share was of the one-token forward alone: on an H100 (3B pair, B = 1) that
+ended the width at 12 tokens, where 64 tokens cost 0.9 ms more in a step of about 15 ms and
+DynaTree ran 1.2x faster with them (`benchmarks/gpu/2026-11-26`)"""
 
 MIN_MEASURED_FREE = 4
 """tokens a row: a measured free width below this is no knee in the costs, only the price of a
@@ -585,8 +588,8 @@ class DynaTreePolicy:
         knee of the target's forward costs against tokens a row (`cost_knee`, at most
         `MEASURED_FREE_CAP`), from the cost table at this batch size and context (interpolated
         between measured ones; the smallest context when unknown), cut where a forward over n
-        tokens costs more than (1 + `FREE_WIDTH_TOLERANCE`) times one over one token; 0 when
-        n < `MIN_MEASURED_FREE`.
+        tokens costs more than one over one token by `FREE_WIDTH_TOLERANCE` of the step's least
+        cost (that forward plus D_0 one-token draft forwards); 0 when n < `MIN_MEASURED_FREE`.
         On CUDA with no table to be had, `FREE_TOKENS_ACCELERATOR` // batch - 1."""
         if self.phase == 0:
             return 0
@@ -624,15 +627,22 @@ class DynaTreePolicy:
             costs = table.target_costs(batch, bucket, MEASURED_FREE_CAP)  # [0, f(1), ..., f(cap)] ms
             grid = [n for n in table.n_grid if n <= MEASURED_FREE_CAP]  # the measured points (costs between them are interpolated)
             knee = cost_knee(grid, [costs[n] for n in grid], MEASURED_FREE_CAP)
-            limit = costs[1] * (1.0 + FREE_WIDTH_TOLERANCE)
+            step_floor = costs[1] + self.d0 * table.draft_cost(batch, bucket, 1)  # the least a step costs: verification and D_0 draft levels
+            limit = costs[1] + FREE_WIDTH_TOLERANCE * step_floor
             flat = max(n for n in range(1, MEASURED_FREE_CAP + 1) if costs[n] <= limit)  # costs are non-decreasing in n
             # a curve that rises gently from the first token, as a GPU's does at small batches
             # (on an H200 a 3B target's forward over 8 tokens a row cost 8% more than over one, over
             # 96 tokens 20%: about log-shaped), has no hinge: the fit puts its knee at 1-2 tokens,
             # which gave the paper's rules (no free width) exactly where verification is cheapest.
-            # There the tolerance alone says how far a forward stays about one forward's price.
+            # There the tolerance alone says how far a verification stays about one token's price,
+            # measured against what a step costs anyway.
             widest = flat if knee < MIN_MEASURED_FREE else min(knee, flat)
-            cached = self._free_widths[key] = widest - 1 if widest >= MIN_MEASURED_FREE else 0
+            # a width exists only where verification is nearly free from the start: a forward over
+            # MIN_MEASURED_FREE tokens within the tolerance of one over one token (a CPU's costs,
+            # linear from the first token, have none; measured against the step alone, a draft
+            # that costs as much as the target would make a few CPU tokens look free)
+            gentle = costs[MIN_MEASURED_FREE] <= costs[1] * (1.0 + FREE_WIDTH_TOLERANCE)
+            cached = self._free_widths[key] = widest - 1 if gentle and widest >= MIN_MEASURED_FREE else 0
         return cached
 
     # ----- drafting ----------------------------------------------------------------------
