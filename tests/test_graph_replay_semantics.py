@@ -223,6 +223,7 @@ def level_engine(target, draft, method: str, rule: Any = None, **options: Any) -
     engine = SpeculativeEngine(target, make_policy(method, **options), rule or GreedyRule(), source, eos_token_ids=[EOS], static_shapes=True)
     engine.target.graphs, source.runner.graphs = ReplayEmulator(), ReplayEmulator()
     source.runner.level_graphs = levels = ReplayEmulator()
+    source.runner.capture_every_level = True  # SPECDEC_CAPTURE_LEVELS=1: greedy steps' levels too
     source.runner.time_forwards = False  # captured levels need untimed forwards (`CapturedLevels.for_step`)
     return engine, levels
 
@@ -523,7 +524,7 @@ def test_level_keys_name_every_host_field_a_replay_sets():
     source = ModelDraftSource(draft, static_shapes=True)
     source.runner.level_graphs = ReplayEmulator()
     source.runner.time_forwards = False
-    levels = CapturedLevels.for_step(source, ("cast",))
+    levels = CapturedLevels.for_step(source, ("cast",), sampled=True)
     assert levels is not None
     state = {"_n": 17, "_last": (5, 17), "levels": 2, "max_children": 4, "draft_forwards": 2, "_dist_rows": 3, "_any_sampled": False}
     assert set(state) == set(_BUILDER_STATE)
@@ -540,13 +541,38 @@ def test_levels_are_not_captured_where_they_cannot_be():
 
     _, draft = close_pair("llama")
     source = ModelDraftSource(draft, static_shapes=True)
-    assert CapturedLevels.for_step(source, ("chain",)) is None  # no level graphs
+    assert CapturedLevels.for_step(source, ("chain",), sampled=True) is None  # no level graphs
     source.runner.level_graphs = ReplayEmulator()
     source.runner.time_forwards = False
-    assert CapturedLevels.for_step(source, ("chain",)) is not None
-    assert CapturedLevels.for_step(None, ("chain",)) is None
+    assert CapturedLevels.for_step(source, ("chain",), sampled=True) is not None
+    assert CapturedLevels.for_step(None, ("chain",), sampled=True) is None
     source.runner.time_forwards = True
-    assert CapturedLevels.for_step(source, ("chain",)) is None
+    assert CapturedLevels.for_step(source, ("chain",), sampled=True) is None
+
+
+def test_levels_captured_by_default_are_the_sampled_steps_of_all_but_cast(monkeypatch):
+    """SPECDEC_CAPTURE_LEVELS unset: a sampled step's levels are captured, a greedy step's run op by
+    op, and CAST's (its planned widths change its keys) only when asked for; =1 captures every
+    step's, =0 none (measured on an H100, `capture_levels_default`)."""
+    from specdec.drafting.levels import CapturedLevels
+    from specdec.models.runner import CAPTURE_LEVELS_ENV
+
+    _, draft = close_pair("llama")
+    for setting, greedy, sampled, cast in ((None, False, True, False), ("1", True, True, True), ("0", False, False, False)):
+        if setting is None:
+            monkeypatch.delenv(CAPTURE_LEVELS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(CAPTURE_LEVELS_ENV, setting)
+        source = ModelDraftSource(draft, static_shapes=True)  # a runner reads the setting when it is made
+        if setting != "0":
+            source.runner.level_graphs = ReplayEmulator()  # what a CUDA runner makes (a CPU runner has no graphs)
+        source.runner.time_forwards = False
+        found = (
+            CapturedLevels.for_step(source, ("eagle2",), sampled=False) is not None,
+            CapturedLevels.for_step(source, ("eagle2",), sampled=True) is not None,
+            CapturedLevels.for_step(source, ("cast",), sampled=True, by_default=False) is not None,
+        )
+        assert found == (greedy, sampled, cast), setting
 
 
 def test_captured_levels_replay_across_engines(tiny_pair_dir, monkeypatch):
@@ -564,6 +590,7 @@ def test_captured_levels_replay_across_engines(tiny_pair_dir, monkeypatch):
     def with_levels(self: SpeculativeEngine, *args: Any, **kwargs: Any) -> None:
         make_engine(self, *args, **kwargs)
         self.source.runner.level_graphs = shared_state(self.source.runner.model).level_graphs  # the model's, as CUDA runners take it
+        self.source.runner.capture_every_level = True
         self.source.runner.time_forwards = False
 
     monkeypatch.setattr(SpeculativeEngine, "__init__", with_levels)
@@ -601,7 +628,7 @@ def test_interleaved_sessions_of_one_draft_model_draft_as_alone():
         if method == "chain":
             policy = _Deferring(policy, lambda step: step % 2 == 1)
         engine = SpeculativeEngine(target, policy, GreedyRule(), source, eos_token_ids=[EOS], static_shapes=True)
-        source.runner.level_graphs, source.runner.time_forwards = (shared if capture else None), False
+        source.runner.level_graphs, source.runner.time_forwards, source.runner.capture_every_level = (shared if capture else None), False, True
         return engine
 
     alone = {}

@@ -217,12 +217,13 @@ def test_forward_timing_is_on_for_cpus_off_for_cuda_unless_the_environment_says(
         forward_timing_default(cpu, {FORWARD_TIMING_ENV: "sometimes"})
 
 
-def test_level_capture_is_off_unless_the_environment_asks():
+def test_level_capture_setting_reads_all_none_or_the_default():
     from specdec.models.runner import CAPTURE_LEVELS_ENV, capture_levels_default
 
-    assert not capture_levels_default({}) and not capture_levels_default({CAPTURE_LEVELS_ENV: "0"})
-    assert capture_levels_default({CAPTURE_LEVELS_ENV: "1"}) and capture_levels_default({CAPTURE_LEVELS_ENV: "yes"})
-    with pytest.raises(SpecDecError, match=f"{CAPTURE_LEVELS_ENV}='2' is not understood; set it to 1 \\(capture whole drafting levels"):
+    assert capture_levels_default({}) is None and capture_levels_default({CAPTURE_LEVELS_ENV: ""}) is None  # unset: sampled steps, not CAST's
+    assert capture_levels_default({CAPTURE_LEVELS_ENV: "0"}) is False and capture_levels_default({CAPTURE_LEVELS_ENV: "off"}) is False
+    assert capture_levels_default({CAPTURE_LEVELS_ENV: "1"}) is True and capture_levels_default({CAPTURE_LEVELS_ENV: "yes"}) is True
+    with pytest.raises(SpecDecError, match=f"{CAPTURE_LEVELS_ENV}='2' is not understood; set it to 1 \\(capture every drafting level"):
         capture_levels_default({CAPTURE_LEVELS_ENV: "2"})
     # a CPU runner never has level graphs (they need CUDA graphs), whatever the environment
     assert ModelRunner(sharpen(tiny_model("llama", seed=0)), static_shapes=True).level_graphs is None

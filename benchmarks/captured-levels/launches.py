@@ -70,6 +70,7 @@ def main() -> None:
         self.target.graphs = emulators.setdefault("target", Emulator())
         runner.graphs = emulators.setdefault("draft", Emulator())
         runner.level_graphs = emulators.setdefault("levels", Emulator()) if args.levels else None
+        runner.capture_every_level = True  # --levels: every step's levels (SPECDEC_CAPTURE_LEVELS=1), greedy ones too
         self.target.time_forwards = runner.time_forwards = False
 
     engine_module.SpeculativeEngine.__init__ = init  # type: ignore[method-assign]

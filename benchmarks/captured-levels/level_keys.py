@@ -66,6 +66,7 @@ def main() -> None:
         self.target.graphs = emulators.setdefault("target", launches.Emulator())
         runner.graphs = emulators.setdefault("draft", launches.Emulator())
         runner.level_graphs = emulators.setdefault("levels", launches.Emulator())
+        runner.capture_every_level = True  # every step's levels (SPECDEC_CAPTURE_LEVELS=1), greedy ones too
         self.target.time_forwards = runner.time_forwards = False
 
     engine_module.SpeculativeEngine.__init__ = init  # type: ignore[method-assign]

@@ -987,7 +987,7 @@ class CastPolicy:
         # each can replay as a captured graph (`_expand`), its width bucketed
         levels = None
         if self.prune_rule == "break-even" and depth > 1:
-            levels = CapturedLevels.for_step(source, ("cast", self.children_per_node, self.calibrate, self._sampled))
+            levels = CapturedLevels.for_step(source, ("cast", self.children_per_node, self.calibrate, self._sampled), sampled=self._sampled, by_default=False)
         self._levels = levels
         # capacity: the most nodes a step has needed so far, so the builder's buffers rarely grow mid-step
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=self._capacity, workspace=levels and levels.workspace)

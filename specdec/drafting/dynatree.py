@@ -925,7 +925,7 @@ class DynaTreePolicy:
         # children), so levels can replay as captured graphs (`_captured_levels`)
         levels = None
         if free and limit > 1:
-            levels = CapturedLevels.for_step(source, ("dynatree", self.phase, proposed, free, self._calibrating, sampled))
+            levels = CapturedLevels.for_step(source, ("dynatree", self.phase, proposed, free, self._calibrating, sampled), sampled=sampled)
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.builder_capacity(limit, free), workspace=levels and levels.workspace)
         dev = roots.device
         log_tau = float("-inf") if free else _log(self.prune_tau)

@@ -35,9 +35,9 @@ What makes a level replayable (`CapturedLevels.run`):
 - The sampling params (temperature, top-p, top-k) are part of every key: they shape the
   draft's distributions inside the level.
 
-Capture needs a model draft source whose runner has `level_graphs` (CUDA graphs with
-SPECDEC_CAPTURE_LEVELS=1, `specdec.models.runner.capture_levels_default`), forwards untimed and no
-sliding-window layers. Policies, greedy or sampled unless said:
+Capture needs a model draft source whose runner has `level_graphs` (CUDA graphs, unless
+SPECDEC_CAPTURE_LEVELS=0, `specdec.models.runner.capture_levels_default`), forwards untimed and no
+sliding-window layers; by default only sampled steps capture, and not CAST's (`for_step`). Policies, greedy or sampled unless said:
 - the chain's levels and the static tree's, each level's children with their forward, and the
   last level's children alone;
 - EAGLE-2's levels, the root's children included (its distribution is copied to a level buffer
@@ -52,8 +52,8 @@ sliding-window layers. Policies, greedy or sampled unless said:
 A policy's own lists that a level appends to (DynaTree's and CAST's table cells) are tracked like
 the builder's kept distributions (`run(lists=...)`), and the tables a level reads (calibration)
 are refreshed in place. One drafting thread per draft model, as its static buffers assume.
-`tests/test_graph_replay_semantics.py` checks captured levels by emulated replay on the CPU; not
-yet run on a GPU (`benchmarks/gpu/levels_ab.py`).
+`tests/test_graph_replay_semantics.py` checks captured levels by emulated replay on the CPU, and
+its CUDA tests passed on an H100 (2026-11-26), where `benchmarks/gpu/levels_ab.py` measured them.
 """
 
 from __future__ import annotations
@@ -93,13 +93,18 @@ class CapturedLevels:
         self._base: tuple[Any, ...] = ()
 
     @classmethod
-    def for_step(cls, source: DraftSource | None, tag: tuple[Any, ...]) -> CapturedLevels | None:
+    def for_step(cls, source: DraftSource | None, tag: tuple[Any, ...], *, sampled: bool, by_default: bool = True) -> CapturedLevels | None:
         """Captured levels for this step, or None when its levels run op by op (see the module).
-        tag: the policy and every option that shapes its levels (the sampling params are added by `begin`)."""
+        tag: the policy and every option that shapes its levels (the sampling params are added by `begin`).
+        sampled: the step draws its tokens or children (T > 0). by_default: the policy's sampled
+        levels are captured with SPECDEC_CAPTURE_LEVELS unset (CAST's are not: its planned widths
+        change its keys, `capture_levels_default`); with it set to 1 every step's are."""
         runner = getattr(source, "runner", None)
         if source is None or not isinstance(runner, ModelRunner) or not hasattr(source, "reserve_step_slots"):
             return None
         if runner.level_graphs is None or runner.time_forwards or runner.window is not None:
+            return None
+        if not runner.capture_every_level and not (sampled and by_default):
             return None
         return cls(source, runner, tag)
 

@@ -62,7 +62,7 @@ class ChainPolicy(_Stateless):
         sampling = not ctx.params.greedy
         may_be_empty = sampling and not getattr(source, "always_proposes", False)  # rows of all -inf: nothing to draft there
         depth = min(self.k, ctx.max_depth)
-        levels = CapturedLevels.for_step(source, ("chain", may_be_empty))
+        levels = CapturedLevels.for_step(source, ("chain", may_be_empty), sampled=sampling)
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + depth, chain=True, workspace=levels and levels.workspace)
         logprobs = builder.root_logprobs  # [B, V]
         if levels is not None and depth > 1:
@@ -140,7 +140,7 @@ class StaticTreePolicy(_Stateless):
 
     def draft(self, source: DraftSource, roots: torch.Tensor, ctx: DraftContext) -> Draft:
         sampled = ctx.samples_children(self.tree_sampling)
-        levels = CapturedLevels.for_step(source, ("static", self.branching, self.max_nodes, sampled))
+        levels = CapturedLevels.for_step(source, ("static", self.branching, self.max_nodes, sampled), sampled=sampled)
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=1 + self.max_nodes, workspace=levels and levels.workspace)
         frontier, frontier_valid = builder.root, builder.root_valid  # [B, 1] each
         logprobs = builder.root_logprobs[:, None, :]  # [B, m, V] children distributions of the frontier
@@ -276,7 +276,7 @@ class Eagle2Policy:
         k = self.top_k
         sampled = ctx.samples_children(self.tree_sampling)
         self._drew_tree = False
-        levels = CapturedLevels.for_step(source, ("eagle2", self.top_k, sampled))
+        levels = CapturedLevels.for_step(source, ("eagle2", self.top_k, sampled), sampled=sampled)
         builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.capacity, workspace=levels and levels.workspace)
         dev = roots.device
         depth = min(self.depth, ctx.max_depth)

@@ -70,14 +70,20 @@ def forward_timing_default(device: torch.device, environ: Mapping[str, str] | No
 
 
 CAPTURE_LEVELS_ENV = "SPECDEC_CAPTURE_LEVELS"
-"""1: with CUDA graphs, capture whole drafting levels of the tree policies as graphs
-(`specdec.drafting.levels` lists which); 0 or unset: only model forwards are graphed"""
+"""with CUDA graphs, which whole drafting levels of the tree policies are captured as graphs
+(`specdec.drafting.levels` lists which): 1 every level, 0 none (only model forwards are
+graphed), unset the sampled steps' levels of the policies that capture by default
+(`CapturedLevels.for_step`)"""
 
 
-def capture_levels_default(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether a draft runner with CUDA graphs captures whole drafting levels: SPECDEC_CAPTURE_LEVELS=1.
-    Off unless asked for: checked on the CPU by emulated replay, not yet measured on a GPU."""
-    return bool(_env_switch(CAPTURE_LEVELS_ENV, environ, "capture whole drafting levels as CUDA graphs"))
+def capture_levels_default(environ: Mapping[str, str] | None = None) -> bool | None:
+    """Which drafting levels a draft runner with CUDA graphs captures: True (SPECDEC_CAPTURE_LEVELS=1)
+    every level of every policy that has captured levels; False (=0) none; None (unset) the levels
+    of sampled steps, except CAST's. Measured on an H100 (2026-11-26, 3B pair, alternating rounds,
+    `benchmarks/gpu/2026-11-26`): sampled EAGLE-2 ran 18% faster at B = 1 and 3% at B = 8, DynaTree
+    7% and 5%, the chain the same; greedy levels gained at most 2% (DynaTree lost 6% at B = 1), and
+    CAST lost 16%: its planned widths change its keys, so it kept capturing."""
+    return _env_switch(CAPTURE_LEVELS_ENV, environ, "capture every drafting level as a CUDA graph")
 
 
 CAPACITY_STEP = 256
@@ -298,12 +304,16 @@ class ModelRunner:
             if self._shared.graphs is None:
                 self._shared.graphs = CudaGraphRunner(model, self.device)
             self.graphs = self._shared.graphs
-        capture_levels = cuda_graphs and capture_levels_default() and self._shared is not None
+        levels_mode = capture_levels_default()
+        capture_levels = cuda_graphs and levels_mode is not False and self._shared is not None
         if capture_levels and self._shared is not None and self._shared.level_graphs is None:
             self._shared.level_graphs = CudaGraphRunner(model, self.device, max_graphs=MAX_LEVEL_GRAPHS, what="its drafting levels (SPECDEC_CAPTURE_LEVELS=1)")
         self.level_graphs: CudaGraphRunner | None = self._shared.level_graphs if capture_levels and self._shared is not None else None
         """graphs of whole drafting levels (`specdec.drafting.levels`), the model's (`SharedState`);
         None: levels run op by op"""
+        self.capture_every_level = levels_mode is True
+        """with `level_graphs`: every step's levels are captured (SPECDEC_CAPTURE_LEVELS=1); False:
+        only sampled steps' levels, of policies that capture by default (`CapturedLevels.for_step`)"""
         levels = self._shared if self._shared is not None else SharedState()
         self.level_effects, self.level_uses, self.level_buffers, self.level_owner = levels.level_effects, levels.level_uses, levels.level_buffers, levels.level_owner
         self.in_level = False
