@@ -12,6 +12,7 @@ every method; a deliberately unsafe buffer (token ids in a new tensor each call)
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -280,6 +281,56 @@ def test_captured_levels_replay_exactly(arch, method, pair):
     assert drafts == eager_drafts
     assert engine.source.runner.forward_calls == eager_source.runner.forward_calls
     assert engine.source.runner.forward_tokens == eager_source.runner.forward_tokens
+
+
+class BoundedReplayEmulator(ReplayEmulator):
+    """A `ReplayEmulator` that holds at most `max_graphs` traces, the least recently used dropped
+    first, as `CudaGraphRunner` does with `max_graphs`."""
+
+    def __init__(self, max_graphs: int) -> None:
+        super().__init__()
+        self.max_graphs = max_graphs
+        self.traces = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.traces)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.traces
+
+    def least_recent(self) -> Any:
+        return next(iter(self.traces), None)
+
+    def run(self, key: tuple[Any, ...], call: Callable[[], torch.Tensor], keepalive: Any) -> torch.Tensor:
+        if key in self.traces:
+            self.traces.move_to_end(key)
+        out = super().run(key, call, keepalive)
+        while len(self.traces) > self.max_graphs:
+            self.traces.popitem(last=False)
+        return out
+
+
+@pytest.mark.parametrize("stale_runs", [10**9, 0])
+def test_a_full_set_of_level_graphs_keeps_replaying(monkeypatch, stale_runs):
+    """More level keys recur than graphs fit (the chain's 4 levels at batch sizes 3, 2 and 1, in
+    2 graphs): the graphs held keep replaying and the other keys run op by op, so captures stay at
+    the bound and the output is `generate`'s. With every graph stale at once (STALE_RUNS 0) the keys
+    evict each other in turn and most runs are captures: what the bound on eviction prevents."""
+    from specdec.drafting import levels as levels_module
+
+    monkeypatch.setattr(levels_module, "STALE_RUNS", stale_runs)
+    target, draft = close_pair("llama")
+    refs = [reference(target, p, 32) for p in PROMPTS]
+    engine, _ = level_engine(target, draft, "chain", k=4)
+    engine.source.runner.level_graphs = levels = BoundedReplayEmulator(max_graphs=2)
+    outs = engine.generate(PROMPTS, 32, batch_size=3)
+    assert [o.token_ids for o in outs] == refs
+    keys = len(engine.source.runner.level_uses.last)
+    assert keys > 2 * levels.max_graphs, keys  # the keys outnumber the graphs
+    if stale_runs:
+        assert levels.captures == levels.max_graphs and levels.replays > 5 * levels.captures, (levels.captures, levels.replays)
+    else:
+        assert levels.captures > 3 * levels.max_graphs, (levels.captures, levels.replays)
 
 
 def test_a_level_that_bakes_the_cache_length_fails(monkeypatch):

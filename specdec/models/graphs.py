@@ -127,6 +127,13 @@ class CudaGraphRunner:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._graphs
+
+    def least_recent(self) -> tuple[Any, ...] | None:
+        """The key of the graph the next capture beyond `max_graphs` drops (None when there is none)."""
+        return next(iter(self._graphs), None)
+
     def clear(self) -> None:
         """Drop every captured graph (the next run of each key captures again)."""
         self._graphs.clear()

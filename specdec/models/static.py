@@ -216,6 +216,30 @@ class StoragePool:
 
 
 @dataclass(eq=False)
+class LevelUses:
+    """When each captured-level key was last met, on a clock that counts one draft model's level
+    runs (`specdec.drafting.levels.CapturedLevels.run`)."""
+
+    last: dict[tuple[object, ...], int] = field(default_factory=dict)
+    """per key, the clock at its last run"""
+    clock: int = 0
+
+    def meet(self, key: tuple[object, ...], max_keys: int) -> bool:
+        """Count one run of `key`; whether it was met before. At `max_keys` keys a new one starts
+        the record over (levels whose buffers moved leave keys that never recur)."""
+        self.clock += 1
+        seen = key in self.last
+        if not seen and len(self.last) >= max_keys:
+            self.last.clear()
+        self.last[key] = self.clock
+        return seen
+
+    def idle(self, key: tuple[object, ...]) -> int:
+        """Runs counted since `key` last ran (the whole clock for a key not on record)."""
+        return self.clock - self.last.get(key, 0)
+
+
+@dataclass(eq=False)
 class SharedState:
     """Per-model static-shape state shared by every runner of the model."""
 
@@ -229,8 +253,8 @@ class SharedState:
     every runner of it (a bench's or a server's engines come and go; their levels replay)"""
     level_effects: dict[tuple[object, ...], object] = field(default_factory=dict)
     """per level-graph key, the host-side state a level leaves behind"""
-    level_uses: dict[tuple[object, ...], int] = field(default_factory=dict)
-    """per level-graph key, the times it was met (a level is captured at its second use)"""
+    level_uses: LevelUses = field(default_factory=LevelUses)
+    """when each level-graph key was last met (a level is captured at its second use)"""
     level_buffers: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
     """tensors captured levels read and write at the same address every step, whichever runner
     of the model drafts: the builder's node buffers, the buffers levels hand on, S_past and the
