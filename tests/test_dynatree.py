@@ -557,7 +557,7 @@ def test_registered_with_every_field_as_option():
     opts = method_options("dynatree")
     assert set(opts) == {
         "d0", "d_max", "b_min", "b_mid", "b_max", "tau_high", "tau_low", "prune_tau", "rho_stop", "rho_deep",
-        "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase", "tree_sampling", "history_rule", "calibrate", "free_tokens",
+        "max_nodes", "history_window", "accept_high", "accept_low", "adjust_step", "phase", "tree_sampling", "history_rule", "calibrate", "free_sampled_children", "free_tokens",
         "cost_profile", "cost_table",
     }  # fmt: skip
     pol = make_policy("dynatree", d0=3, phase=1)

@@ -300,6 +300,13 @@ class DynaTreePolicy:
     the calibrated rate of u's best child, looked up from a top-k child's draft probability or, for
     drawn children, from the draw rank and the parent's collision mass; False: the paper's raw draft
     probabilities, and drawn children valued by their Gumbel keys"""
+    free_sampled_children: int = 6
+    """children each node draws inside the free width when sampling (T > 0; at least b_max), drawn
+    without replacement: inside the free width a node's children cost no verification, and the
+    rerank by p keeps the best; a sampled child is accepted with about the target's leftover mass,
+    so more draws per node accept more. Bundled pair, T = 1, free_tokens=64: τ 2.96 with 3, 3.41
+    with 6, 3.58 with 8 (the chain's 2.45); greedy, where low-ranked children are rarely accepted, the
+    same τ with 3, 6 and 8 (3.53, 3.64, 3.50), so greedy steps keep b_max (`proposed_children`)"""
     free_tokens: int | None = None
     """tokens one verification forward takes for about the price of one, over the whole batch (a
     device property). Each row's share, n = free_tokens // B - 1 draft tokens, costs nothing to
@@ -373,7 +380,7 @@ class DynaTreePolicy:
                 f"dynatree free_tokens={self.free_tokens!r} must be a non-negative integer (tokens a verification takes for the price of one; "
                 "0: the paper's pruning rules); fix --free-tokens"
             )
-        for name in ("d0", "d_max", "b_min", "b_mid", "b_max", "max_nodes", "history_window"):
+        for name in ("d0", "d_max", "b_min", "b_mid", "b_max", "max_nodes", "history_window", "free_sampled_children"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SpecDecError(f"dynatree {name}={value!r} must be a positive integer; fix --{name.replace('_', '-')}")
@@ -421,9 +428,9 @@ class DynaTreePolicy:
         deepest = self.d0 if self.phase < 2 else self.d_max
         free = min(self._free_bound() - 1, self.max_nodes) if self.phase > 0 else 0
         check_tree_nodes(
-            max(self.builder_capacity(deepest, 0), self.builder_capacity(deepest, max(free, 0))),
-            f"dynatree b_max={self.b_max}, d_max={self.d_max}, max_nodes={self.max_nodes}, prune_tau={self.prune_tau}",
-            "--b-max, --d-max or --max-nodes (or raise --prune-tau)",
+            max(self.builder_capacity(deepest, 0), self.builder_capacity(deepest, max(free, 0), sampled=True)),
+            f"dynatree b_max={self.b_max}, free_sampled_children={self.free_sampled_children}, d_max={self.d_max}, max_nodes={self.max_nodes}, prune_tau={self.prune_tau}",
+            "--b-max, --free-sampled-children, --d-max or --max-nodes (or raise --prune-tau)",
         )
 
     # ----- adaptive state ----------------------------------------------------------------
@@ -646,20 +653,25 @@ class DynaTreePolicy:
         return cached
 
     # ----- drafting ----------------------------------------------------------------------
-    def level_caps(self, free: int) -> tuple[int, int]:
+    def proposed_children(self, free: int, sampled: bool) -> int:
+        """Children each node proposes: b_mid (phase 0, the fixed tree), inside a free width of
+        `free` draft tokens a row with drawn children max(b_max, free_sampled_children), else b_max."""
+        if self.phase == 0:
+            return self.b_mid
+        return max(self.b_max, self.free_sampled_children) if free and sampled else self.b_max
+
+    def level_caps(self, free: int, sampled: bool = False) -> tuple[int, int]:
         """(candidates a level keeps, nodes a frontier holds) inside a free width of `free` draft
-        tokens per row, or under the paper's rules (free = 0)."""
-        proposed = self.b_mid if self.phase == 0 else self.b_max
+        tokens per row, or under the paper's rules (free = 0); sampled: the children are drawn."""
         if free:
-            return free * proposed, free
+            return free * self.proposed_children(free, sampled), free
         level_cap = _count_cap(self.prune_tau, self.max_nodes)  # nodes a level can hold: sum of p over a level <= 1
         return level_cap, _count_cap(self.rho_stop, level_cap) if self.phase >= 2 else level_cap
 
-    def builder_capacity(self, limit: int, free: int) -> int:
+    def builder_capacity(self, limit: int, free: int, sampled: bool = False) -> int:
         """Nodes a step's builder holds for a tree `limit` levels deep: the root and every level's
         candidates uncompacted (top-k levels add all m * k, invalid ones included)."""
-        proposed = self.b_mid if self.phase == 0 else self.b_max
-        return 1 + proposed * (1 + max(0, limit - 1) * self.level_caps(free)[1])
+        return 1 + self.proposed_children(free, sampled) * (1 + max(0, limit - 1) * self.level_caps(free, sampled)[1])
 
     def depth_limit(self, ctx: DraftContext) -> int:
         """Deepest node depth this step: D_0 (phases 0-1) or D_max (phases 2-3), capped by ctx.max_depth."""
@@ -913,20 +925,20 @@ class DynaTreePolicy:
         self._drawing = sampled
         self._calibrating = self.calibrate and self.phase > 0  # phase 0 (fixed tree) has no p(u) or c(u) to calibrate
         self._last_tree = None  # a step that does not calibrate leaves nothing for feedback to pair with its record
-        proposed = self.b_mid if self.phase == 0 else self.b_max
         # inside the verification's free width: no pruning, no early stop; each level's `free` best
         # growing nodes form the next frontier (a node outside them is outside the final best `free`,
         # and so are its children, whose p is lower) and the tree is the `free` best nodes by p
         free = self.free_width(roots.shape[0], roots.device, _longest_context(ctx))
+        proposed = self.proposed_children(free, sampled)
         self._free = bool(free)
         rho_stop = 0.0 if free else self.rho_stop
-        level_cap, frontier_cap = self.level_caps(free)
+        level_cap, frontier_cap = self.level_caps(free, sampled)
         # inside the free width every level's shape is fixed by the host's options (top-k or drawn
         # children), so levels can replay as captured graphs (`_captured_levels`)
         levels = None
         if free and limit > 1:
             levels = CapturedLevels.for_step(source, ("dynatree", self.phase, proposed, free, self._calibrating, sampled), sampled=sampled)
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.builder_capacity(limit, free), workspace=levels and levels.workspace)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.builder_capacity(limit, free, sampled), workspace=levels and levels.workspace)
         dev = roots.device
         log_tau = float("-inf") if free else _log(self.prune_tau)
         frontier, frontier_valid = builder.root, builder.root_valid  # [B, m] builder indices to expand (finished rows: nothing grows)
