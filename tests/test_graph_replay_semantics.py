@@ -601,6 +601,31 @@ def test_levels_are_not_captured_where_they_cannot_be():
     assert CapturedLevels.for_step(source, ("chain",), sampled=True) is None
 
 
+def test_levels_serve_one_drafting_thread():
+    """A model's level buffers are the model's: the first thread to draft with captured levels owns
+    them, and a step drafted in another thread runs op by op (its forwards still graphed)."""
+    import threading
+
+    from specdec.drafting.levels import CapturedLevels
+
+    draft = sharpen(tiny_model("llama", seed=4))  # a model of its own: no other test's thread has claimed its levels
+    source = ModelDraftSource(draft, static_shapes=True)
+    source.runner.level_graphs, source.runner.time_forwards = ReplayEmulator(), False
+    found: dict[str, bool] = {}
+
+    def other_with_graphs() -> None:
+        twin = ModelDraftSource(draft, static_shapes=True)
+        twin.runner.level_graphs, twin.runner.time_forwards = source.runner.level_graphs, False
+        found["other"] = CapturedLevels.for_step(twin, ("chain",), sampled=True) is not None
+
+    found["first"] = CapturedLevels.for_step(source, ("chain",), sampled=True) is not None
+    worker = threading.Thread(target=other_with_graphs)
+    worker.start()
+    worker.join()
+    found["again"] = CapturedLevels.for_step(source, ("chain",), sampled=True) is not None
+    assert found == {"first": True, "other": False, "again": True}
+
+
 def test_levels_captured_by_default_are_the_sampled_steps_of_all_but_cast(monkeypatch):
     """SPECDEC_CAPTURE_LEVELS unset: a sampled step's levels are captured, a greedy step's run op by
     op, and CAST's (its planned widths change its keys) only when asked for; =1 captures every

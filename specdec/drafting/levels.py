@@ -112,6 +112,8 @@ class CapturedLevels:
             return None
         if not runner.capture_every_level and not (sampled and by_default):
             return None
+        if not runner.claims_levels():  # another thread drafts with this model's levels
+            return None
         return cls(source, runner, tag)
 
     @property

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -615,6 +616,24 @@ class ModelRunner:
             finally:
                 cache.static = None
         return out[:, :n].float()
+
+    def claims_levels(self) -> bool:
+        """Whether this thread may draft with the model's captured levels: the first thread to ask
+        owns them for the model's life, and every other thread drafts op by op. The level buffers
+        (builder nodes, kept draft distributions, the source's slot bookkeeping) are the model's,
+        not a runner's, and a step reads them until its verification: two threads drafting with
+        one draft model at once would overwrite each other's trees. A server steps its sessions
+        from one thread; `generate` calls from a pool of threads keep their forwards' graphs
+        (those take `SharedState.lock` per forward) and lose only the levels' graphs."""
+        shared = self._shared
+        if shared is None:
+            return False
+        me = threading.get_ident()
+        if shared.level_thread is None:
+            with shared.lock:
+                if shared.level_thread is None:
+                    shared.level_thread = me
+        return shared.level_thread == me
 
     def begin_levels(self, step_slots: int) -> tuple[Any, ...]:
         """Prepare this step's captured drafting levels (`specdec.drafting.levels`): room for
