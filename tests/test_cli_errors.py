@@ -334,7 +334,7 @@ def test_tree_size_limit_keeps_the_used_configurations():
     ("method", "options", "named"),
     [
         ("chain", {"k": 10**9}, "chain k=1000000000: .* lower --k"),
-        ("dynatree", {"b_max": 10**5}, "dynatree b_max=100000, .* lower --b-max, --d-max or --max-nodes"),
+        ("dynatree", {"b_max": 10**5}, "dynatree b_max=100000, .* lower --b-max, --free-sampled-children, --d-max or --max-nodes"),
         ("dynatree", {"phase": 1, "prune_tau": 0.0, "max_nodes": 10**6, "b_max": 4}, "dynatree b_max=4, .*max_nodes=1000000"),
         ("cast", {"total_tokens": 10**8}, "cast total_tokens=100000000 .* lower --total-tokens"),
     ],
