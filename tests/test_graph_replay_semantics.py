@@ -320,15 +320,15 @@ def test_a_full_set_of_level_graphs_keeps_replaying(monkeypatch, stale_runs):
 
     monkeypatch.setattr(levels_module, "STALE_RUNS", stale_runs)
     target, draft = close_pair("llama")
-    refs = [reference(target, p, 32) for p in PROMPTS]
+    refs = [reference(target, p, 12) for p in PROMPTS]
     engine, _ = level_engine(target, draft, "chain", k=4)
     engine.source.runner.level_graphs = levels = BoundedReplayEmulator(max_graphs=2)
-    outs = engine.generate(PROMPTS, 32, batch_size=3)
+    outs = engine.generate(PROMPTS, 12, batch_size=3)
     assert [o.token_ids for o in outs] == refs
     keys = len(engine.source.runner.level_uses.last)
     assert keys > 2 * levels.max_graphs, keys  # the keys outnumber the graphs
     if stale_runs:
-        assert levels.captures == levels.max_graphs and levels.replays > 5 * levels.captures, (levels.captures, levels.replays)
+        assert levels.captures == levels.max_graphs and levels.replays >= 4 * levels.captures, (levels.captures, levels.replays)
     else:
         assert levels.captures > 3 * levels.max_graphs, (levels.captures, levels.replays)
 
