@@ -608,7 +608,9 @@ def test_levels_are_not_captured_where_they_cannot_be():
 
 def test_levels_serve_one_drafting_thread():
     """A model's level buffers are the model's: the first thread to draft with captured levels owns
-    them, and a step drafted in another thread runs op by op (its forwards still graphed)."""
+    them while it lives, a step drafted in another thread meanwhile runs op by op (its forwards
+    still graphed), and once the owner has ended the next thread to draft takes them over (a
+    server's decode thread after the main thread's own calls, or a restarted one)."""
     import threading
 
     from specdec.drafting.levels import CapturedLevels
@@ -618,17 +620,40 @@ def test_levels_serve_one_drafting_thread():
     source.runner.level_graphs, source.runner.time_forwards = ReplayEmulator(), False
     found: dict[str, bool] = {}
 
-    def other_with_graphs() -> None:
+    def here(name: str) -> None:
+        found[name] = CapturedLevels.for_step(source, ("chain",), sampled=True) is not None
+
+    def worker(name: str, drafted: threading.Event, release: threading.Event) -> None:
         twin = ModelDraftSource(draft, static_shapes=True)
         twin.runner.level_graphs, twin.runner.time_forwards = source.runner.level_graphs, False
-        found["other"] = CapturedLevels.for_step(twin, ("chain",), sampled=True) is not None
+        found[name] = CapturedLevels.for_step(twin, ("chain",), sampled=True) is not None
+        drafted.set()
+        release.wait()
 
-    found["first"] = CapturedLevels.for_step(source, ("chain",), sampled=True) is not None
-    worker = threading.Thread(target=other_with_graphs)
-    worker.start()
-    worker.join()
-    found["again"] = CapturedLevels.for_step(source, ("chain",), sampled=True) is not None
-    assert found == {"first": True, "other": False, "again": True}
+    def start(name: str) -> tuple[threading.Thread, threading.Event]:
+        drafted, release = threading.Event(), threading.Event()
+        thread = threading.Thread(target=worker, args=(name, drafted, release))
+        thread.start()
+        drafted.wait()
+        return thread, release
+
+    here("main")
+    thread, release = start("worker while main lives")
+    release.set()
+    thread.join()
+    here("main again")
+    assert found == {"main": True, "worker while main lives": False, "main again": True}
+
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    source.runner._shared.level_thread = ended  # the owner has ended: the next thread to draft takes over
+    thread, release = start("takes over")
+    here("main while it lives")
+    release.set()
+    thread.join()
+    here("main after it ended")
+    assert (found["takes over"], found["main while it lives"], found["main after it ended"]) == (True, False, True)
 
 
 def test_levels_captured_by_default_are_the_sampled_steps_of_all_but_cast(monkeypatch):

@@ -126,7 +126,6 @@ def test_cast_calibrates_top_k_children_by_their_own_q():
     """CAST's feedback gives the calibrator each verified node's own local log q (`tree.logq`),
     the value its table cell was looked up by: every observed cell's mean q lies inside its bin
     (a path's cumulative log q, or the parent's, would fall below it)."""
-
     sim = Simulation(*DRAFTS["calibrated"], gpu_like_table(), batch=2)
     policy = make_policy("cast", cost_table=sim.table, deterministic=True)
     sim.run(policy, 20)

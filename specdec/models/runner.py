@@ -308,7 +308,7 @@ class ModelRunner:
         levels_mode = capture_levels_default()
         capture_levels = cuda_graphs and levels_mode is not False and self._shared is not None
         if capture_levels and self._shared is not None and self._shared.level_graphs is None:
-            self._shared.level_graphs = CudaGraphRunner(model, self.device, max_graphs=MAX_LEVEL_GRAPHS, what="its drafting levels (SPECDEC_CAPTURE_LEVELS=1)")
+            self._shared.level_graphs = CudaGraphRunner(model, self.device, max_graphs=MAX_LEVEL_GRAPHS, what="its drafting levels (SPECDEC_CAPTURE_LEVELS=0 turns them off)")
         self.level_graphs: CudaGraphRunner | None = self._shared.level_graphs if capture_levels and self._shared is not None else None
         """graphs of whole drafting levels (`specdec.drafting.levels`), the model's (`SharedState`);
         None: levels run op by op"""
@@ -619,7 +619,8 @@ class ModelRunner:
 
     def claims_levels(self) -> bool:
         """Whether this thread may draft with the model's captured levels: the first thread to ask
-        owns them for the model's life, and every other thread drafts op by op. The level buffers
+        owns them while it lives (a restarted server's new decode thread, or a thread after the
+        main one's own `generate`, takes them over), and every other thread drafts op by op. The level buffers
         (builder nodes, kept draft distributions, the source's slot bookkeeping) are the model's,
         not a runner's, and a step reads them until its verification: two threads drafting with
         one draft model at once would overwrite each other's trees. A server steps its sessions
@@ -628,12 +629,14 @@ class ModelRunner:
         shared = self._shared
         if shared is None:
             return False
-        me = threading.get_ident()
-        if shared.level_thread is None:
+        me = threading.current_thread()
+        owner = shared.level_thread
+        if owner is not me and (owner is None or not owner.is_alive()):
             with shared.lock:
-                if shared.level_thread is None:
-                    shared.level_thread = me
-        return shared.level_thread == me
+                owner = shared.level_thread
+                if owner is None or not owner.is_alive():
+                    shared.level_thread = owner = me
+        return owner is me
 
     def begin_levels(self, step_slots: int) -> tuple[Any, ...]:
         """Prepare this step's captured drafting levels (`specdec.drafting.levels`): room for

@@ -262,9 +262,9 @@ class SharedState:
     level_owner: dict[tuple[object, ...], int] = field(default_factory=dict)
     """per shared buffer that carries state from one step to the next, the id of the object that
     last laid it out (another must lay it out afresh)"""
-    level_thread: int | None = None
+    level_thread: threading.Thread | None = None
     """the thread whose drafting uses the captured levels (`ModelRunner.claims_levels`): the
-    first to ask; other threads draft op by op, since the level buffers are the model's"""
+    first to ask, while it lives; other threads draft op by op, since the level buffers are the model's"""
 
     def inputs(self, b: int, m: int, capacity: int, dtype: torch.dtype, device: torch.device, sliding: bool = False) -> StaticInputs:
         key = (b, m, capacity)
