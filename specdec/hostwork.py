@@ -202,3 +202,36 @@ def read_together(*tensors: torch.Tensor) -> list[np.ndarray]:
         out.append(host[start : start + count * np_dtype.itemsize].view(np_dtype).reshape(shape))
         start += size
     return out
+
+
+class HostCopy:
+    """A device tensor's values on their way to the host without a synchronisation now.
+
+    On a GPU the copy is queued on the current stream into pinned host memory and an event is
+    recorded behind it; `wait` blocks only until that event, that is until the work queued
+    *before* the copy is done, not the work queued after it. A policy that starts the copy at
+    the end of drafting and waits for it after the verification forward is launched plans on the
+    host while the GPU verifies, where a `.tolist()` at the end of drafting would leave the GPU
+    idle until the host had decided and launched the verification. On the CPU the copy is done
+    when it returns. Not a host read for `HostWorkCounter` (no `.tolist()` / `.item()` of a
+    device tensor: the values come back through numpy)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.shape = tuple(values.shape)
+        if values.dtype == torch.bfloat16:  # (numpy has no bfloat16)
+            values = values.float()
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event: torch.cuda.Event | None = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(values.device))
+        else:
+            self._host = values.detach().clone() if values.device.type == "cpu" else values.detach().to("cpu")
+            self._event = None
+
+    def wait(self) -> np.ndarray:
+        """The values as a numpy array (blocks until the copy has landed)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host.numpy()

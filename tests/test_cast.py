@@ -36,6 +36,7 @@ from specdec.drafting.cast import (
 from specdec.drafting.policies import Eagle2Policy
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
+from specdec.hostwork import HostWorkCounter
 from specdec.methods import make_policy
 from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
@@ -312,6 +313,8 @@ def test_greedy_cast_matches_generate_batch_1_and_3(arch):
         {"c1": 0.1, "c2": 0.0, "prune_rule": "threshold", "dynamic_rerank": False, "depth": 4, "top_k": 3, "total_tokens": 12},  # deep trees
         {"calibrate": False, "depth": 5, "top_k": 4, "total_tokens": 16},
         {"prune_rule": "threshold", "rerank_rule": "threshold", "calibrate": False},  # the paper's rules and presets
+        {"reads_while_drafting": False},  # the plan's layers and predicted count, values read after the verification's launch
+        {"reads_while_drafting": False, "calibrate": False, "depth": 5, "top_k": 4, "total_tokens": 16},
     )
     for options in variants:
         policy = make_policy("cast", cost_table=linear_table(), **options)
@@ -370,6 +373,52 @@ def test_next_plan_is_made_while_verifying_and_equals_the_deferred_one():
     deferred, deferred_events = run(False)
     assert deferred == widths  # the same plans, made at the next draft instead
     assert len(deferred_events) == len(events)
+
+
+@pytest.mark.parametrize("reads_while_drafting", [False, True])
+def test_cast_drafts_its_plan_without_reads(reads_while_drafting):
+    """With `reads_while_drafting=False` (the CUDA default) a step that has a plan drafts its
+    layers and keeps the plan's predicted count without one host read (each a GPU stall); its
+    values reach the host after the verification is launched (`plan_ahead`), in time for the
+    plain check's expected tokens and the next plan. Greedy output stays the target's. With
+    reads (the CPU default) the same steps read while drafting, which is what makes this
+    test's zero meaningful."""
+    target, draft = close_pair("llama")
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    refs = [reference(target, p, 24) for p in prompts]
+    cheap_layers = linear_table(d_fixed=0.2, d_per_token=0.001, t_per_token=0.005)  # deep plans
+    policy = make_policy("cast", cost_table=cheap_layers, deterministic=True, depth=6, top_k=4, total_tokens=24, reads_while_drafting=reads_while_drafting)
+    draft_step, feedback = policy.draft, policy.feedback
+    planned: list[tuple[int, int, int, int]] = []  # per step with a plan: reads while drafting, planned count, kept count, tree columns
+    expected: list[float | None] = []
+
+    def counted_draft(source, roots, ctx):
+        plan = policy._plan_verified
+        before = counter.host_reads
+        drafted = draft_step(source, roots, ctx)
+        if plan is not None and ctx.max_depth > 1:
+            planned.append((counter.host_reads - before, plan, policy.last_verified, drafted.tree.tokens.shape[1]))
+        return drafted
+
+    def traced_feedback(record):
+        feedback(record)
+        expected.append(policy._expected_tokens)
+
+    policy.draft, policy.feedback = counted_draft, traced_feedback
+    engine = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+    with HostWorkCounter() as counter:
+        outs = [engine.generate([p], 24)[0].token_ids for p in prompts]
+    assert outs == refs
+    assert len(planned) > 10
+    reads = [r for r, *_ in planned]
+    if reads_while_drafting:
+        assert min(reads) >= 1
+        return
+    assert reads == [0] * len(planned)
+    assert all(kept == min(plan, 24) for _, plan, kept, _ in planned)  # the plan's count, decided before drafting
+    assert any(kept > 4 for _, _, kept, _ in planned)  # (deep trees: more than the root's children)
+    assert all(cols <= 1 + kept for _, _, kept, cols in planned)
+    assert sum(e is not None for e in expected) >= len(planned)  # the values were read before each feedback
 
 
 def test_tree_that_cannot_pay_is_root_only():

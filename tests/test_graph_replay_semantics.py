@@ -462,16 +462,19 @@ def recorded_real_drafts(engine: SpeculativeEngine, widths: list[tuple[int, ...]
     return drafts
 
 
-def test_captured_cast_layers_draft_what_op_by_op_drafts():
+@pytest.mark.parametrize("reads_while_drafting", [False, True], ids=["unread", "read"])
+def test_captured_cast_layers_draft_what_op_by_op_drafts(reads_while_drafting):
     """CAST's break-even layers replay as captured graphs at a node bucket of their planned width,
     the columns beyond it masked out on the device: every step's tree is the op-by-op one (valid
     nodes, parents, validity), rows finishing and joining at batch size 3, and the output is
     `generate`'s. Deterministic (no wall-clock overheads) so both engines plan alike; the pair
     agrees often enough for several layers, some narrower than their bucket (masking matters:
     unmasked padding columns would grow valid children and change the trees). CAST's default
-    calibrated values: with raw draft confidences this pair rarely drafts past the first layer."""
+    calibrated values: with raw draft confidences this pair rarely drafts past the first layer.
+    Both ways of deciding a step: from the plan alone, its values read after the verification's
+    launch (the CUDA default), and from values read while drafting."""
     target, draft = near_pair("llama")  # the architectures' forwards inside levels: `test_captured_levels_replay_exactly`
-    options = cast_level_options()
+    options = {**cast_level_options(), "reads_while_drafting": reads_while_drafting}
     refs = [reference(target, p, 32) for p in PROMPTS]
     engine, levels = level_engine(target, draft, "cast", **options)
     widths: list[tuple[int, ...]] = []
@@ -495,9 +498,9 @@ def test_captured_cast_sampled_layers_draw_what_op_by_op_draws():
     parents, validity, sampled flags) with the same layer widths, and the output is the op-by-op
     output. The kept draft distributions of the tree's nodes agree to float rounding: the padding
     columns take step slots, so later layers' keys sit at other cache columns and attention sums
-    them in another order."""
+    them in another order. Steps decided from the plan alone (the CUDA default)."""
     target, draft = near_pair("llama")
-    options = cast_level_options()
+    options = {**cast_level_options(), "reads_while_drafting": False}
     params = SamplingParams(temperature=0.5)
 
     def run(engine: SpeculativeEngine) -> tuple[list[list[int]], list[Any], list[tuple[int, ...]]]:

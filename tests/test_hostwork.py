@@ -13,7 +13,7 @@ from specdec.bench.divergence import TIE_ULPS, classify, first_difference, ulp
 from specdec.drafting import ChainPolicy, Eagle2Policy, StaticTreePolicy, calibration
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
-from specdec.hostwork import HostWorkCounter, read_together, uncounted
+from specdec.hostwork import HostCopy, HostWorkCounter, read_together, uncounted
 from specdec.methods import make_policy
 from specdec.models.runner import FORWARD_TIMING_ENV, ModelRunner, forward_timing_default
 from specdec.sampling import SamplingParams
@@ -280,3 +280,19 @@ def test_sampled_trees_tested_on_the_device_copy_nothing_large():
         per_step[walk] = counter.host_bytes / max(o.stats.steps for o in out)
     assert per_step["host"] >= 2 * 4 * 2 * vocab  # at least a root and one child's distributions, target and draft, per row
     assert per_step["device"] < 4 * vocab  # the verdict's indices: less than one distribution
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_host_copy_holds_the_values_of_its_start_and_is_no_read(device):
+    """`HostCopy` takes the values as they are when it starts (later writes to the device tensor
+    do not reach it, also with the copy still in flight on a GPU) and is no host read for the
+    counter (its wait is an event, not a `.tolist()` of a device tensor)."""
+    values = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4)
+    with HostWorkCounter() as counter:
+        values.mul_(2)
+        copy = HostCopy(values)
+        values.add_(100)  # queued after the copy
+        host = copy.wait()
+    assert counter.host_reads == 0
+    assert host.tolist() == (torch.arange(12, dtype=torch.float32).reshape(3, 4) * 2).tolist()
+    assert HostCopy(torch.ones(2, dtype=torch.bfloat16, device=device)).wait().tolist() == [1.0, 1.0]

@@ -151,6 +151,8 @@ CASES = {
     # DynaTree inside a free verification width (5 draft tokens a row at BATCH rows): no pruning,
     # each level's 5 best growing nodes, the tree the 5 best nodes by p over all levels
     **{f"dynatree-free-{p}": ("dynatree", {**TREES["dynatree"][1], "free_tokens": 6 * BATCH}, PARAMS[p]) for p in ("t1", "t0.7-top-p")},
+    # CAST verifying its plan's predicted count, its values read after the verification (the CUDA default)
+    "cast-unread-t1": ("cast", {**TREES["cast"][1], "depth": 3, "reads_while_drafting": False}, PARAMS["t1"]),
 }
 
 

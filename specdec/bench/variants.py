@@ -106,13 +106,18 @@ OFF = ("off", "false", "no", "0")
 
 
 def _field_default(method: str, name: str) -> Any:
-    """The default of policy field `name` (None when it has none or is not a dataclass field)."""
+    """The default of policy field `name` (None when it has none or is not a dataclass field); a
+    switch whose default is None (`bool | None`: chosen by the device) reads as False, so its
+    option text is parsed as on / off."""
     cls = POLICY_CLASSES.get(method)
     if cls is None or not dataclasses.is_dataclass(cls):
         return None
     for f in dataclasses.fields(cls):
         if f.name == name:
-            return None if f.default is dataclasses.MISSING else f.default
+            default = None if f.default is dataclasses.MISSING else f.default
+            if default is None and "bool" in str(f.type).split(" | "):
+                return False
+            return default
     return None
 
 

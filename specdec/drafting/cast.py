@@ -55,6 +55,7 @@ from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tre
 from specdec.drafting.calibration import AcceptanceCalibrator, collision_log_mass
 from specdec.drafting.levels import CapturedLevels
 from specdec.errors import SpecDecError
+from specdec.hostwork import HostCopy
 from specdec.models.static import node_bucket
 
 if TYPE_CHECKING:
@@ -722,6 +723,24 @@ class _Step:
     expanded: int = 0
 
 
+@dataclass
+class _PendingPlan:
+    """A drafted step's numbers for `_replan`. A step that read its values while drafting has
+    them here (`layers`, `pools`: cumulative utilities per layer); one that did not has the
+    device's copy on its way (`values`, `_layer_values`'s [L, k + m']) and the count it verified."""
+
+    st: _Step
+    drafted_at: list[float]
+    alphas: tuple[float, float] | None
+    layers: list[list[float]] = field(default_factory=list)
+    pools: list[list[float]] = field(default_factory=list)
+    values: HostCopy | None = None
+    widths: list[int] = field(default_factory=list)
+    """(deferred values) the widths the step drafted"""
+    verified: int = 0
+    """(deferred values) the draft tokens per row it verified"""
+
+
 def _diffs(cumulative: Sequence[float]) -> list[float]:
     """Per-item values from cumulative utilities u_1, u_2, ... (u_0 = 0)."""
     out, prev = [], 0.0
@@ -795,6 +814,16 @@ class CastPolicy:
     last token: a guard against drafts that rarely agree with the target and batch sizes where
     drafting cannot pay (neutral on the bundled pair at batch 1 and 4 in an interleaved A/B;
     0.96-0.98x AR instead of 0.74-0.76x with a draft that never agrees; docs/cast.md "Plain steps")"""
+    reads_while_drafting: bool | None = None
+    """break-even pruning: whether a step reads its layers' values back to the host while it
+    drafts (True: the step's own values decide how deep it drafts past the plan and how many
+    nodes it verifies, one read after the planned layers and one per layer past them), or
+    drafts the plan's layers, verifies the plan's predicted count and reads the values only
+    after the verification forward is launched, for the next plan (False: no synchronisation
+    while drafting, so a GPU's draft forwards and the host's launches overlap, and the
+    planning overlaps the verification). None: False on CUDA devices, where each read stalls
+    the GPU until the host has decided and launched what follows; True elsewhere (on a CPU a
+    read costs nothing and the step's own values decide better). A step with no plan yet reads."""
     name: str = "cast"
     uses_draft: bool = True
     requires_cost_table: ClassVar[bool] = True
@@ -825,7 +854,9 @@ class CastPolicy:
     """how long the previous feedback took (part of the step's time outside drafting and verification)"""
     _plan: list[int] | None = field(default=None, init=False, repr=False)
     """break-even pruning: the widths the next step expands, layer by layer (made after a step's tree, `plan_ahead`)"""
-    _pending_plan: tuple[_Step, list[list[float]], list[list[float]], list[float], tuple[float, float] | None] | None = field(default=None, init=False, repr=False)
+    _plan_verified: int | None = field(default=None, init=False, repr=False)
+    """break-even pruning: the draft tokens per row the next step is predicted to verify (made with `_plan`)"""
+    _pending_plan: _PendingPlan | None = field(default=None, init=False, repr=False)
     """what `_replan` needs, from the step just drafted, until `plan_ahead` (or the next draft) makes the plan"""
     _alphas_fixed: tuple[float, float] | None = field(default=None, init=False, repr=False)
     """calibration's child rates as of the drafted step, while a deferred `_replan` runs"""
@@ -875,6 +906,8 @@ class CastPolicy:
         for name in ("breadth_pruning", "depth_pruning", "dynamic_rerank", "calibrate", "plain_steps", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecDecError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.reads_while_drafting is not None and not isinstance(self.reads_while_drafting, bool):
+            raise SpecDecError(f"reads_while_drafting={self.reads_while_drafting!r} must be True, False or None (None: False on CUDA devices)")
         if self.cost_table is not None and not isinstance(self.cost_table, CostTable):
             raise SpecDecError(
                 f"cost_table must be a specdec.cost.CostTable, got {type(self.cost_table).__name__}; pass a file path as cost_profile"
@@ -1169,6 +1202,14 @@ class CastPolicy:
 
         for width in widths:
             layer(width)
+        if self._plan_verified is not None and self._defers_reads(builder.device):
+            # no read while drafting: verify the plan's predicted count; the values travel to the
+            # host behind the draft forwards and are read for the next plan after the verification is launched
+            count = min(self._plan_verified, self.total_tokens) if self.dynamic_rerank else self.total_tokens
+            values = HostCopy(self._layer_values(builder, layer_values, layer_ends))
+            self._pending_plan = _PendingPlan(st, drafted_at, self._alphas(1) if self.calibrate else None, values=values, widths=widths, verified=count)
+            self.last_widths, self.last_verified, self._expected_tokens = list(widths), count, None  # (completed by `_settle_plan`)
+            return count
         layers: list[list[float]] = []
         pools: list[list[float]] = []
         while True:
@@ -1185,16 +1226,28 @@ class CastPolicy:
                 break
             widths.append(width)
             layer(width)
-        if not self.calibrate:  # the paper's gain ratios phi_i, for each pair of drafted layers
-            for i in range(1, len(layers)):
-                below = widths[i] if i < len(widths) else len(layers[i])
-                above = layers[i - 1][min(widths[i - 1], len(layers[i - 1])) - 1] if layers[i - 1] else 0.0
-                if above > 0 and layers[i]:
-                    self._buffers.push(i, layers[i][min(below, len(layers[i])) - 1] / above)
+        self._push_gain_ratios(widths, layers)
         # the next step's plan is made in `plan_ahead`, while the target verifies this step's tree
-        self._pending_plan = (st, layers, pools, drafted_at, self._alphas(1) if self.calibrate else None)
+        self._pending_plan = _PendingPlan(st, drafted_at, self._alphas(1) if self.calibrate else None, layers=layers, pools=pools)
         self.last_widths = [*widths, len(layers[-1])]
         return self._verify_count(st, pools[-1], st.drafted_ms)
+
+    def _defers_reads(self, device: torch.device) -> bool:
+        """Whether this step drafts its plan without reading values back (`reads_while_drafting`);
+        only break-even reranking (or none) verifies a count the plan can predict."""
+        if self.dynamic_rerank and self.rerank_rule != "break-even":
+            return False
+        return not self.reads_while_drafting if self.reads_while_drafting is not None else device.type == "cuda"
+
+    def _push_gain_ratios(self, widths: list[int], layers: list[list[float]]) -> None:
+        """Without calibration: the paper's gain ratios phi_i, for each pair of drafted layers."""
+        if self.calibrate:
+            return
+        for i in range(1, len(layers)):
+            below = widths[i] if i < len(widths) else len(layers[i])
+            above = layers[i - 1][min(widths[i - 1], len(layers[i - 1])) - 1] if layers[i - 1] else 0.0
+            if above > 0 and layers[i]:
+                self._buffers.push(i, layers[i][min(below, len(layers[i])) - 1] / above)
 
     def _layer_values(self, builder: TreeBuilder, values: list[torch.Tensor], ends: list[int]) -> torch.Tensor:
         """[L, k + m'] batch-averaged confidences exp(value) of L layers: each layer's candidates
@@ -1266,10 +1319,19 @@ class CastPolicy:
         pending, self._pending_plan = self._pending_plan, None
         if pending is None:
             return
-        st, layers, pools, drafted_at, alphas = pending
-        self._alphas_fixed = alphas
+        layers, pools = pending.layers, pending.pools
+        if pending.values is not None:  # a step that read nothing while drafting: its values now
+            k = pending.st.k
+            for row in pending.values.wait().tolist():  # [L, k + m']
+                layers.append(_trim_flat(_cumsum(row[:k])))
+                pools.append(_trim_flat(_cumsum(row[k:])))
+            self._push_gain_ratios(pending.widths, layers)
+            self.last_widths = [*pending.widths, len(layers[-1])]
+            pool, verified = pools[-1], min(pending.verified, len(pools[-1]))
+            self._expected_tokens = 1.0 + (pool[verified - 1] if verified else 0.0)
+        self._alphas_fixed = pending.alphas
         try:
-            self._plan = self._replan(st, layers, pools, drafted_at)
+            self._plan, self._plan_verified = self._replan(pending.st, layers, pools, pending.drafted_at)
         finally:
             self._alphas_fixed = None
 
@@ -1315,11 +1377,13 @@ class CastPolicy:
                     break
         return width, grow
 
-    def _replan(self, st: _Step, layers: list[list[float]], pools: list[list[float]], drafted_at: list[float]) -> list[int]:
+    def _replan(self, st: _Step, layers: list[list[float]], pools: list[list[float]], drafted_at: list[float]) -> tuple[list[int], int]:
         """The next step's widths: the break-even decisions replayed on this step's numbers, layer
         by layer; past the last drafted layer, on predicted ones (the next layer's candidates
         valued alpha_1 times the candidates they would be children of), so the plan can deepen
-        by more than one layer per step and shrinks as soon as a layer stops paying."""
+        by more than one layer per step and shrinks as soon as a layer stops paying. Also the
+        draft tokens per row that break-even reranking would verify from the planned tree's pool
+        (what a step that reads nothing while drafting verifies)."""
         widths: list[int] = []
         kept_before = 0
         measured = True
@@ -1344,7 +1408,7 @@ class CastPolicy:
                 pool = _cumsum(sorted([*_diffs(pool), *vals], reverse=True)[: self.total_tokens])
                 utility = _cumsum(vals)
             kept_before += width
-        return widths
+        return widths, self._plan_of(pool, st.verify_ms, drafted).verified
 
     def _plan_of(self, pool: list[float], verify_ms: list[float], drafted_ms: float) -> StepPlan:
         """The best the step can do with the nodes drafted so far (cumulative utilities `pool`):
@@ -1462,6 +1526,8 @@ class CastPolicy:
             self._feedback_ms = (time.perf_counter() - started) * 1e3
 
     def _feedback(self, record: StepRecord) -> None:
+        if self._pending_plan is not None and self._pending_plan.values is not None:
+            self._settle_plan()  # the step's values (and expected tokens), if `plan_ahead` was not called
         one_off = record.graph_captures > 0  # the step's times include capturing CUDA graphs: learn no time from it
         if self._step_plain is not None and record.step_s > 0:
             active = sum(record.active)
