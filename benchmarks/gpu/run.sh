@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu/run.sh levels-t1  # its T = 1 half alone (LEVELS_T1=0 levels ... leaves it for this second call)
 #   bash benchmarks/gpu/run.sh sampling  # the same pair at T = 1, B = 1: the trees' sampled rules against the chain (#19),
 #                                        # traversal on the device (the default) against child by child
+#   bash benchmarks/gpu/run.sh unmeasured     # what earlier leases left unmeasured (greedy, B = 1, 2, 8): CAST unread / read, DynaTree's width
+#   bash benchmarks/gpu/run.sh unmeasured-t1  # the same at T = 1 (B = 1, 8): DynaTree's free_sampled_children, CAST unread / read
 #
 # Writes under $OUT (the device tool brings back at most 8 files, 2 folders deep): a log per stage
 # and the bench folders as one .tar.gz each. The GPU image has torch, transformers, rich, numpy,
@@ -18,7 +20,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|pair|costs}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|unmeasured|unmeasured-t1|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -148,11 +150,27 @@ case "$stage" in
     pair
     levels_t1
     ;;
+  unmeasured)  # what earlier leases left unmeasured, in one call (greedy, B = 1, 2, 8): CAST deciding from its plan
+              # (reads_while_drafting off, the CUDA default since 2026-11-26) against reading, DynaTree's measured free
+              # width at B >= 2 and the captured-levels default, against the chain and EAGLE-2
+    pair
+    timeout "${UNMEASURED_LIMIT_S:-420}" specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods "${UNMEASURED_METHODS:-ar,chain,eagle2,dynatree,cast,cast:reads_while_drafting=on}" --batch-sizes "${BATCH_SIZES:-1,2,8}" \
+      --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/unmeasured" 2>&1 | grep -v "Loading weights" | tee "$OUT/unmeasured.log"
+    tar -czf "$OUT/unmeasured.tar.gz" -C "$OUT" unmeasured && rm -rf "$OUT/unmeasured"
+    ;;
+  unmeasured-t1)  # the same at T = 1, B = 1 and 8: DynaTree's free_sampled_children (6, against 3), CAST unread / read
+    pair
+    timeout "${UNMEASURED_LIMIT_S:-420}" specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods "${UNMEASURED_METHODS:-ar,chain,eagle2,dynatree,dynatree:free_sampled_children=3,cast,cast:reads_while_drafting=on}" --batch-sizes "${BATCH_SIZES:-1,8}" \
+      --temperature 1 --seed 0 --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/unmeasured-t1" 2>&1 | grep -v "Loading weights" | tee "$OUT/unmeasured-t1.log"
+    tar -czf "$OUT/unmeasured-t1.tar.gz" -C "$OUT" unmeasured-t1 && rm -rf "$OUT/unmeasured-t1"
+    ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
     pair
     ;;
   costs)  # the cost profiles measured on this machine (CAST's tables, DynaTree's free width), for reading back
     tar -czf "$OUT/costs.tar.gz" -C "$SPECDEC_CACHE_DIR" cost-profiles
     ;;
-  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, levels, pair, costs)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, levels, levels-t1, unmeasured, unmeasured-t1, pair, costs)"; exit 2 ;;
 esac
