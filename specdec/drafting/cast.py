@@ -1208,7 +1208,8 @@ class CastPolicy:
             count = min(self._plan_verified, self.total_tokens) if self.dynamic_rerank else self.total_tokens
             values = HostCopy(self._layer_values(builder, layer_values, layer_ends))
             self._pending_plan = _PendingPlan(st, drafted_at, self._alphas(1) if self.calibrate else None, values=values, widths=widths, verified=count)
-            self.last_widths, self.last_verified, self._expected_tokens = list(widths), count, None  # (completed by `_settle_plan`)
+            # (the last layer's candidate count and the expected tokens are known when `_settle_plan` reads the values)
+            self.last_widths, self.last_verified, self._expected_tokens = [*widths, k], count, None
             return count
         layers: list[list[float]] = []
         pools: list[list[float]] = []
