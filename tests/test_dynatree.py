@@ -301,6 +301,21 @@ def test_respects_ctx_max_depth_and_inactive_rows():
     assert tree.drafted_per_row().tolist() == [0] and src.calls == []
 
 
+def test_node_buffers_do_not_shrink_at_a_rows_last_tokens():
+    """A row's last tokens cap the tree's depth (`ctx.max_depth`), not the builder's node buffers:
+    one size for every step, so captured levels keep their buffers' addresses and their graphs
+    (sized by the depth cap, the bundled pair's emulated level graphs were captured 43 times over
+    12 prompts, 19 with one size)."""
+    for options in ({}, {"free_tokens": 16}):
+        policy = paper_policy(**options)
+        capacities = []
+        for max_depth in (50, 3, 1):
+            drafted = policy.draft(TableSource(confident_chain(0.95)), torch.full((1,), 3, dtype=torch.long), DraftContext(params=SamplingParams(), generator=None, max_depth=max_depth, active=torch.tensor([True])))
+            assert drafted.tree.max_depth() <= max_depth
+            capacities.append(drafted.builder.capacity)
+        assert capacities[0] == capacities[1] == capacities[2], (options, capacities)
+
+
 def test_phases_change_the_shape():
     """Phase 0 gives every node B_mid children to D_0; phase 1 branches by confidence (still D_0);
     phase 2 adds the depth gate (deeper along likely paths)."""

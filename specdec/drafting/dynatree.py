@@ -938,7 +938,10 @@ class DynaTreePolicy:
         levels = None
         if free and limit > 1:
             levels = CapturedLevels.for_step(source, ("dynatree", self.phase, proposed, free, self._calibrating, sampled), sampled=sampled)
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=self.builder_capacity(limit, free, sampled), workspace=levels and levels.workspace)
+        # capacity for the deepest tree the options allow, not this step's (a row's last tokens cap it):
+        # one size of node buffers, so captured levels keep their addresses (and graphs) to the end
+        capacity = self.builder_capacity(self.cur_d0 if self.phase < 2 else self.d_max, free, sampled)
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampled, capacity=capacity, workspace=levels and levels.workspace)
         dev = roots.device
         log_tau = float("-inf") if free else _log(self.prune_tau)
         frontier, frontier_valid = builder.root, builder.root_valid  # [B, m] builder indices to expand (finished rows: nothing grows)
