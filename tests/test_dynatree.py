@@ -14,6 +14,7 @@ import torch
 from conftest import EOS, sharpen, tiny_model
 
 from specdec.cli import build_parser, collect_method_options, main
+from specdec.drafting import ChainPolicy
 from specdec.drafting.builder import DraftContext
 from specdec.drafting.dynatree import (
     DynaTreePolicy,
@@ -306,8 +307,8 @@ def test_node_buffers_do_not_shrink_at_a_rows_last_tokens():
     one size for every step, so captured levels keep their buffers' addresses and their graphs
     (sized by the depth cap, the bundled pair's emulated level graphs were captured 43 times over
     12 prompts, 19 with one size)."""
-    for options in ({}, {"free_tokens": 16}):
-        policy = paper_policy(**options)
+    for options in ({}, {"free_tokens": 16}, "chain"):
+        policy = ChainPolicy(k=5) if options == "chain" else paper_policy(**options)  # (the chain's the same way: 14 -> 8 level graphs)
         capacities = []
         for max_depth in (50, 3, 1):
             drafted = policy.draft(TableSource(confident_chain(0.95)), torch.full((1,), 3, dtype=torch.long), DraftContext(params=SamplingParams(), generator=None, max_depth=max_depth, active=torch.tensor([True])))

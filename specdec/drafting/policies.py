@@ -63,7 +63,9 @@ class ChainPolicy(_Stateless):
         may_be_empty = sampling and not getattr(source, "always_proposes", False)  # rows of all -inf: nothing to draft there
         depth = min(self.k, ctx.max_depth)
         levels = CapturedLevels.for_step(source, ("chain", may_be_empty), sampled=sampling)
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + depth, chain=True, workspace=levels and levels.workspace)
+        # capacity for k levels even where a row's last tokens cap the depth: one size of node buffers, so
+        # captured levels keep their addresses (and graphs) to the end
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=sampling, capacity=1 + self.k, chain=True, workspace=levels and levels.workspace)
         logprobs = builder.root_logprobs  # [B, V]
         if levels is not None and depth > 1:
             levels.begin(builder, step_slots=(depth - 1) * node_bucket(1))
