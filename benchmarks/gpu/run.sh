@@ -71,7 +71,8 @@ case "$stage" in
     xdist=()
     # --dist load: by test, not by file (by file, test_graph_replay_semantics.py alone held one worker
     # past 300 s on an H100 machine, 2026-11-26; by test the whole suite took 89 s on 15 workers)
-    $PY -c "import xdist" 2>/dev/null && xdist=(-n "${WORKERS:-15}" --dist load)
+    # (without pytest-xdist the project's `addopts = "-q -n 2"` would not parse: plain addopts then)
+    $PY -c "import xdist" 2>/dev/null && xdist=(-n "${WORKERS:-15}" --dist load) || xdist=(-o addopts=-q)
     OMP_NUM_THREADS=1 timeout "${TESTS_LIMIT_S:-420}" $PY -m pytest -q --maxfail=30 -p no:cacheprovider "${xdist[@]}" tests "${ignore[@]}" -rs --durations=15 2>&1 | tee "$OUT/tests.log"
     wait
     cat "$OUT/pair-bg.log"
@@ -141,7 +142,8 @@ case "$stage" in
            # of one process (levels_ab.py) at B = 1 and LEVELS_B, drafts checked equal between the modes (CAST's plans
            # follow its measured step times, so its drafts may differ); greedy, then (unless LEVELS_T1=0; it is also
            # a stage of its own, for a second call) at T = 1 (sampled children, one seed) at B = 1
-    timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_static_shapes.py tests/test_graph_replay_semantics.py -k "level or graph" -rs 2>&1 | tail -15 | tee "$OUT/levels.log"
+    serial=(-n 0); $PY -c "import xdist" 2>/dev/null || serial=(-o addopts=-q)
+    timeout 300 $PY -m pytest -q -p no:cacheprovider "${serial[@]}" tests/test_static_shapes.py tests/test_graph_replay_semantics.py -k "level or graph" -rs 2>&1 | tail -15 | tee "$OUT/levels.log"
     pair
     per_batch_size levels_ab.py levels "${LEVELS_METHODS:-chain,eagle2,static,dynatree,cast}" "${LEVELS_B:-8}"
     [ "${LEVELS_T1:-1}" = 0 ] || levels_t1
