@@ -217,7 +217,6 @@ class HostCopy:
     device tensor: the values come back through numpy)."""
 
     def __init__(self, values: torch.Tensor) -> None:
-        self.shape = tuple(values.shape)
         if values.dtype == torch.bfloat16:  # (numpy has no bfloat16)
             values = values.float()
         if values.device.type == "cuda":

@@ -34,7 +34,8 @@ Where the tests run (`SamplingRule(walk=...)`):
   node's tests are prepared one sibling rank at a time (a child's test only depends on its
   earlier siblings having been rejected, never on the outcome elsewhere), and the accepted path
   is the deepest one of first accepted children, with no host read. The default is traversal
-  (`TraversalTreeTests`, below), which reads the widths of its rounds (one host read);
+  (`TraversalTreeTests`, below), which reads the widths of its rounds on the host (a copy started
+  before the verify forward, `hostwork.HostCopy`: waiting for it waits for the drafting work only);
 - **on the host** (`rejection_walk`; the default on the CPU, where the walk only touches the
   nodes it visits while the device version works on every node): each row's tree fields, target
   and draft distributions and pre-drawn uniforms (one per test and one for the bonus, `[B, N]`
@@ -64,7 +65,7 @@ import torch
 
 from specdec import constants
 from specdec.errors import SpecDecError
-from specdec.hostwork import read_together
+from specdec.hostwork import HostCopy, read_together
 from specdec.sampling import SamplingParams, logits_to_logprobs, sample_from_probs
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict, deepest_path
@@ -657,7 +658,8 @@ SEGMENT_RULES = ("auto", "block", "token", "traversal")
 blocks (`BlockSiblingTests`, `BlockTreeTests`), 'token' child by child (`SiblingTests`, `TreeTests`),
 or 'auto' (the default): traversal on both walks (it accepted 14-17% more than child by child on
 EAGLE-2's and DynaTree's trees in paired runs, CPU; on the device it costs EAGLE-2 at T = 1 about
-90 more ops and one host read a step, counted on the CPU, GPU time not measured)"""
+90 more ops a step and one wait on a copy started before the verify forward (counted on the CPU as a
+host read until 2026-11-26, when it became a `HostCopy`), GPU time not measured)"""
 
 
 @dataclass
@@ -975,11 +977,8 @@ class Wavefront:
     """[B, N] int64 the round of each node in `order` (N: never handled)"""
     position: torch.Tensor
     """[B, N] int64 each node's place in `order` among its round's"""
-    counts: torch.Tensor
-    """[N] int64 per round t, the most children a row handles in it: on the host (pinned memory
-    on CUDA) or on its way there"""
-    copied: torch.cuda.Event | None = None
-    """recorded after the copy was queued (CUDA); None when `counts` is already readable"""
+    counts: HostCopy
+    """[N] int64 per round t, the most children a row handles in it, on its way to the host"""
 
     @classmethod
     def of(cls, tree: TokenTree, table: ChildTable | None = None) -> Wavefront:
@@ -995,14 +994,8 @@ class Wavefront:
         order = (handled * n + cols).argsort(dim=1)  # [B, N] children by round, then by index
         round_of = handled.gather(1, order)  # [B, N] non-decreasing
         position = cols - (per_round.cumsum(dim=1) - per_round).gather(1, round_of)  # [B, N] minus where each one's round begins in `order`
-        counts = per_round[:, :n].amax(dim=0)  # [N]
-        if dev.type != "cuda":
-            return cls(table=table, order=order, round_of=round_of, position=position, counts=counts)
-        host = torch.empty(n, dtype=torch.long, pin_memory=True)
-        host.copy_(counts, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return cls(table=table, order=order, round_of=round_of, position=position, counts=host, copied=copied)
+        counts = HostCopy(per_round[:, :n].amax(dim=0))  # [N]
+        return cls(table=table, order=order, round_of=round_of, position=position, counts=counts)
 
     def slots(self, widths: list[int]) -> torch.Tensor:
         """[B, R, W] int64: [b, t, j] the j-th child row b handles in round t (N: none), R the
@@ -1014,10 +1007,8 @@ class Wavefront:
         return table.scatter_(1, slot, self.order)[:, : rounds * wide].view(b, rounds, wide)
 
     def widths(self) -> list[int]:
-        """Per round, the most children a row handles in it, up to the last round with any (the one host read)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        counts = self.counts.tolist()
+        """Per round, the most children a row handles in it, up to the last round with any (waits for the copy `of` started)."""
+        counts = self.counts.wait().tolist()
         rounds = next((t + 1 for t in range(len(counts) - 1, -1, -1) if counts[t] > 0), 0)
         return counts[:rounds]
 
@@ -1067,8 +1058,8 @@ class TraversalTreeTests(TreeTests):
     about 7 for EAGLE-2's trees at T = 1, where child by child runs its top-k of 8) of about 30
     ops, over the rows of the nodes that handle a child in that round only ([B, W, V]: over all
     the rounds about one row per tree edge; every node in every round, the rule before, moved
-    7x the memory on the bundled pair's EAGLE-2 trees), and one host read of the rounds' widths
-    (started before the verify forward by `SamplingRule.prepare`). Relaxed rules (MARS's outright choices) test child by
+    7x the memory on the bundled pair's EAGLE-2 trees), and one wait for the rounds' widths (a `HostCopy`
+    started before the verify forward by `SamplingRule.prepare`). Relaxed rules (MARS's outright choices) test child by
     child. `weighted_residual` is where the maths lives (the distribution tests break it).
     """
 
@@ -1088,8 +1079,8 @@ class TraversalTreeTests(TreeTests):
         Rounds by `Wavefront`: in each, every node whose own state is final handles one child,
         and only those nodes' rows are gathered, updated and scattered back ([B, W, V], W the
         round's `widths`). A tree needs its longest chain of (rank + 1) steps (EAGLE-2's trees at
-        T = 1: about 7 rounds, against 45 for depth x top-k), one host read (started before the
-        forward when the plan is `SamplingRule.prepare`'s)."""
+        T = 1: about 7 rounds, against 45 for depth x top-k), one wait for their widths (a copy
+        started before the forward when the plan is `SamplingRule.prepare`'s)."""
         b, n = tree.tokens.shape
         spare = [target.shape[1] == n + 1 and target.is_contiguous()]
         if draft_left is not None:
