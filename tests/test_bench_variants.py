@@ -70,6 +70,11 @@ def test_split_and_parse_items():
     specs = parse_method_specs("dynatree:prune-tau=0.05,dynatree-phase=1,chain,chain")
     assert [s.text for s in specs] == ["ar", "dynatree:prune_tau=0.05,phase=1", "chain"]
     assert parse_thetas("0.9, 0.84,0.9") == [0.9, 0.84]
+    # a switch whose default is None (chosen by the device) still reads on / off, not as text
+    specs = parse_method_specs("cast:reads_while_drafting=off,cast:reads-while-drafting=on")
+    assert [dict(s.options) for s in specs[1:]] == [{"reads_while_drafting": False}, {"reads_while_drafting": True}]
+    with pytest.raises(SpecDecError, match="must be on or off"):
+        parse_method_specs("cast:reads_while_drafting=maybe")
 
 
 def test_variant_labels_options_and_global_flags():
