@@ -697,7 +697,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.synthetic is None:
         given = [f"--{name.replace('_', '-')}" for name in SYNTH_FLAGS if getattr(args, name) is not None]
         if given:
-            raise SpecDecError(f"{', '.join(given)} only apply with --synthetic SHAPE (a what-if study on synthetic pairs); add it or drop them")
+            which = f"{given[0]} only applies" if len(given) == 1 else f"{', '.join(given)} only apply"
+            raise SpecDecError(f"{which} with --synthetic SHAPE (a what-if study on synthetic pairs); add it or drop {'it' if len(given) == 1 else 'them'}")
     config = BenchConfig(
         prompts=args.prompts or ("" if args.synthetic else "stdlib-heldout"),
         out=args.out,
@@ -728,7 +729,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     check_graphs_arg(args)
     if args.synthetic is not None:
         return _cmd_whatif(args, config)
-    if args.batch_sizes:
+    if args.batch_sizes is not None:  # an empty list is an error (parse_int_list), not "no sweep"
         from specdec.bench.batch_sweep import run_batch_sweep
         sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
         print(f"batch sweep: {run_batch_sweep(config, sizes, getattr(args, 'argv', ()))}")

@@ -201,6 +201,13 @@ def test_bench_empty_methods(capsys, tmp_path, tiny_pair_dir, no_loading):
     assert code == 2 and "names no method" in err
 
 
+@pytest.mark.parametrize("sizes", ["", " , "])
+def test_bench_empty_batch_sizes(capsys, tmp_path, tiny_pair_dir, no_loading, sizes):
+    """An empty --batch-sizes is an error, not a bench at the default batch size."""
+    code, err = run_cli(capsys, "bench", *pair_args(tiny_pair_dir), "--batch-sizes", sizes, "--out", str(tmp_path / "b"))
+    assert code == 2 and "--batch-sizes is empty" in err
+
+
 def test_profile_out_is_a_directory(capsys, monkeypatch, tmp_path, tiny_pair_dir, no_loading):
     code, err = run_cli(capsys, "profile", *pair_args(tiny_pair_dir), "--out", str(tmp_path))
     assert code == 2 and "is a directory" in err and "cost_profile.json" in err
