@@ -7,7 +7,8 @@ float32 (or differ first at an exact tie of the target's top two logits, which
 
 The suite runs `FUZZ_CASES` fixed cases (seeds 0..N-1; the same every run, so a failure
 reproduces). More: `SPECDEC_FUZZ_CASES=500 pytest tests/test_fuzz.py` (seeds 0..499), or
-`SPECDEC_FUZZ_SEEDS=1203,1877` for chosen ones. The case a seed draws is in the failure message."""
+`SPECDEC_FUZZ_SEEDS=1203,1877` for chosen ones; `SPECDEC_FUZZ_DTYPE=bfloat16` runs them in half
+precision. The case a seed draws is in the failure message."""
 
 from __future__ import annotations
 
@@ -124,8 +125,14 @@ def draw_case(seed: int) -> Case:
     return case
 
 
+FUZZ_DTYPE = getattr(torch, os.environ.get("SPECDEC_FUZZ_DTYPE", "float32"))
+"""the models' dtype (`SPECDEC_FUZZ_DTYPE=bfloat16`: half precision, where the first divergence of
+every differing output must be a numerical tie in that dtype)"""
+
+
 def make_pair(arch: str, noise: float) -> tuple[Any, Any]:
-    """A target and a draft with its weights plus `noise` times Gaussian noise (0: the same model)."""
+    """A target and a draft with its weights plus `noise` times Gaussian noise (0: the same model),
+    in `FUZZ_DTYPE`."""
     if arch in BASIC_ARCHS:
         target, _ = close_pair(arch)  # sharpened: peaked distributions, few ties
     else:
@@ -137,7 +144,7 @@ def make_pair(arch: str, noise: float) -> tuple[Any, Any]:
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(noise * torch.randn(p.shape, generator=gen))
-    return target, draft
+    return target.to(FUZZ_DTYPE), draft.to(FUZZ_DTYPE)
 
 
 def build_engine(case: Case, rule: Any) -> SpeculativeEngine:
