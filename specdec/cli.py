@@ -672,6 +672,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     require(None, "bench", "specdec bench")
     check_out_dir(args.out)
     check_seed(args.seed)
+    if args.synthetic is not None:  # the shape first: an empty or unknown one is the error to name
+        from specdec.models.synthetic import load_shape
+
+        load_shape(args.synthetic, flag="--synthetic")
     from specdec.bench import BenchConfig, run_and_report
     from specdec.bench.report import print_summary
     from specdec.bench.runner import parse_verify

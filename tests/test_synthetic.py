@@ -309,6 +309,8 @@ BAD_WHATIF = {
     "target with synthetic": (["--synthetic", "tiny-llama", "--target", "x"], "--target does not go with --synthetic"),
     "text prompts": (["--synthetic", "tiny-llama", "--prompts", "stdlib-heldout"], "--prompts stdlib-heldout is text"),
     "draft layers": (["--synthetic", "tiny-llama", "--draft-layers", "8"], "--draft-layers 8 must be below the target's 8 layers"),
+    "empty shape": (["--synthetic", ""], "--synthetic is empty; give a named shape"),
+    "unknown shape": (["--synthetic", "llama-9b"], "--synthetic 'llama-9b' is neither a named shape"),
 }
 
 

@@ -143,8 +143,11 @@ def shape_names() -> list[str]:
     return sorted(p.stem for p in SHAPES_DIR.glob("*.json"))
 
 
-def load_shape(shape: str) -> Shape:
-    """A named shape, or any config.json file (a folder holding one works too)."""
+def load_shape(shape: str, flag: str = "--shape") -> Shape:
+    """A named shape, or any config.json file (a folder holding one works too). flag: the
+    option that gave it, named in errors."""
+    if not shape.strip():
+        raise SpecDecError(f"{flag} is empty; give a named shape ({', '.join(shape_names())}) or a config.json path")
     named = SHAPES_DIR / f"{shape}.json"
     if named.is_file():
         data = json.loads(named.read_text(encoding="utf-8"))
@@ -153,13 +156,13 @@ def load_shape(shape: str) -> Shape:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise SpecDecError(f"--shape {shape!r} is neither a named shape ({', '.join(shape_names())}) nor a config.json file; pick a name or give a config.json path")
+        raise SpecDecError(f"{flag} {shape!r} is neither a named shape ({', '.join(shape_names())}) nor a config.json file; pick a name or give a config.json path")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise SpecDecError(f"--shape {shape!r}: could not read it as JSON ({err}); give a model's config.json") from None
+        raise SpecDecError(f"{flag} {shape!r}: could not read it as JSON ({err}); give a model's config.json") from None
     if not isinstance(config, dict) or "model_type" not in config:
-        raise SpecDecError(f"--shape {shape!r} has no 'model_type'; give a Hugging Face config.json (e.g. a model folder's config.json)")
+        raise SpecDecError(f"{flag} {shape!r} has no 'model_type'; give a Hugging Face config.json (e.g. a model folder's config.json)")
     return Shape(name=str(path), config=config, source=config.get("_name_or_path") or None)
 
 
