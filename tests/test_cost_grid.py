@@ -84,6 +84,7 @@ def _forbid_measuring(monkeypatch) -> None:
 
     monkeypatch.setattr(profile, "profile_models", refuse)
     monkeypatch.setattr(profile, "measure_forward_ms", refuse)
+    monkeypatch.setattr(profile, "stale_points", lambda *args, **kwargs: [])  # a kept profile's spot check passes
 
 
 def test_rolling_batch_shrinking_through_uncovered_sizes_never_measures(tmp_path, monkeypatch, caplog):
@@ -358,3 +359,39 @@ def test_each_timed_forward_waits_for_the_device(monkeypatch):
     monkeypatch.setattr(runner, "forward", recorded)
     profile.measure_forward_ms(runner, 16, 4, warmup=1, repeats=3, generator=generator)
     assert events == ["sync", "forward", "sync"] * 4  # the warm-up forward and three timed ones
+
+
+def test_a_kept_profile_that_no_longer_matches_this_machine_is_measured_again(caplog, measured_cost_cache):
+    """A quick profile kept in the machine's cache is spot-checked when a process loads it (one-token
+    target forwards at each batch size it holds): one whose costs are 20x what this machine takes now
+    (as one measured while something else loaded the machine) is measured again and kept anew."""
+    forget_measured()
+    target, draft = pair()
+    first = CostTableResolver(target, draft, progress=False)
+    measured = first.prepare(2)
+    kept = list(measured_cost_cache.glob("quick-*.json"))
+    assert len(kept) == 1
+    inflated = CostTable.load(kept[0])
+    inflated.target_ms = {b: [[20.0 * x for x in row] for row in rows] for b, rows in inflated.target_ms.items()}
+    inflated.save(kept[0])
+    forget_measured()  # a later process
+    later = CostTableResolver(target, draft, progress=False)
+    with caplog.at_level(logging.WARNING, logger="specdec.cost"):
+        table = later.prepare(2)
+    assert "no longer matches this machine" in caplog.text and "B = 1: kept" in caplog.text
+    assert later.source.measured_s > 0 and "measured again" in later.source.describe()
+    assert table.target_cost(1, 256, 1) < 5.0 * measured.target_cost(1, 256, 1)  # the new measurement, not the inflated one
+    assert CostTable.load(kept[0]).target_ms == table.target_ms  # kept anew
+
+
+@pytest.mark.parametrize(("now_ms", "stale"), [(10.0, False), (14.0, False), (7.0, False), (16.0, True), (6.0, True)])
+def test_stale_points_tolerance(monkeypatch, now_ms, stale):
+    """A kept cost within STALE_RATIO (1.5x) either way of the one measured now passes."""
+    target, _ = pair()
+    table = CostTable.synthetic(lambda b, c, n: 10.0, lambda b, c, n: 1.0, batch_sizes=(1,))
+    monkeypatch.setattr(profile, "measure_forward_ms", lambda *args, **kwargs: now_ms)
+    points = profile.stale_points(table, target)
+    assert bool(points) == stale
+    if stale:
+        assert points == [(1, pytest.approx(10.0), now_ms)]
+

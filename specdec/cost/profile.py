@@ -285,6 +285,37 @@ def _load_cached(key: str) -> CostTable | None:
     return table if table.meta.get("fingerprint") == key else None
 
 
+STALE_RATIO = 1.5
+"""a kept quick profile is measured again when a one-token target forward now costs more than this
+factor above or below what it holds, at any of its batch sizes (`stale_points`)"""
+
+
+def stale_points(table: CostTable, target: torch.nn.Module, cuda_graphs: bool = False) -> list[tuple[int, float, float]]:
+    """(batch size, kept ms, measured ms) of the target's one-token forward at the table's first
+    context, for each batch size the table holds whose kept cost is off by more than `STALE_RATIO`
+    from one measured now (a few forwards per batch size, under a second on the bundled pair).
+
+    A quick profile is kept per machine fingerprint (models, device, dtype, threads) and never
+    re-measured, so one taken while something else loaded the machine stays wrong: on the AMD EPYC
+    on 2026-11-26 a kept one put B = 4 at 29.5 ms against 13.95 ms measured fresh
+    (benchmarks/cpu-epyc-2026-11-26)."""
+    device = next(target.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(0)
+    runner = ModelRunner(target, cuda_graphs=cuda_graphs)
+    context = table.contexts[0]
+    stale = []
+    with torch.inference_mode():
+        for i, batch in enumerate(table.batch_sizes):
+            _fill_context(runner, batch, context, generator)
+            if i == 0:  # threads and allocator warmed up before the first timing
+                measure_forward_ms(runner, context, 1, 0, 2, generator)
+            now = measure_forward_ms(runner, context, 1, 1, 3, generator, min_time_ms=30.0, max_repeats=9)
+            kept = table.target_cost(batch, context, 1)
+            if not kept / STALE_RATIO <= now <= kept * STALE_RATIO:
+                stale.append((batch, kept, now))
+    return stale
+
+
 def _store_cached(key: str, table: CostTable) -> Path | None:
     """Keep a measured quick table for later processes; None when the cache cannot be written."""
     path = _cache_file(key)
@@ -570,6 +601,14 @@ class CostTableResolver:
         key = _fingerprint(self.target, self.draft, self._graphs())
         have = _MEASURED.get(key)
         from_disk = have is None and (have := _load_cached(key)) is not None  # measured by an earlier process on this machine
+        if from_disk and have is not None and (stale := stale_points(have, self.target, self._graphs())):
+            LOG.warning(
+                "the cost profile kept in %s no longer matches this machine (target one-token forward %s); measuring it again",
+                _cache_file(key),
+                "; ".join(f"B = {b}: kept {k:.2f} ms, now {n:.2f} ms" for b, k, n in stale),
+            )
+            self._source.notes.append(f"a kept quick profile was measured again: it was off by more than {STALE_RATIO}x at batch sizes {[b for b, _, _ in stale]}")
+            have, from_disk = None, False
         if from_disk:
             assert have is not None
             _MEASURED[key] = have
