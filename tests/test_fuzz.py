@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EOS, VOCAB, close_pair, sharpen, tiny_any_config
+from conftest import EOS, VOCAB, sharpen, tiny_any_config, tiny_model
 from test_graph_replay_semantics import ReplayEmulator
 from transformers import AutoModelForCausalLM
 
@@ -134,7 +134,7 @@ def make_pair(arch: str, noise: float) -> tuple[Any, Any]:
     """A target and a draft with its weights plus `noise` times Gaussian noise (0: the same model),
     in `FUZZ_DTYPE`."""
     if arch in BASIC_ARCHS:
-        target, _ = close_pair(arch)  # sharpened: peaked distributions, few ties
+        target = sharpen(tiny_model(arch, seed=0))  # peaked distributions, few ties
     else:
         torch.manual_seed(0)
         target = sharpen(AutoModelForCausalLM.from_config(tiny_any_config(arch)).eval())

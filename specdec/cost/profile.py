@@ -293,7 +293,7 @@ factor above or below what it holds, at any of its batch sizes (`stale_points`)"
 def stale_points(table: CostTable, target: torch.nn.Module, cuda_graphs: bool = False) -> list[tuple[int, float, float]]:
     """(batch size, kept ms, measured ms) of the target's one-token forward at the table's first
     context, for each batch size the table holds whose kept cost is off by more than `STALE_RATIO`
-    from one measured now (a few forwards per batch size, under a second on the bundled pair).
+    from one measured now (a few forwards per batch size: 1.2 s for batch sizes 1-16 on the bundled pair, AMD EPYC CPU).
 
     A quick profile is kept per machine fingerprint (models, device, dtype, threads) and never
     re-measured, so one taken while something else loaded the machine stays wrong: on the AMD EPYC
