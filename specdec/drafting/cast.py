@@ -460,8 +460,16 @@ class _DecayedRatio:
     def mean_y(self) -> float:
         return self.y / self.weight
 
-    def standard_error(self) -> float | None:
-        """None with fewer than `MIN_NOISE_STEPS` effective observations (no estimate)."""
+    @property
+    def squared_weights(self) -> float:
+        """The decayed sum of the observations' squared weights (the spread of the weights:
+        `n_eff` = weight^2 / this)."""
+        return self.moments[3]
+
+    def residual_sd(self) -> float | None:
+        """The standard deviation of one observation's residual y - R * x (weighted, with the
+        effective number of observations' correction); None with fewer than `MIN_NOISE_STEPS`
+        effective observations."""
         rate = self.ratio
         if rate is None:
             return None
@@ -471,7 +479,14 @@ class _DecayedRatio:
         if n_eff < MIN_NOISE_STEPS:
             return None
         residual = max(0.0, yy - 2.0 * rate * yx + rate * rate * xx)  # sum of w * (y - R * x)^2
-        return math.sqrt(residual / w * n_eff / (n_eff - 1.0)) * w / (self.x * math.sqrt(n_eff))
+        return math.sqrt(residual / w * n_eff / (n_eff - 1.0))
+
+    def standard_error(self) -> float | None:
+        """None with fewer than `MIN_NOISE_STEPS` effective observations (no estimate)."""
+        sd = self.residual_sd()
+        if sd is None:
+            return None
+        return sd * math.sqrt(self.squared_weights) / self.x
 
 
 @dataclass
@@ -503,6 +518,11 @@ class _ModeTimes:
     """drafted steps observed at this bucket, timed or not (`PlainDecodingCheck.cold_steps`)"""
     last_drafted_beat_plain: bool = False
     """the last timed drafted step committed its tokens faster than plain steps do on average"""
+    pooled: _DecayedRatio | None = None
+    """drafted steps' committed over expected tokens per row at *every* bucket (shared by the
+    buckets of one `PlainDecodingCheck`; None: this bucket's own only)"""
+    prior_tokens: float = 0.0
+    """how many expected tokens of this bucket's own the pooled factor weighs as (`factor`)"""
 
     def add(self, plain: bool, step_ms: float, tokens: float, decay: float, expected: float | None = None, long_decay: float = 0.995) -> None:
         """One timed step of a mode that committed `tokens` per row (the policy expected
@@ -511,6 +531,37 @@ class _ModeTimes:
         x = tokens if expected is None or expected <= 0 else expected
         self.per_expected.setdefault(plain, _DecayedRatio()).add(step_ms, x, decay)
         self.committed_per_expected.setdefault(plain, _DecayedRatio()).add(tokens, x, long_decay)
+        if not plain and self.pooled is not None:
+            self.pooled.add(tokens, x, long_decay)
+
+    def factor(self, plain: bool) -> tuple[float, float | None] | None:
+        """Committed per expected token of a mode's steps, with its standard error (None: too few
+        steps to tell): drafted steps' own ratio shrunk toward the pooled one of every bucket,
+        (committed + k * pooled ratio) / (expected + k) with k = `prior_tokens`.
+
+        How many tokens a step commits per expected one is a property of the draft and the
+        text, not of the batch size, and its noise is most of a drafted step's (a coin toss
+        per node), so a bucket that a rolling batch reaches only for a few steps at its end
+        borrows the other buckets' hundreds of steps instead of deciding on three: on the
+        bundled pair at batch 4 (2026-11-26), three timed steps of a last row that committed
+        one token each set its drafted speed at 19.7 ms a token against 9.5 measured over all
+        of its drafted steps, and the row's remaining steps ran plain, at 14.8. A bucket's
+        own steps outweigh the pooled ratio once they expected more than k tokens."""
+        own = self.committed_per_expected.get(plain)
+        if own is None or own.ratio is None:
+            return None
+        pooled = self.pooled if not plain and self.pooled is not None and self.prior_tokens > 0 else None
+        if pooled is None or pooled.ratio is None:
+            return own.ratio, own.standard_error()
+        k = self.prior_tokens
+        ratio = (own.y + k * pooled.ratio) / (own.x + k)
+        # residual noise of one step: the bucket's own estimate, at least the pooled one (a few
+        # steps that agree by chance have no spread); the pooled ratio's own error weighs k
+        sds = [sd for sd in (own.residual_sd(), pooled.residual_sd()) if sd is not None]
+        se_pooled = pooled.standard_error()
+        if not sds or se_pooled is None:
+            return ratio, None
+        return ratio, math.sqrt(max(sds) ** 2 * own.squared_weights + (k * se_pooled) ** 2) / (own.x + k)
 
     def mean_ms(self, plain: bool) -> float | None:
         """The mode's decayed mean step ms (None until timed)."""
@@ -519,10 +570,10 @@ class _ModeTimes:
 
     def ms_per_token(self, plain: bool) -> float | None:
         """None until the mode has been timed."""
-        recent, factor = self.per_expected.get(plain), self.committed_per_expected.get(plain)
-        if recent is None or factor is None or recent.ratio is None or not factor.ratio:
+        recent, factor = self.per_expected.get(plain), self.factor(plain)
+        if recent is None or factor is None or recent.ratio is None or not factor[0]:
             return None
-        return recent.ratio / factor.ratio
+        return recent.ratio / factor[0]
 
     def standard_error(self, plain: bool) -> float | None:
         """The standard error of `ms_per_token(plain)`: the two ratios' relative errors in
@@ -530,11 +581,11 @@ class _ModeTimes:
         rate = self.ms_per_token(plain)
         if rate is None:
             return None
-        recent, factor = self.per_expected[plain], self.committed_per_expected[plain]
-        se_recent, se_factor = recent.standard_error(), factor.standard_error()
-        if se_recent is None or se_factor is None or recent.ratio is None or factor.ratio is None:
+        recent, factor = self.per_expected[plain], self.factor(plain)
+        se_recent = recent.standard_error()
+        if se_recent is None or factor is None or factor[1] is None or recent.ratio is None:
             return None
-        return rate * math.hypot(se_recent / recent.ratio, se_factor / factor.ratio)
+        return rate * math.hypot(se_recent / recent.ratio, factor[1] / factor[0])
 
     @property
     def drafted(self) -> float | None:
@@ -602,12 +653,20 @@ class PlainDecodingCheck:
     kernels and fill caches (on an H200, 2026-11-25, CAST's first timed call at batch 1 ran 54
     of its 56 steps plain after its warm-up call's first drafted steps timed slow; drafting was
     1.9x faster than plain steps once timed again)"""
+    prior_tokens: float = 16.0
+    """a bucket's drafted steps count their committed-per-expected tokens against the pooled ratio
+    of every bucket's, weighted as this many expected tokens of their own (`_ModeTimes.factor`:
+    about eight steps at batch 1; 0: each bucket on its own)"""
     _buckets: dict[int, _ModeTimes] = field(default_factory=dict, repr=False)
+    _pooled: _DecayedRatio = field(default_factory=_DecayedRatio, repr=False)
     _discard_next: bool = field(default=False, repr=False)
     """the next drafted step pays the draft's catch-up: not timed"""
 
     def times(self, batch: int) -> _ModeTimes:
-        return self._buckets.setdefault(batch_bucket(batch), _ModeTimes())
+        bucket = batch_bucket(batch)
+        if bucket not in self._buckets:
+            self._buckets[bucket] = _ModeTimes(pooled=self._pooled, prior_tokens=self.prior_tokens)
+        return self._buckets[bucket]
 
     def plain_next(self, batch: int, predicted_plain: Callable[[], float | None] | None = None) -> bool:
         """Whether the next step at this batch size should draft nothing.
