@@ -618,7 +618,8 @@ class PlainDecodingCheck:
       second is timed).
 
     Times are kept per batch bucket (`batch_bucket`): a step of 8 rows says little about a
-    step of 2. A mode's speed is its steps' wall time (drafting, verification, commits,
+    step of 2. How many tokens a drafted step commits per expected one is pooled across the
+    buckets (`prior_tokens`, `_ModeTimes.factor`): it does not depend on the batch size. A mode's speed is its steps' wall time (drafting, verification, commits,
     bookkeeping and the policy's feedback) over the tokens they committed per active row, both
     summed with exponential decay (`decay`, `_ModeTimes`), each step's time clipped to 3x the
     mode's mean so one stalled step cannot flip the decision. Until both modes are timed at a
