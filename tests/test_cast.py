@@ -1058,7 +1058,7 @@ def test_plain_check_times_drafted_steps_by_their_expected_tokens():
                 check.observe(8, False, rng.gauss(25.2, 2.0), max(0.5, rng.gauss(2.0, 0.4)), 2.4)
         return sum(trace[-1000:]) / 1000
 
-    assert sum(plain_share(seed) for seed in range(16)) / 16 > 0.76  # measured 0.82 (0.67 without expectations)
+    assert sum(plain_share(seed) for seed in range(16)) / 16 > 0.76  # measured 0.80 (0.67 without expectations)
 
 
 def test_plain_check_a_bucket_reached_for_a_few_steps_borrows_the_other_buckets_acceptance():

@@ -460,6 +460,15 @@ class _DecayedRatio:
     def mean_y(self) -> float:
         return self.y / self.weight
 
+    @classmethod
+    def combined(cls, parts: Sequence[_DecayedRatio]) -> _DecayedRatio:
+        """One ratio over the observations of several (their sums added: R = sum y / sum x)."""
+        out = cls()
+        for part in parts:
+            out.y, out.x, out.weight = out.y + part.y, out.x + part.x, out.weight + part.weight
+            out.moments = tuple(a + b for a, b in zip(out.moments, part.moments, strict=True))  # type: ignore[assignment]
+        return out
+
     @property
     def squared_weights(self) -> float:
         """The decayed sum of the observations' squared weights (the spread of the weights:
@@ -518,11 +527,10 @@ class _ModeTimes:
     """drafted steps observed at this bucket, timed or not (`PlainDecodingCheck.cold_steps`)"""
     last_drafted_beat_plain: bool = False
     """the last timed drafted step committed its tokens faster than plain steps do on average"""
-    pooled: _DecayedRatio | None = None
-    """drafted steps' committed over expected tokens per row at *every* bucket (shared by the
-    buckets of one `PlainDecodingCheck`; None: this bucket's own only)"""
+    siblings: dict[int, _ModeTimes] | None = None
+    """every bucket of the `PlainDecodingCheck` this one belongs to (None: this bucket alone)"""
     prior_tokens: float = 0.0
-    """how many expected tokens of this bucket's own the pooled factor weighs as (`factor`)"""
+    """how many expected tokens of this bucket's own the other buckets' factor weighs as (`factor`)"""
 
     def add(self, plain: bool, step_ms: float, tokens: float, decay: float, expected: float | None = None, long_decay: float = 0.995) -> None:
         """One timed step of a mode that committed `tokens` per row (the policy expected
@@ -531,13 +539,12 @@ class _ModeTimes:
         x = tokens if expected is None or expected <= 0 else expected
         self.per_expected.setdefault(plain, _DecayedRatio()).add(step_ms, x, decay)
         self.committed_per_expected.setdefault(plain, _DecayedRatio()).add(tokens, x, long_decay)
-        if not plain and self.pooled is not None:
-            self.pooled.add(tokens, x, long_decay)
 
     def factor(self, plain: bool) -> tuple[float, float | None] | None:
         """Committed per expected token of a mode's steps, with its standard error (None: too few
-        steps to tell): drafted steps' own ratio shrunk toward the pooled one of every bucket,
-        (committed + k * pooled ratio) / (expected + k) with k = `prior_tokens`.
+        steps to tell): drafted steps' own ratio shrunk toward the other buckets' pooled one,
+        (committed + k * pooled ratio) / (expected + k), with k = `prior_tokens` x P / (P +
+        `prior_tokens`) for a pool of P expected tokens (about `prior_tokens` once P is large).
 
         How many tokens a step commits per expected one is a property of the draft and the
         text, not of the batch size, and its noise is most of a drafted step's (a coin toss
@@ -546,14 +553,18 @@ class _ModeTimes:
         bundled pair at batch 4 (2026-11-26), three timed steps of a last row that committed
         one token each set its drafted speed at 19.7 ms a token against 9.5 measured over all
         of its drafted steps, and the row's remaining steps ran plain, at 14.8. A bucket's
-        own steps outweigh the pooled ratio once they expected more than k tokens."""
+        own steps outweigh the pooled ratio once they expected more than k tokens. The pool leaves
+        the bucket's own steps out, so a batch of one size throughout is timed as before."""
         own = self.committed_per_expected.get(plain)
         if own is None or own.ratio is None:
             return None
-        pooled = self.pooled if not plain and self.pooled is not None and self.prior_tokens > 0 else None
-        if pooled is None or pooled.ratio is None:
+        others = [] if plain or self.siblings is None or self.prior_tokens <= 0 else [t.committed_per_expected[False] for t in self.siblings.values() if t is not self and False in t.committed_per_expected]
+        pooled = _DecayedRatio.combined(others)
+        if pooled.ratio is None:  # no other bucket has drafted steps: this one's alone
             return own.ratio, own.standard_error()
-        k = self.prior_tokens
+        # the pool weighs k expected tokens when it holds many more, and less when it holds few
+        # (a busy bucket barely moves toward a bucket reached for three steps)
+        k = self.prior_tokens * pooled.x / (pooled.x + self.prior_tokens)
         ratio = (own.y + k * pooled.ratio) / (own.x + k)
         # residual noise of one step: the bucket's own estimate, at least the pooled one (a few
         # steps that agree by chance have no spread); the pooled ratio's own error weighs k
@@ -656,17 +667,16 @@ class PlainDecodingCheck:
     1.9x faster than plain steps once timed again)"""
     prior_tokens: float = 16.0
     """a bucket's drafted steps count their committed-per-expected tokens against the pooled ratio
-    of every bucket's, weighted as this many expected tokens of their own (`_ModeTimes.factor`:
+    of the other buckets' drafted steps, weighted as this many expected tokens of their own (`_ModeTimes.factor`:
     about eight steps at batch 1; 0: each bucket on its own)"""
     _buckets: dict[int, _ModeTimes] = field(default_factory=dict, repr=False)
-    _pooled: _DecayedRatio = field(default_factory=_DecayedRatio, repr=False)
     _discard_next: bool = field(default=False, repr=False)
     """the next drafted step pays the draft's catch-up: not timed"""
 
     def times(self, batch: int) -> _ModeTimes:
         bucket = batch_bucket(batch)
         if bucket not in self._buckets:
-            self._buckets[bucket] = _ModeTimes(pooled=self._pooled, prior_tokens=self.prior_tokens)
+            self._buckets[bucket] = _ModeTimes(siblings=self._buckets, prior_tokens=self.prior_tokens)
         return self._buckets[bucket]
 
     def plain_next(self, batch: int, predicted_plain: Callable[[], float | None] | None = None) -> bool:
