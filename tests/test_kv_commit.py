@@ -91,6 +91,53 @@ def test_compaction_keeps_positions_and_values():
             assert torch.allclose(got[:, : ref.shape[1]], ref)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_compaction_moves_only_the_slots_from_the_first_hole_on(arch):
+    """Rows of different prompt lengths (left padding) whose steps keep different counts (holes
+    after the prompts): compaction packs the slots from the first hole on, in place, and leaves
+    the prompts' slots where they are. Every row keeps its committed keys in order, its position
+    ids, and the next forward's logits equal those of the same runner never compacted."""
+    model = tiny_model(arch, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (3, 40), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :25] = 0  # row 0: a 15-token prompt, left-padded
+    mask[2, :5] = 0
+    runners = [ModelRunner(model), ModelRunner(model)]
+    for runner in runners:
+        runner.prefill(ids, mask)
+    runners[1].compact_if_wasteful = lambda *args, **kwargs: None  # the reference never compacts
+    for step in range(24):  # 4 step slots a row; each row keeps a different prefix of them
+        tokens = torch.randint(3, 60, (3, 4), generator=gen)
+        kept = torch.randint(1, 5, (3,), generator=gen)
+        for runner in runners:
+            positions = runner.committed_len()[:, None] + torch.arange(4)[None, :]
+            runner.forward(tokens, positions, torch.ones(4, 4, dtype=torch.bool).tril()[None].expand(3, 4, 4))
+            runner.commit(torch.arange(4)[None, :].expand(3, 4), torch.arange(4)[None, :] < kept[:, None])
+        if step == 11:
+            compacted = runners[0]
+            prompt_slots = [t.narrow(slot, 0, 40).clone() for t, _, slot in compacted.cache.tensors()]
+            before = [committed_keys(compacted, r) for r in range(3)]
+            lengths = compacted.committed_len().clone()
+            width = compacted.past_len
+            compacted.compact_if_wasteful(max_waste=0.0, min_slots=1)
+            assert compacted.past_len < width  # holes were removed ...
+            assert compacted.past_len == 40 + int((compacted.slot_valid[:, 40:]).sum(dim=1).max())  # ... behind the prompts
+            for (t, _, slot), kept_prompt in zip(compacted.cache.tensors(), prompt_slots, strict=True):
+                assert torch.equal(t.narrow(slot, 0, 40), kept_prompt)  # the prompts' slots did not move
+            assert torch.equal(compacted.committed_len(), lengths)
+            for r in range(3):
+                for got, ref in zip(committed_keys(compacted, r), before[r], strict=True):
+                    assert torch.equal(got, ref)
+    tokens = torch.randint(3, 60, (3, 2), generator=gen)
+    logits = []
+    for runner in runners:
+        positions = runner.committed_len()[:, None] + torch.arange(2)[None, :]
+        logits.append(runner.forward(tokens, positions, torch.ones(2, 2, dtype=torch.bool).tril()[None].expand(3, 2, 2)))
+    assert runners[0].past_len < runners[1].past_len
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+
+
 def test_commit_with_padding_columns_at_a_full_cache():
     """A commit may keep more columns than the step forwarded, the extra ones padding (a chain's
     path column for the leaf the draft never forwarded): when the step filled the cache to its
