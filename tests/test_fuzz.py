@@ -8,7 +8,8 @@ float32 (or differ first at an exact tie of the target's top two logits, which
 The suite runs `FUZZ_CASES` fixed cases (seeds 0..N-1; the same every run, so a failure
 reproduces). More: `SPECDEC_FUZZ_CASES=500 pytest tests/test_fuzz.py` (seeds 0..499), or
 `SPECDEC_FUZZ_SEEDS=1203,1877` for chosen ones; `SPECDEC_FUZZ_DTYPE=bfloat16` runs them in half
-precision. The case a seed draws is in the failure message."""
+precision. The first `LONG_CASES` seeds also run long (budgets of 60-160 tokens, so the KV caches
+compact; `SPECDEC_FUZZ_LONG_CASES=N` for more). The case a seed draws is in the failure message."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ from specdec.verification import GreedyRule, make_rule
 
 FUZZ_CASES = 16
 """cases the suite runs by default (about 1 s each on a 2-core CPU)"""
+LONG_CASES = 4
+"""of those, how many also run long (`draw_case(long=True)`: budgets of 60-160, so the caches
+compact; about 3 s each); `SPECDEC_FUZZ_LONG_CASES=N` runs the first N seeds long"""
 
 GPU_LIKE = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
 """verification nearly flat in the token count, a cheap draft: CAST grows deep, wide trees"""
@@ -97,7 +101,10 @@ def random_options(rng: random.Random, method: str) -> dict[str, Any]:
     return options
 
 
-def draw_case(seed: int) -> Case:
+def draw_case(seed: int, long: bool = False) -> Case:
+    """The case of `seed`; `long`: the same models, method and mode with 2-6 prompts of 1-60 tokens
+    and budgets of 60-160 in a rolling session of 2-5 rows, so the KV caches compact (both kinds:
+    `ModelRunner.compact_if_wasteful`)."""
     rng = random.Random(seed)
     arch = rng.choice(BASIC_ARCHS + BASIC_ARCHS + OTHER_ARCHS)
     noise = rng.choice([0.0, 0.01, 0.02, 0.05, 0.3])
@@ -121,6 +128,11 @@ def draw_case(seed: int) -> Case:
         top_p=rng.choice([1.0, 0.9]),
         top_k=rng.choice([0, 5]),
     )
+    if long:
+        more = random.Random(10_000 + seed)
+        case.prompts = [[more.randint(3, VOCAB - 1) for _ in range(more.randint(1, 60))] for _ in range(more.randint(2, 6))]
+        case.budgets = [more.randint(60, 160) for _ in case.prompts]
+        case.session, case.batch_size = True, more.randint(2, 5)
     case.pair = make_pair(arch, noise)
     return case
 
@@ -188,9 +200,17 @@ def fuzz_seeds() -> list[int]:
     return list(range(int(os.environ.get("SPECDEC_FUZZ_CASES", FUZZ_CASES))))
 
 
-@pytest.mark.parametrize("seed", fuzz_seeds())
-def test_random_case_decodes_as_generate(seed):
-    case = draw_case(seed)
+def fuzz_params() -> list[Any]:
+    """(seed, long) per case: every seed short, and the first `LONG_CASES` (every chosen seed with
+    SPECDEC_FUZZ_SEEDS) long as well."""
+    seeds = fuzz_seeds()
+    n_long = len(seeds) if os.environ.get("SPECDEC_FUZZ_SEEDS") else int(os.environ.get("SPECDEC_FUZZ_LONG_CASES", LONG_CASES))
+    return [pytest.param(seed, False, id=f"{seed}") for seed in seeds] + [pytest.param(seed, True, id=f"{seed}-long") for seed in seeds[:n_long]]
+
+
+@pytest.mark.parametrize(("seed", "long"), fuzz_params())
+def test_random_case_decodes_as_generate(seed, long):
+    case = draw_case(seed, long)
     refs = [reference(case.pair[0], p, n) for p, n in zip(case.prompts, case.budgets, strict=True)]
     outs = decode(case, build_engine(case, GreedyRule()))
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
