@@ -333,6 +333,9 @@ class ModelRunner:
         self._eye: dict[int, torch.Tensor] = {}
         self._mask_values = (torch.zeros((), dtype=self.dtype, device=self.device), torch.full((), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device))
         self._compact_checked_at = 0
+        self._holes_from: int | None = None
+        """no row has a hole (an invalid slot after one of its valid ones) before this column (None: no
+        hole at all); a lower bound kept on the host, so compaction moves only the slots from it on"""
         self._step_pos = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [B, step_len] position ids of the step slots (sliding windows only)
         self._layer_types = _layer_types(model) if self.window is not None else None
 
@@ -375,6 +378,7 @@ class ModelRunner:
         self.slot_valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
         self.step_len = 0
         self._compact_checked_at = 0
+        self._holes_from = None
         self.dense = False
         """True while the host knows every committed slot is valid (set by `prefill(dense=True)`, kept by dense commits)"""
 
@@ -810,6 +814,8 @@ class ModelRunner:
         """
         cache = self._cache()
         s_past, k = self.past_len, keep.shape[1]
+        if not dense and self._holes_from is None:  # rows that keep fewer slots than others leave holes from here on
+            self._holes_from = s_past
         if k > self.step_len:  # padding columns past the step's slots (a chain keeps a path column for the leaf it never forwarded)
             self.reserve(s_past + k)
         if k > 0 and not in_place:
@@ -907,6 +913,8 @@ class ModelRunner:
         self.dense = False
         pad_valid = torch.zeros(self.batch_size, extra, dtype=torch.bool, device=self.device)
         self.slot_valid = torch.cat([pad_valid, self.slot_valid], dim=1)
+        if self._holes_from is not None:
+            self._holes_from += extra
         cache.length = self.past_len
 
     def rollback(self) -> None:
@@ -968,8 +976,8 @@ class ModelRunner:
         decoding step normally reads nothing here.
 
         Only the slots from the first hole on move (a hole: an invalid slot after one of its
-        row's valid ones, as a step that accepts fewer tokens than another row leaves): the
-        prompts before it stay where they are, and each row's later valid slots are packed
+        row's valid ones, as a step that accepts fewer tokens than another row leaves; the
+        column is kept on the host, `_holes_from`): the prompts before it stay where they are, and each row's later valid slots are packed
         right-aligned behind them, in place (their left padding stays as it is). Where that
         would remove less than half of the invalid slots that moving every slot would (rows
         admitted into a running batch, whose left padding sits anywhere), every slot moves. Both copy the
@@ -984,12 +992,10 @@ class ModelRunner:
             return
         self._compact_checked_at = s
         valid = self.slot_valid  # [B, S]
-        holes = valid.to(torch.int8).cummax(dim=1).values.bool() & ~valid  # [B, S]: invalid after a valid slot of the row
-        any_hole = holes.any(dim=0)  # [S]
-        first_hole = torch.where(any_hole.any(), any_hole.to(torch.int8).argmax(), s)  # the first column with a hole (S: none)
-        column = torch.arange(s, device=self.device)[None, :]  # [1, S]
-        tail_valid = (valid & (column >= first_hole)).sum(dim=1)  # [B]: valid slots from the first hole on
-        a, tail_width, width = torch.stack([first_hole, tail_valid.max(), valid.sum(dim=1).max()]).tolist()  # the check's one host read
+        a = s if self._holes_from is None else min(self._holes_from, s)
+        # the most valid slots of a row, in all and from column a on, in one int64: the check's one host read
+        packed = valid.sum(dim=1).max() * (s + 1) + valid[:, a:].sum(dim=1).max()
+        width, tail_width = divmod(int(packed.item()), s + 1)
         if s - width < max(min_slots, max_waste * s):
             return
         if 2 * (s - a - tail_width) >= s - width:  # moving the slots from the first hole on removes at least half of what moving all would
@@ -1014,6 +1020,7 @@ class ModelRunner:
             t.narrow(slot_dim, start, width).copy_(moved.gather(slot_dim, idx))
         self.dense = False
         self.slot_valid = torch.cat([self.slot_valid[:, :start], new_region], dim=1)
+        self._holes_from = start if start else None  # rows with fewer slots lead their packed region with invalid ones; from 0 that is left padding
         self._compact_checked_at = start + width
         cache.length = start + width
 
