@@ -36,7 +36,7 @@ FUZZ_CASES = 16
 """cases the suite runs by default (about 1 s each on a 2-core CPU)"""
 LONG_CASES = 4
 """of those, how many also run long (`draw_case(long=True)`: budgets of 60-160, so the caches
-compact; about 3 s each); `SPECDEC_FUZZ_LONG_CASES=N` runs the first N seeds long"""
+compact; 6-8 s each on a 2-core CPU); `SPECDEC_FUZZ_LONG_CASES=N` runs the first N seeds long"""
 
 GPU_LIKE = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 0.2 + 0.01 * b * n)
 """verification nearly flat in the token count, a cheap draft: CAST grows deep, wide trees"""

@@ -553,8 +553,8 @@ class _ModeTimes:
         bundled pair at batch 4 (2026-11-26), three timed steps of a last row that committed
         one token each set its drafted speed at 19.7 ms a token against 9.5 measured over all
         of its drafted steps, and the row's remaining steps ran plain, at 14.8. A bucket's
-        own steps outweigh the pooled ratio once they expected more than k tokens. The pool leaves
-        the bucket's own steps out, so a batch of one size throughout is timed as before."""
+        own steps outweigh the pooled ratio once they expected more than k tokens. The pool
+        leaves the bucket's own steps out, so a batch of one size throughout is timed as before."""
         own = self.committed_per_expected.get(plain)
         if own is None or own.ratio is None:
             return None
@@ -630,8 +630,9 @@ class PlainDecodingCheck:
 
     Times are kept per batch bucket (`batch_bucket`): a step of 8 rows says little about a
     step of 2. How many tokens a drafted step commits per expected one is pooled across the
-    buckets (`prior_tokens`, `_ModeTimes.factor`): it does not depend on the batch size. A mode's speed is its steps' wall time (drafting, verification, commits,
-    bookkeeping and the policy's feedback) over the tokens they committed per active row, both
+    buckets (`prior_tokens`, `_ModeTimes.factor`): it does not depend on the batch size. A
+    mode's speed is its steps' wall time (drafting, verification, commits, bookkeeping and
+    the policy's feedback) over the tokens they committed per active row, both
     summed with exponential decay (`decay`, `_ModeTimes`), each step's time clipped to 3x the
     mode's mean so one stalled step cannot flip the decision. Until both modes are timed at a
     bucket, steps draft (after `warm_up` drafted steps, one plain step is timed)."""
@@ -666,9 +667,9 @@ class PlainDecodingCheck:
     of its 56 steps plain after its warm-up call's first drafted steps timed slow; drafting was
     1.9x faster than plain steps once timed again)"""
     prior_tokens: float = 16.0
-    """a bucket's drafted steps count their committed-per-expected tokens against the pooled ratio
-    of the other buckets' drafted steps, weighted as this many expected tokens of their own (`_ModeTimes.factor`:
-    about eight steps at batch 1; 0: each bucket on its own)"""
+    """a bucket's drafted steps count their committed-per-expected tokens against the pooled
+    ratio of the other buckets' drafted steps, weighted as this many expected tokens of their
+    own (`_ModeTimes.factor`: about eight steps at batch 1; 0: each bucket on its own)"""
     _buckets: dict[int, _ModeTimes] = field(default_factory=dict, repr=False)
     _discard_next: bool = field(default=False, repr=False)
     """the next drafted step pays the draft's catch-up: not timed"""

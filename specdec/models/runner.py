@@ -977,11 +977,12 @@ class ModelRunner:
 
         Only the slots from the first hole on move (a hole: an invalid slot after one of its
         row's valid ones, as a step that accepts fewer tokens than another row leaves; the
-        column is kept on the host, `_holes_from`): the prompts before it stay where they are, and each row's later valid slots are packed
-        right-aligned behind them, in place (their left padding stays as it is). Where that
-        would remove less than half of the invalid slots that moving every slot would (rows
-        admitted into a running batch, whose left padding sits anywhere), every slot moves. Both copy the
-        moved slots within the storage, never the whole of it: on the bundled pair at B = 16 the
+        column is kept on the host, `_holes_from`). The prompts before it stay where they are,
+        and each row's later valid slots are packed right-aligned behind them, in place (their
+        left padding stays as it is). Where that would remove less than half of the invalid
+        slots that moving every slot would (rows admitted into a running batch, whose left
+        padding sits anywhere), every slot moves. Both copy the moved slots within the storage,
+        never the whole of it: on the bundled pair at B = 16 the
         old compaction (a zeroed copy of the whole storage) took 175 ms a time on the CPU, about
         1 s of a K = 5 chain's 7 s bench run, and 26-74 ms this way (docs/ARCHITECTURE.md, "The KV
         cache, slot by slot"). In place, the storage also keeps its addresses (static shapes).
