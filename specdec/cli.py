@@ -562,7 +562,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def _add_bench(sub) -> None:
     from specdec.bench.defaults import BENCH_METHODS as DEFAULT_METHODS
-    from specdec.bench.defaults import PEERS
+    from specdec.bench.defaults import PEERS, SCHEDULES
 
     bench = sub.add_parser("bench", help="benchmark methods and Hugging Face peers against plain AR, same prompts, same process")
     bench.add_argument(
@@ -576,6 +576,14 @@ def _add_bench(sub) -> None:
     add_sampling_args(bench)
     bench.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by the engine (hf runs them as one batched generate(); hf-assisted and hf-lookup only at 1)")
     bench.add_argument("--batch-sizes", default=None, help="run the whole bench at each of these batch sizes (e.g. 1,2,4,8,16) and compare them")
+    bench.add_argument(
+        "--schedule",
+        default="groups",
+        choices=SCHEDULES,
+        help="how prompts meet the batch: groups (default) of --batch-size prompts, each group decoded to its last row's end before the next; "
+        "rolling: every prompt through one rolling batch of --batch-size rows, a finished row's place going to the next prompt at the next step, "
+        "as `specdec serve` batches (one timed call per repeat; HF's generate() cannot roll, so hf decodes the groups back to back in that call)",
+    )
     bench.add_argument("--repeats", type=int, default=3, help="measured rounds over every prompt (figures are medians)")
     bench.add_argument("--num-prompts", type=int, default=10, help="N prompts spread evenly over the set (0 = all)")
     bench.add_argument("--out", required=True, help="output folder: report.md, results.json, PNG plots")
@@ -713,6 +721,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         batch_size=args.batch_size,
+        schedule=args.schedule,
         repeats=args.repeats,
         num_prompts=None if args.num_prompts == 0 else args.num_prompts,
         seed=0 if args.seed is None else args.seed,

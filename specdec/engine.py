@@ -435,6 +435,7 @@ class DecodeSession:
         self.roots = torch.zeros(0, dtype=torch.long, device=engine.device)
         """[len(rows)] the last committed token of each row (the root of its next tree)"""
         self.records: list[StepRecord] = []
+        self._admit_s = 0.0  # admission time (prefill and first token) since the last step record
         """every step's record (kept only with keep_steps)"""
         self.steps = 0
         self._submitted = 0
@@ -590,7 +591,9 @@ class DecodeSession:
             tree_parents=result.tree_parents,
             step_s=time.perf_counter() - t0,
             graph_captures=engine.graph_captures() - captures,
+            admit_s=self._admit_s,
         )
+        self._admit_s = 0.0
         for r, request in enumerate(rows):
             if was_active[r]:
                 stats = request.stats
@@ -650,6 +653,7 @@ class DecodeSession:
         first = choose_tokens(target_logits, self.params, self.generator)  # [B']
         first_ids = first.tolist()  # one read; on a GPU the prefill is done only here, so time to first token ends after it
         t1 = time.perf_counter()
+        self._admit_s += t1 - t0
         for r, request in enumerate(incoming):
             stats = request.stats
             stats.queue_s = t0 - request.submitted_at

@@ -91,6 +91,10 @@ class StepRecord:
     """CUDA graphs the target and draft runners captured during the step: their capture time
     is in the step's times, which then say nothing of a typical step (policies that learn from
     the wall clock skip it); 0 once every shape the decode meets is captured"""
+    admit_s: float = 0.0
+    """time spent admitting prompts (their prefill and first token) since the previous step's
+    record: the first batch's prefill before step 0, in a rolling batch also the prompts that
+    took finished rows' places"""
 
 
 @dataclass
@@ -207,7 +211,7 @@ def upper_bound_speedup(tau_max: float, ar_token_s: float, draft_step_s: float, 
     return tau_max * ar_token_s / step_s if step_s > 0 and ar_token_s > 0 else 0.0
 
 
-def batch_stats(rows: Sequence[GenerationStats], wall_s: float | None = None) -> GenerationStats:
+def batch_stats(rows: Sequence[GenerationStats], wall_s: float | None = None, steps: Sequence[StepRecord] | None = None) -> GenerationStats:
     """One `GenerationStats` for a call that decoded `rows` together: counters and step lists summed.
 
     - wall_s: the call's wall time, measured around it (default: the longest any row took,
@@ -217,7 +221,11 @@ def batch_stats(rows: Sequence[GenerationStats], wall_s: float | None = None) ->
     - prefill, drafting and verification time: the longest any row saw (rows admitted
       together share one prefill; each sees every step from its admission to its end, so
       when all start together the longest-lived row saw every step);
-    - forward time: the call's (every row carries the same total).
+    - forward time: the call's (every row carries the same total);
+    - steps: the call's step records (`keep_steps`); when given, the step count, the prefill
+      (admission) time and the drafting and verification time are the call's, summed over them.
+      Give them for a rolling call (more prompts than rows), where no row saw every step and
+      prompts were prefilled as rows came free.
     One row gives that row's own figures (with the call's wall time when given).
     """
     if not rows:
@@ -239,6 +247,11 @@ def batch_stats(rows: Sequence[GenerationStats], wall_s: float | None = None) ->
         accepted_lens=[a for r in rows for a in r.accepted_lens],
         root_only_steps=sum(r.root_only_steps for r in rows),
     )
+    if steps:
+        out.steps = len(steps)
+        out.draft_s = sum(s.draft_s for s in steps)
+        out.verify_s = sum(s.verify_s for s in steps)
+        out.prefill_s = sum(s.admit_s for s in steps)
     depth = max(len(r.drafted_by_depth) for r in rows)
     out.drafted_by_depth = [sum(r.drafted_by_depth[d] for r in rows if d < len(r.drafted_by_depth)) for d in range(depth)]
     out.accepted_by_depth = [sum(r.accepted_by_depth[d] for r in rows if d < len(r.accepted_by_depth)) for d in range(depth)]

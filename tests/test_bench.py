@@ -122,6 +122,47 @@ def test_upper_bound_and_batch_stats():
     assert batch_stats([a]).tokens_per_s == a.tokens_per_s and batch_stats([a]).tau == a.tau
 
 
+def test_batch_stats_of_a_rolling_call_count_every_step():
+    """Given the call's step records, steps and the drafting and verification time are summed over
+    them: in a rolling call no row saw every step, so the longest any row saw is short of the call's."""
+    from specdec.stats import StepRecord
+
+    def record(step: int, draft_s: float, verify_s: float, admit_s: float = 0.0) -> StepRecord:
+        return StepRecord(step, [True], [1], [0], [1], [0], [0], 1, draft_s, verify_s, [[1]], [0], admit_s=admit_s)
+
+    # two prompts, one after the other in one row: 2 steps and one prefill each
+    a = GenerationStats(new_tokens=2, wall_s=1.0, prefill_s=0.05, draft_s=0.2, verify_s=0.4, steps=2, accepted_lens=[0, 0])
+    b = GenerationStats(new_tokens=2, wall_s=1.0, prefill_s=0.07, draft_s=0.3, verify_s=0.5, steps=2, accepted_lens=[0, 0])
+    steps = [record(0, 0.1, 0.2, 0.05), record(1, 0.1, 0.2), record(2, 0.1, 0.25, 0.07), record(3, 0.2, 0.25)]
+    merged = batch_stats([a, b], wall_s=2.0, steps=steps)
+    assert merged.steps == 4 and merged.draft_s == pytest.approx(0.5) and merged.verify_s == pytest.approx(0.9)
+    assert merged.prefill_s == pytest.approx(0.12)  # both admissions
+    rows_only = batch_stats([a, b], wall_s=2.0)
+    assert rows_only.steps == 2 and rows_only.draft_s == 0.3 and rows_only.prefill_s == 0.07  # what a static batch's longest-lived row saw
+
+
+def test_step_records_carry_every_admission_once(tiny_pair_dir):
+    """A rolling call's step records hold each admission's time once: summed, they give the
+    call's prefill time, the sum of the distinct admissions the rows saw (rows admitted together
+    share one), and a static call's equals its one prefill."""
+    from specdec.api import SpeculativeDecoder
+    from specdec.sampling import SamplingParams
+
+    decoder = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), method="chain", device="cpu")
+    prompts = [decoder.encode(t) for t in ("def add(a, b):\n", "x = 1\n", "import os\n", "class A:\n", "while True:\n")]
+    for batch_size in (2, 5):
+        outs = decoder.generate_ids(prompts, 6, SamplingParams(), keep_steps=True, batch_size=batch_size)
+        steps = outs[0].steps
+        admissions = {o.stats.prefill_s for o in outs}  # rows admitted together saw the same prefill
+        assert sum(s.admit_s for s in steps) == pytest.approx(sum(admissions))
+        assert batch_stats([o.stats for o in outs], steps=steps).prefill_s == pytest.approx(sum(admissions))
+        admitting = [s.step for s in steps if s.admit_s > 0]
+        if batch_size == 5:  # one batch: one prefill, before the first step
+            assert admitting == [0] and len(admissions) == 1
+        else:  # two rows over five prompts: the first two together, then as rows come free
+            assert admitting[0] == 0 and len(admitting) == len(admissions) >= 3
+
+
 def test_turn_context_and_fit(tiny_pair_dir):
     from transformers import AutoTokenizer
 
@@ -365,6 +406,55 @@ def test_bench_batched_hf_generate_equals_batched_ar(tiny_pair_dir, tmp_path):
     assert results["methods"]["hf"]["matches_ar"] is True and results["methods"]["hf"]["equality_compared"] == 3
     assert {len(r["outputs"]) for r in results["records"] if r["label"] == "hf"} == {2, 1}  # a batch of 2, then the last prompt
     assert any("hf-lookup" in n and "hf runs as one left-padded batched generate() call" in n for n in results["notes"])
+
+
+def test_bench_rolling_schedule_decodes_every_prompt_through_one_rolling_batch(tiny_pair_dir, tmp_path, monkeypatch):
+    """--schedule rolling: one timed call per repeat over every prompt, the engine's batch capped at
+    --batch-size rows (a finished row's place goes to the next prompt); greedy outputs still equal
+    AR's; HF's generate() runs the groups back to back inside the call, its wall time their sum."""
+    from specdec.api import SpeculativeDecoder
+    from specdec.bench import runner as runner_mod
+
+    texts = ["def add(a, b):\n", "for i in range(10):\n    print(i)\nclass A:\n", "x = 1\n", "import os\n", "while True:\n"]
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": t} for t in texts])
+    calls: list[tuple[int, int | None]] = []
+    generate_ids = SpeculativeDecoder.generate_ids
+
+    def spy(self, prompt_ids, *args, **kwargs):
+        calls.append((len(prompt_ids), kwargs.get("batch_size")))
+        return generate_ids(self, prompt_ids, *args, **kwargs)
+
+    peer_batches: list[int] = []
+    run_peer_batch = runner_mod.run_peer_batch
+
+    def peer_spy(name, target, contexts, *args):
+        peer_batches.append(len(contexts))
+        return run_peer_batch(name, target, contexts, *args)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate_ids", spy)
+    monkeypatch.setattr(runner_mod, "run_peer_batch", peer_spy)
+    out = tmp_path / "out"
+    args = _bench_args(tiny_pair_dir, prompts, out, "--methods", "hf,chain,eagle2", "--batch-size", "2", "--schedule", "rolling", "--num-prompts", "5")
+    assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["schedule"] == "rolling"
+    for label in ("ar", "hf", "chain", "eagle2"):
+        records = [r for r in results["records"] if r["label"] == label]
+        assert len(records) == 2 and all(len(r["outputs"]) == 5 for r in records), label  # one call per repeat, every prompt
+        assert results["methods"][label]["matches_ar"] is True and results["methods"][label]["equality_compared"] == 10, label
+    assert (5, 2) in calls  # the timed calls: five prompts through two rows
+    assert set(peer_batches) == {2}  # hf: groups of 2, then the last prompt alone (one-row generate())
+    for r in results["records"]:
+        if r["stats"] is not None:  # the call's steps, not the most any one row saw
+            assert r["stats"]["steps"] == len(r["step_draft_s"]), r["label"]
+    assert "rolling batch" in (out / "report.md").read_text()
+
+
+def test_bench_schedule_must_be_known():
+    from specdec.bench.runner import BenchConfig, validate_config
+
+    with pytest.raises(SpecDecError, match="--schedule 'round-robin': choose one of groups, rolling"):
+        validate_config(BenchConfig(prompts="stdlib-heldout", out="x", schedule="round-robin"))
 
 
 def test_root_only_notes_name_the_methods_that_often_draft_nothing():

@@ -7,6 +7,9 @@ BENCH_METHODS = "ar,hf,hf-assisted,hf-lookup,chain,static,eagle2"
 PEERS: tuple[str, ...] = ("hf", "hf-assisted", "hf-lookup")
 """peer method names accepted in --methods"""
 
+SCHEDULES: tuple[str, ...] = ("groups", "rolling")
+"""how `specdec bench` feeds prompts to the batch (`BenchConfig.schedule`, `--schedule`)"""
+
 SERVE_METHODS = "ar,chain"
 """the --methods default of `specdec bench-serve`"""
 DEFAULT_CONCURRENCY = "1,2,4,8,16"

@@ -558,7 +558,9 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         f"- **Models**: target `{result.target_path}`, draft `{result.draft_path or 'none'}`, dtype {result.dtype}, context {result.max_context}",
         f"- **Prompts**: `{result.prompt_file}`: {len(result.prompts)} prompt(s), {turns} turn(s) in all",
         f"- **Config**: max_new_tokens {cfg.max_new_tokens}, temperature {cfg.temperature}, top_p {cfg.top_p}, top_k {cfg.top_k}, "
-        f"batch size {cfg.batch_size}, repeats {cfg.repeats} (medians; warm-up call per method; method order shuffled per prompt, seed {cfg.seed}), "
+        f"batch size {cfg.batch_size}"
+        + (" (`--schedule rolling`: one rolling batch over every prompt, a finished row's place going to the next)" if cfg.schedule == "rolling" else "")
+        + f", repeats {cfg.repeats} (medians; warm-up call per method; method order shuffled per prompt, seed {cfg.seed}), "
         f"verify {', '.join(cfg.verify)}" + (f", max_draft_rows {cfg.max_draft_rows} (steps with more active rows draft nothing)" if cfg.max_draft_rows is not None else ""),
     ]
     options = {m: o for m, o in cfg.method_options.items() if o}

@@ -6,6 +6,11 @@ Protocol
 - Warm-up: one short, unmeasured call per method.
 - `repeats` rounds; in each, for each group of `batch_size` prompts, every method runs in
   an order shuffled by a fixed-seed RNG, so drift (thermal, background load) hits all alike.
+  With `schedule="rolling"` there is one group, every prompt: the engine decodes it as a
+  rolling batch of `batch_size` rows (a finished row's place goes to the next prompt at the
+  next step boundary, as `specdec serve` batches), so a group's ragged end, where its last
+  rows decode alone, comes once per call instead of once per group. HF's `generate()` cannot
+  roll: its batched peer decodes the groups back to back inside the one timed call.
 - Multi-turn prompts: turn 1 is fed, the answer generated; the answer and turn 2 are
   appended and generated again, and so on; every turn is one measured call. Each method
   continues its own conversation (for greedy, lossless methods that is AR's conversation).
@@ -21,7 +26,7 @@ import json
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -31,7 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.api import SpeculativeDecoder, resolve_verify
 from specdec.bench.config import MeasuredRunConfig
-from specdec.bench.defaults import BENCH_METHODS
+from specdec.bench.defaults import BENCH_METHODS, SCHEDULES
 from specdec.bench.divergence import classify
 from specdec.bench.pair import LoadedPair, load_pair, pair_paths
 from specdec.bench.peers import BATCHED_PEERS, PeerOutput, peer_needs_draft, run_peer, run_peer_batch
@@ -58,6 +63,7 @@ __all__ = [
     "BenchConfig",
     "BenchResult",
     "CallRecord",
+    "SCHEDULES",
     "Variant",
     "make_variants",
     "parse_methods",
@@ -88,6 +94,10 @@ class BenchConfig(MeasuredRunConfig):
     top_p: float = 1.0
     top_k: int = 0
     batch_size: int = 1
+    schedule: str = "groups"
+    """how prompts meet the batch (`SCHEDULES`): 'groups' of `batch_size` prompts decoded one group
+    after another, each to its last row's end; 'rolling': one rolling batch of `batch_size` rows over
+    every prompt (a finished row's place goes to the next prompt)"""
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """per method: the options set on the command line that apply to it"""
     mars_theta: float | None = None
@@ -259,6 +269,8 @@ def validate_config(config: BenchConfig) -> None:
         raise SpecDecError(f"--num-prompts={config.num_prompts!r} must be a positive integer (or 0 for all prompts)")
     if config.system is not None and not config.chat:
         raise SpecDecError("--system goes with --chat (a system message in every chat); add --chat")
+    if config.schedule not in SCHEDULES:
+        raise SpecDecError(f"--schedule {config.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if config.code_prompts not in CODE_PROMPT_MODES:
         raise SpecDecError(f"--code-prompts {config.code_prompts!r}: choose one of {', '.join(CODE_PROMPT_MODES)}")
     SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
@@ -390,7 +402,8 @@ class _Runner:
         if self.max_context:
             longest = min(longest, self.max_context)
         with_draft = next((d for d in decoders if d.draft is not None), decoders[0])
-        with_draft.warm_up(sorted({len(g) for g in groups}), context=longest + self.config.max_new_tokens)  # a last, smaller group is a batch size too
+        sizes = {min(len(g), self.config.batch_size) for g in groups}  # a last, smaller group is a batch size too; a rolling batch keeps its rows
+        with_draft.warm_up(sorted(sizes), context=longest + self.config.max_new_tokens)
 
     def seed(self, repeat: int, group: int, turn: int) -> int:
         """The same seed for every method on the same call."""
@@ -405,7 +418,8 @@ class _Runner:
         max_new_tokens: int | None = None,
         turns: int | None = None,
     ) -> list[CallRecord]:
-        """Every turn of `prompts` (decoded together) with `variant`; one record per turn."""
+        """Every turn of `prompts` (decoded together: as one batch, or as a rolling batch of
+        `batch_size` rows when there are more) with `variant`; one record per turn."""
         max_new = max_new_tokens or self.config.max_new_tokens
         n_turns = turns or max(len(p.turns) for p in prompts)
         previous: list[list[int] | None] = [None] * len(prompts)
@@ -484,41 +498,52 @@ class _Runner:
             record.gpu_peak_bytes = torch.cuda.max_memory_allocated(device)
         return record
 
+    def _peer_group(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> list[PeerOutput]:
+        """One timed `generate()` of a Hugging Face peer over `contexts` decoded together: each
+        output's `wall_s` is its share of the call's wall time, so that they sum to it."""
+        if len(contexts) == 1:
+            return [
+                run_peer(
+                    variant.method,
+                    self.models.target,
+                    self.models.draft,
+                    contexts[0],
+                    max_new,
+                    self.params,
+                    self.eos_token_ids,
+                    self.pad_token_id,
+                    seed,
+                    assistant_start=self.assistant_start,
+                )
+            ]
+        if variant.method not in BATCHED_PEERS:
+            raise SpecDecError(f"peer {variant.label} runs only at batch size 1")
+        rows, wall_s = run_peer_batch(variant.method, self.models.target, contexts, max_new, self.params, self.eos_token_ids, self.pad_token_id, seed)
+        return [replace(r, wall_s=wall_s / len(rows)) for r in rows]
+
     def _generate(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
         stats: GenerationStats | None = None
         steps: list[StepRecord] = []
-        if variant.peer and len(contexts) > 1:
-            if variant.method not in BATCHED_PEERS:
-                raise SpecDecError(f"peer {variant.label} runs only at batch size 1")
-            rows, wall_s = run_peer_batch(
-                variant.method, self.models.target, contexts, max_new, self.params, self.eos_token_ids, self.pad_token_id, seed
-            )
-            outputs, finish_reasons = [r.token_ids for r in rows], [r.finish_reason for r in rows]
-            new_tokens = sum(r.new_tokens for r in rows)
-        elif variant.peer:
-            out: PeerOutput = run_peer(
-                variant.method,
-                self.models.target,
-                self.models.draft,
-                contexts[0],
-                max_new,
-                self.params,
-                self.eos_token_ids,
-                self.pad_token_id,
-                seed,
-                assistant_start=self.assistant_start,
-            )
-            outputs, finish_reasons, new_tokens, wall_s = [out.token_ids], [out.finish_reason], out.new_tokens, out.wall_s
+        if variant.peer:  # HF's generate() cannot roll: more contexts than the batch size are its groups, back to back
+            outputs, finish_reasons, new_tokens, wall_s = [], [], 0, 0.0
+            for start in range(0, len(contexts), self.config.batch_size):
+                rows = self._peer_group(variant, contexts[start : start + self.config.batch_size], max_new, seed)
+                outputs += [r.token_ids for r in rows]
+                finish_reasons += [r.finish_reason for r in rows]
+                new_tokens += sum(r.new_tokens for r in rows)
+                wall_s += sum(r.wall_s for r in rows)
         else:
             decoder = self.decoders[variant.label]
             device = next(self.models.target.parameters()).device
             sync_device(device)
             t0 = time.perf_counter()
-            outs = decoder.generate_ids(contexts, max_new, self.params, verify=variant.verify, seed=seed, keep_steps=True)
+            outs = decoder.generate_ids(
+                contexts, max_new, self.params, verify=variant.verify, seed=seed, keep_steps=True, batch_size=self.config.batch_size
+            )
             sync_device(device)
             wall = time.perf_counter() - t0  # timed like the peers: the whole call, from outside
-            stats = batch_stats([o.stats for o in outs], wall_s=wall)
             steps = outs[0].steps
+            stats = batch_stats([o.stats for o in outs], wall_s=wall, steps=steps)
             outputs, finish_reasons, new_tokens, wall_s = [o.token_ids for o in outs], [o.finish_reason for o in outs], stats.new_tokens, stats.wall_s
         return CallRecord(
             label=variant.label,
@@ -566,11 +591,14 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         variants = [v for v in variants if v.label not in skipped]
     if config.temperature > 0:
         notes.append(f"temperature {config.temperature} > 0: outputs are sampled, so the equality check against AR is not applicable.")
+    static_groups = [prompts[i : i + config.batch_size] for i in range(0, len(prompts), config.batch_size)]
+    groups = [prompts] if config.schedule == "rolling" else static_groups
     # one timed call per turn of each group of prompts, per repeat (`_Runner.run_group`)
-    calls = config.repeats * sum(max(len(p.turns) for p in prompts[i : i + config.batch_size]) for i in range(0, len(prompts), config.batch_size))
+    calls = config.repeats * sum(max(len(p.turns) for p in g) for g in groups)
+    batching = f"a rolling batch of {config.batch_size}" if config.schedule == "rolling" else f"batches of {config.batch_size}"
     if calls < FEW_CALLS:
         notes.append(
-            f"only {calls} timed call(s) per method ({len(prompts)} prompt(s) in batches of {config.batch_size}, {config.repeats} repeat(s)): "
+            f"only {calls} timed call(s) per method ({len(prompts)} prompt(s) in {batching}, {config.repeats} repeat(s)): "
             f"medians over so few calls move by several percent between runs on a noisy machine; "
             f"more prompts (--num-prompts) or repeats (--repeats) steady them"
         )
@@ -581,7 +609,6 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         if any(p.images for p in prompts):
             notes.append("--chat: prompts with images are fed as written (the chat template applies to text-only prompts).")
     runner = _Runner(config, models, variants)
-    groups = [prompts[i : i + config.batch_size] for i in range(0, len(prompts), config.batch_size)]
     rng = random.Random(config.seed)
     records: list[CallRecord] = []
     t_start = time.perf_counter()
@@ -593,7 +620,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         for v in variants:
             progress.update(warm, description=f"warm-up {escape(v.label)}")
             try:
-                runner.run_group(v, groups[0], repeat=-1, group=0, max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens), turns=1)
+                runner.run_group(v, static_groups[0], repeat=-1, group=0, max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens), turns=1)
             except Exception as err:  # a peer that this transformers version or model cannot run is dropped, not fatal
                 if not v.peer:
                     raise
@@ -624,7 +651,7 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
             + " (shapes the warm-up did not meet)."
         )
     policy_states = runner.policy_states(variants)  # before the host-work calls below add to what they learned
-    host_work = {v.label: runner.count_host_work(v, groups) for v in variants if not v.peer}
+    host_work = {v.label: runner.count_host_work(v, static_groups) for v in variants if not v.peer}
     if config.temperature == 0:
         _classify_divergences(records, models.target)
     if config.quality or config.mars_thetas:
