@@ -419,3 +419,55 @@ def test_latent_attention_cache_is_one_storage_and_commits_right():
     committed = prompt + out.token_ids[:-1]
     for got, ref in zip(committed_keys(engine.target), fresh_keys(model, committed), strict=True):
         assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5)
+
+
+def test_a_longer_prompt_joins_without_moving_the_other_rows():
+    """`replace_rows` with a prompt longer than the cache's width grows it on the right: the other
+    rows' committed slots stay where they were (holes after them, masked), and the new row's cache
+    and next-token logits equal a fresh prefill of its prompt."""
+    model = tiny_model("llama", seed=0)
+    runner = ModelRunner(model)
+    ids = torch.tensor([[5, 6, 7], [1, 2, 3]])
+    runner.prefill(ids, torch.ones_like(ids))
+    width = runner.past_len
+    before_valid = runner.slot_valid[0].clone()
+    before_keys = [layer.keys[0][:, :width].clone() for layer in runner.cache.layers]
+    long_prompt = [9, 8, 7, 6, 5, 4, 3, 2]
+    logits = runner.replace_rows([1], torch.tensor([long_prompt]), torch.ones(1, len(long_prompt), dtype=torch.long))
+    assert runner.past_len == len(long_prompt)
+    assert torch.equal(runner.slot_valid[0, :width], before_valid) and not runner.slot_valid[0, width:].any()
+    for layer, keys in zip(runner.cache.layers, before_keys, strict=True):
+        assert torch.equal(layer.keys[0][:, :width], keys)  # row 0 did not move
+    for got, ref in zip(committed_keys(runner, row=1), fresh_keys(model, long_prompt), strict=True):
+        assert torch.allclose(got, ref, atol=1e-5)
+    with torch.no_grad():
+        ref_logits = model(torch.tensor([long_prompt])).logits[0, -1].float()
+    assert torch.allclose(logits[0].float(), ref_logits, atol=1e-4)
+    assert runner.committed_len().tolist() == [3, len(long_prompt)]
+
+
+def test_when_every_row_finishes_at_once_the_waiting_prompts_start_a_new_batch(monkeypatch):
+    """A rolling batch whose rows all finish in one step (AR: every row one token a step) starts a
+    new batch for the waiting prompts (one prefill into a cache as wide as they need) rather than
+    splicing them into the old cache (`replace_rows`), whose width its longest row set. Outputs are
+    each prompt's own."""
+    target = tiny_model("llama", seed=0)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [11, 3, 4, 5, 6, 7, 8, 9, 10, 2], [2, 9], [3, 3, 1]]
+    engine = SpeculativeEngine(target, ARPolicy(), GreedyRule(), None, eos_token_ids=[])
+    alone = [engine.generate([p], 5)[0].token_ids for p in prompts]
+    calls = {"prefill": 0, "replace_rows": 0}
+    widths: list[int] = []
+    for name in calls:
+        original = getattr(ModelRunner, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            out = _original(self, *args, **kwargs)
+            widths.append(self.past_len)
+            return out
+
+        monkeypatch.setattr(ModelRunner, name, counted)
+    out = engine.generate(prompts, 5, batch_size=2)
+    assert [o.token_ids for o in out] == alone
+    assert calls == {"prefill": 2, "replace_rows": 0}
+    assert widths == [12, 3]  # the second batch's cache is as wide as its own prompts

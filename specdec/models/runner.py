@@ -870,8 +870,12 @@ class ModelRunner:
         """Prefill new prompts into batch rows `rows` (their old contents are dropped).
 
         input_ids, attention_mask: [len(rows), L] left-padded. The new rows are prefilled on
-        their own and their cache spliced in right-aligned; the cache grows on the left (with
-        invalid slots) when L exceeds its width. Returns the new rows' last logits [len(rows), V].
+        their own and their cache spliced in right-aligned. When L exceeds the cache's width the
+        width grows on the right: the other rows get invalid slots after their committed ones
+        (holes, as a step that accepts fewer tokens than another row leaves; position ids count
+        valid slots, so theirs do not change), and nothing of theirs moves. Growing on the left
+        instead shifted every row's slots, a copy of the whole cache each time a longer prompt
+        joined. Returns the new rows' last logits [len(rows), V].
         """
         cache = self._cache()
         if self.step_len:
@@ -882,7 +886,7 @@ class ModelRunner:
         fresh_cache = fresh._cache()
         s_new = fresh.past_len
         if s_new > self.past_len:
-            self._left_pad(s_new - self.past_len)
+            self._grow_right(s_new - self.past_len)
         s = self.past_len
         self.reserve(s)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -897,24 +901,17 @@ class ModelRunner:
         self.compact_if_wasteful()
         return logits
 
-    def _left_pad(self, extra: int) -> None:
-        """Insert `extra` invalid slots before every row's committed slots."""
+    def _grow_right(self, extra: int) -> None:
+        """Append `extra` invalid (zeroed) slots after every row's committed slots: holes from
+        the old width on, which compaction removes when they grow wasteful."""
         cache = self._cache()
-        self.reserve(self.past_len + extra)
         s = self.past_len
-
-        def shift(t: torch.Tensor, batch_dim: int, slot_dim: int) -> torch.Tensor:
-            moved = t.narrow(slot_dim, 0, s).clone()
-            t.narrow(slot_dim, extra, s).copy_(moved)
-            t.narrow(slot_dim, 0, extra).zero_()
-            return t
-
-        cache.map_tensors(shift)
+        self.reserve(s + extra)
+        for t, _, slot_dim in cache.tensors():
+            t.narrow(slot_dim, s, extra).zero_()  # (stale step slots: finite, but masked attention should read zeros)
         self.dense = False
-        pad_valid = torch.zeros(self.batch_size, extra, dtype=torch.bool, device=self.device)
-        self.slot_valid = torch.cat([pad_valid, self.slot_valid], dim=1)
-        if self._holes_from is not None:
-            self._holes_from += extra
+        self.slot_valid = torch.cat([self.slot_valid, torch.zeros(self.batch_size, extra, dtype=torch.bool, device=self.device)], dim=1)
+        self._holes_from = s if self._holes_from is None else min(self._holes_from, s)
         cache.length = self.past_len
 
     def rollback(self) -> None:
