@@ -725,9 +725,11 @@ class DecodeSession:
         at the next boundary (`_fill_rows`: one prefill, grouped by length, into a cache as wide
         as they need) instead of being spliced into the old cache, whose width the longest old
         row set (AR over 64 held-out prompts, B = 16, rolling: 1.1-1.2x the wall time of groups
-        when they were spliced in)."""
-        all_done = all(request.done for request in self.rows)
-        while not all_done and (admit_into := [r for r, request in enumerate(self.rows) if request.done][: len(self.waiting)]):
+        when they were spliced in). With static shapes only when as many prompts wait as the
+        batch has rows: a smaller new batch would be a new shape (graphs captured mid-call), so
+        fewer are spliced in and the finished rows ride along."""
+        new_batch = all(request.done for request in self.rows) and (not self.engine.target.static_shapes or len(self.waiting) >= len(self.rows))
+        while not new_batch and (admit_into := [r for r, request in enumerate(self.rows) if request.done][: len(self.waiting)]):
             incoming = [self.waiting.popleft() for _ in admit_into]
             first = self._admit(incoming, admit_into)
             roots = self.roots.clone()
