@@ -26,7 +26,7 @@ import json
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -498,28 +498,26 @@ class _Runner:
             record.gpu_peak_bytes = torch.cuda.max_memory_allocated(device)
         return record
 
-    def _peer_group(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> list[PeerOutput]:
+    def _peer_group(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> tuple[list[PeerOutput], float]:
         """One timed `generate()` of a Hugging Face peer over `contexts` decoded together: each
-        output's `wall_s` is its share of the call's wall time, so that they sum to it."""
+        row's output and the call's wall time."""
         if len(contexts) == 1:
-            return [
-                run_peer(
-                    variant.method,
-                    self.models.target,
-                    self.models.draft,
-                    contexts[0],
-                    max_new,
-                    self.params,
-                    self.eos_token_ids,
-                    self.pad_token_id,
-                    seed,
-                    assistant_start=self.assistant_start,
-                )
-            ]
+            out = run_peer(
+                variant.method,
+                self.models.target,
+                self.models.draft,
+                contexts[0],
+                max_new,
+                self.params,
+                self.eos_token_ids,
+                self.pad_token_id,
+                seed,
+                assistant_start=self.assistant_start,
+            )
+            return [out], out.wall_s
         if variant.method not in BATCHED_PEERS:
             raise SpecDecError(f"peer {variant.label} runs only at batch size 1")
-        rows, wall_s = run_peer_batch(variant.method, self.models.target, contexts, max_new, self.params, self.eos_token_ids, self.pad_token_id, seed)
-        return [replace(r, wall_s=wall_s / len(rows)) for r in rows]
+        return run_peer_batch(variant.method, self.models.target, contexts, max_new, self.params, self.eos_token_ids, self.pad_token_id, seed)
 
     def _generate(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
         stats: GenerationStats | None = None
@@ -527,11 +525,11 @@ class _Runner:
         if variant.peer:  # HF's generate() cannot roll: more contexts than the batch size are its groups, back to back
             outputs, finish_reasons, new_tokens, wall_s = [], [], 0, 0.0
             for start in range(0, len(contexts), self.config.batch_size):
-                rows = self._peer_group(variant, contexts[start : start + self.config.batch_size], max_new, seed)
+                rows, group_s = self._peer_group(variant, contexts[start : start + self.config.batch_size], max_new, seed)
                 outputs += [r.token_ids for r in rows]
                 finish_reasons += [r.finish_reason for r in rows]
                 new_tokens += sum(r.new_tokens for r in rows)
-                wall_s += sum(r.wall_s for r in rows)
+                wall_s += group_s
         else:
             decoder = self.decoders[variant.label]
             device = next(self.models.target.parameters()).device
