@@ -446,6 +446,33 @@ def test_a_longer_prompt_joins_without_moving_the_other_rows():
     assert runner.committed_len().tolist() == [3, len(long_prompt)]
 
 
+def test_shorter_prompts_replace_rows_in_place_and_leave_the_others_alone():
+    """`replace_rows` with prompts shorter than the cache's width writes each new row's slots in
+    place: zeros (invalid) before its prompt, the prompt's keys right-aligned, and nothing of the
+    rows it does not replace changes, whichever rows it replaces and in what order."""
+    model = tiny_model("llama", seed=0)
+    runner = ModelRunner(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]])
+    runner.prefill(ids, torch.ones_like(ids))
+    width = runner.past_len
+    kept_keys = [layer.keys[1][:, :width].clone() for layer in runner.cache.layers]
+    prompts = [[9, 8], [4, 3, 2, 1]]  # into rows 2 and 0, in that order
+    ids, mask = torch.tensor([[0, 0, 9, 8], [4, 3, 2, 1]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    logits = runner.replace_rows([2, 0], ids, mask)
+    assert runner.past_len == width and runner.committed_len().tolist() == [4, 6, 2]
+    for layer, keys in zip(runner.cache.layers, kept_keys, strict=True):
+        assert torch.equal(layer.keys[1][:, :width], keys)
+    for row, prompt, row_logits in ((2, prompts[0], logits[0]), (0, prompts[1], logits[1])):
+        assert not runner.slot_valid[row, : width - len(prompt)].any() and runner.slot_valid[row, width - len(prompt) :].all()
+        for layer in runner.cache.layers:
+            assert not layer.keys[row][:, : width - len(prompt)].any()  # the old row's slots are gone
+        for got, ref in zip(committed_keys(runner, row=row), fresh_keys(model, prompt), strict=True):
+            assert torch.allclose(got, ref, atol=1e-5)
+        with torch.no_grad():
+            ref_logits = model(torch.tensor([prompt])).logits[0, -1].float()
+        assert torch.allclose(row_logits.float(), ref_logits, atol=1e-4)
+
+
 def test_when_every_row_finishes_at_once_the_waiting_prompts_start_a_new_batch(monkeypatch):
     """A rolling batch whose rows all finish in one step (AR: every row one token a step) starts a
     new batch for the waiting prompts (one prefill into a cache as wide as they need) rather than

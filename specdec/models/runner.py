@@ -891,9 +891,13 @@ class ModelRunner:
         self.reserve(s)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         for (t, batch_dim, slot_dim), (new, _, _) in zip(cache.tensors(), fresh_cache.tensors(), strict=True):
-            block = torch.zeros_like(t.index_select(batch_dim, index).narrow(slot_dim, 0, s))
-            block.narrow(slot_dim, s - s_new, s_new).copy_(new.narrow(slot_dim, 0, s_new))
-            t.narrow(slot_dim, 0, s).index_copy_(batch_dim, index, block)
+            # each new row's s committed slots, written in place: zeros (invalid) then its prompt, right-aligned
+            # (not a copy of the old rows' whole storage, which cost ~8 ms an admission at B = 16 on the CPU)
+            row_slot_dim = slot_dim - 1 if slot_dim > batch_dim else slot_dim
+            for i, row in enumerate(rows):
+                dst = t.select(batch_dim, row)
+                dst.narrow(row_slot_dim, 0, s - s_new).zero_()
+                dst.narrow(row_slot_dim, s - s_new, s_new).copy_(new.select(batch_dim, i).narrow(row_slot_dim, 0, s_new))
         self.dense = False
         valid = torch.zeros(len(rows), s, dtype=torch.bool, device=self.device)
         valid[:, s - s_new :] = fresh.slot_valid
