@@ -13,6 +13,7 @@
 #                                        # traversal on the device (the default) against child by child
 #   bash benchmarks/gpu/run.sh unmeasured     # what earlier leases left unmeasured (greedy, B = 1, 2, 8): CAST unread / read, DynaTree's width
 #   bash benchmarks/gpu/run.sh unmeasured-t1  # the same at T = 1 (B = 1, 8): DynaTree's free_sampled_children, CAST unread / read
+#   (sweep, unmeasured, unmeasured-t1: SCHEDULE=rolling runs every prompt through one rolling batch, as a server batches)
 #
 # Writes under $OUT (the device tool brings back at most 8 files, 2 folders deep): a log per stage
 # and the bench folders as one .tar.gz each. The GPU image has torch, transformers, rich, numpy,
@@ -95,7 +96,7 @@ case "$stage" in
     pair
     specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
       --methods "${SWEEP_METHODS:-ar,hf,chain,static,eagle2,dynatree,dynatree:free_tokens=64,cast,cast:prune_rule=threshold}" --batch-sizes "${BATCH_SIZES:-1,2,4,8,16}" \
-      --num-prompts "${NUM_PROMPTS:-24}" --max-new-tokens 64 --repeats 1 \
+      --num-prompts "${NUM_PROMPTS:-24}" --max-new-tokens 64 --repeats 1 --schedule "${SCHEDULE:-groups}" \
       --no-progress --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.log"
     tar -czf "$OUT/sweep.tar.gz" -C "$OUT" sweep && rm -rf "$OUT/sweep"
     ;;
@@ -158,14 +159,14 @@ case "$stage" in
     pair
     timeout "${UNMEASURED_LIMIT_S:-420}" specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
       --methods "${UNMEASURED_METHODS:-ar,chain,eagle2,dynatree,cast,cast:reads_while_drafting=on}" --batch-sizes "${BATCH_SIZES:-1,2,8}" \
-      --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/unmeasured" 2>&1 | grep -v "Loading weights" | tee "$OUT/unmeasured.log"
+      --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens 64 --repeats 1 --schedule "${SCHEDULE:-groups}" --no-progress --out "$OUT/unmeasured" 2>&1 | grep -v "Loading weights" | tee "$OUT/unmeasured.log"
     tar -czf "$OUT/unmeasured.tar.gz" -C "$OUT" unmeasured && rm -rf "$OUT/unmeasured"
     ;;
   unmeasured-t1)  # the same at T = 1, B = 1 and 8: DynaTree's free_sampled_children (6, against 3), CAST unread / read
     pair
     timeout "${UNMEASURED_LIMIT_S:-420}" specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
       --methods "${UNMEASURED_METHODS:-ar,chain,eagle2,dynatree,dynatree:free_sampled_children=3,cast,cast:reads_while_drafting=on}" --batch-sizes "${BATCH_SIZES:-1,8}" \
-      --temperature 1 --seed 0 --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/unmeasured-t1" 2>&1 | grep -v "Loading weights" | tee "$OUT/unmeasured-t1.log"
+      --temperature 1 --seed 0 --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens 64 --repeats 1 --schedule "${SCHEDULE:-groups}" --no-progress --out "$OUT/unmeasured-t1" 2>&1 | grep -v "Loading weights" | tee "$OUT/unmeasured-t1.log"
     tar -czf "$OUT/unmeasured-t1.tar.gz" -C "$OUT" unmeasured-t1 && rm -rf "$OUT/unmeasured-t1"
     ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
