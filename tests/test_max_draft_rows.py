@@ -181,3 +181,39 @@ def test_prompts_admitted_over_the_limit_are_prefilled_into_the_draft_when_it_dr
     assert [r.accepted_len for r in lazy_records] == [r.accepted_len for r in eager_records]
     assert [r.drafted for r in lazy_records] == [r.drafted for r in eager_records]
     assert any(max(r.drafted) > 0 for r in lazy_records[-5:]), "the late prompts drafted after the catch-up"
+
+
+@pytest.mark.parametrize("method", ["chain", "eagle2"])
+def test_a_new_batch_over_the_limit_prefills_the_draft_only_for_the_rows_that_draft(pair, method):
+    """A batch that starts with more rows than the limit gives the draft one token a row (its
+    prompt's last), not the prompts: its steps draft nothing. Only the rows still running when the
+    batch drafts again are prefilled, then, with everything they committed but the root; the rows
+    that finished first never are. The draft proposes what an eager prefill would have let it
+    propose: every step's accepted lengths equal the eager engine's, and the outputs are AR's."""
+    budgets = [30, 6, 8, 7, 5, 28]  # four rows start (over the limit of 2); rows 0 and 5 outlive the rest
+    lazy_engine, eager_engine = engine(pair, method, 2), engine(pair, method, 2)
+    eager_engine.lazy_draft_prefill = False
+    calls: list[tuple[int, int]] = []  # per draft prefill: (rows replaced, 0 for a new batch; prompt width)
+    real = ModelDraftSource.prefill_rows
+
+    def counting(self, input_ids, attention_mask, rows, model_inputs=None):
+        calls.append((0 if rows is None else len(rows), input_ids.shape[1]))
+        return real(self, input_ids, attention_mask, rows, model_inputs)
+
+    ModelDraftSource.prefill_rows = counting
+    try:
+        lazy_out, lazy_records = decode(lazy_engine, budgets=budgets)
+        lazy_calls, calls[:] = list(calls), []
+        eager_out, eager_records = decode(eager_engine, budgets=budgets)
+        eager_calls = list(calls)
+    finally:
+        ModelDraftSource.prefill_rows = real
+    assert lazy_out == eager_out == ar_outputs(pair, budgets)
+    assert eager_calls[0] == (0, max(len(p) for p in PROMPTS[:4])), "eager: the first batch's prompts"
+    assert lazy_calls[0] == (0, 1), "lazy: the new batch gets one token a row"
+    late = lazy_calls[1:]
+    assert late and all(rows > 0 and width > 1 for rows, width in late), "then whole rows, when the batch drafts again"
+    assert sum(rows for rows, _ in late) < len(PROMPTS), "rows that finished before the batch drafted were never prefilled"
+    assert [r.accepted_len for r in lazy_records] == [r.accepted_len for r in eager_records]
+    assert [r.drafted for r in lazy_records] == [r.drafted for r in eager_records]
+    assert any(max(r.drafted) > 0 for r in lazy_records), "the batch drafted once it was small enough"
