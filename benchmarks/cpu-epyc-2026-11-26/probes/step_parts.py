@@ -1,7 +1,8 @@
 """Where a rolling batch's time goes, by function: AR then CAST, one rolling batch of B rows over
 64 held-out prompts each; total time and calls of the policy's draft / feedback / plan_ahead, the
 draft source's step end and prefills, the runners' forwards, commits, compactions and row moves,
-and the session's admissions. Usage: step_parts.py B"""
+and the session's admissions. Usage: step_parts.py B [plain] ("plain": AR against CAST with
+max_draft_rows=1, every step with more than one row plain, alternating over two rounds)"""
 import collections
 import sys
 import time
@@ -14,6 +15,7 @@ from specdec.sampling import SamplingParams
 from specdec.sources import ModelDraftSource
 
 B = int(sys.argv[1])
+plain = len(sys.argv) > 2 and sys.argv[2] == "plain"
 totals = collections.defaultdict(float)
 counts = collections.Counter()
 
@@ -35,7 +37,8 @@ def timed(cls, name, label):
 cast = SpeculativeDecoder.from_pretrained(method="cast", device="cpu")
 prompts = [cast.encode(p.turns[0]) for p in load_prompts(resolve_prompt_source("stdlib-heldout"), 64)]
 ar = SpeculativeDecoder(cast.target, cast.tokenizer, cast.draft, method="ar")
-for name in ("feedback", "plan_ahead", "draft"):
+cast_plain = SpeculativeDecoder(cast.target, cast.tokenizer, cast.draft, method="cast", max_draft_rows=1)
+for name in ("feedback", "plan_ahead", "draft", "note_plain_step"):
     timed(type(cast.policy), name, "policy." + name)
 for name in ("end_step", "keep_rows", "prefill"):
     timed(ModelDraftSource, name, "source." + name)
@@ -43,7 +46,8 @@ for name in ("commit", "forward", "keep_rows", "compact_if_wasteful"):
     timed(ModelRunner, name, "runner." + name)
 for name in ("_retire_and_admit", "_decode_step", "_admit"):
     timed(engine_mod.DecodeSession, name, name)
-for dec, label in ((ar, "ar"), (cast, "cast")):
+runs = ((ar, "ar"), (cast_plain, "cast-plain")) * 2 if plain else ((ar, "ar"), (cast, "cast"))
+for dec, label in runs:
     dec.generate_ids(prompts[:B], 16, SamplingParams())
     totals.clear()
     counts.clear()
