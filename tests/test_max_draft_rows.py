@@ -151,6 +151,31 @@ def test_a_draft_owed_its_most_tokens_drafts_once_and_catches_up(pair):
     assert sum(d == 0 for d in over) > sum(d > 0 for d in over)
 
 
+def lazy_and_eager(pair, method: str, budgets: list[int]):
+    """The prompts decoded at a limit of 2 rows with the draft's prefills deferred (the default),
+    then with them at admission; per engine its outputs, step records and draft prefills, each as
+    (rows replaced, 0 for a new batch; prompt width)."""
+    lazy_engine, eager_engine = engine(pair, method, 2), engine(pair, method, 2)
+    eager_engine.lazy_draft_prefill = False
+    calls: list[tuple[int, int]] = []
+    real = ModelDraftSource.prefill_rows
+
+    def counting(self, input_ids, attention_mask, rows, model_inputs=None):
+        calls.append((0 if rows is None else len(rows), input_ids.shape[1]))
+        return real(self, input_ids, attention_mask, rows, model_inputs)
+
+    results = []
+    ModelDraftSource.prefill_rows = counting
+    try:
+        for eng in (lazy_engine, eager_engine):
+            calls.clear()
+            out, records = decode(eng, budgets=budgets)
+            results.append((out, records, list(calls)))
+    finally:
+        ModelDraftSource.prefill_rows = real
+    return results
+
+
 @pytest.mark.parametrize("method", ["chain", "eagle2"])
 def test_prompts_admitted_over_the_limit_are_prefilled_into_the_draft_when_it_drafts_again(pair, method):
     """A prompt that joins a batch running more rows than the limit is not prefilled into the
@@ -158,26 +183,10 @@ def test_prompts_admitted_over_the_limit_are_prefilled_into_the_draft_when_it_dr
     everything committed but the root. The draft then proposes exactly what an eager prefill
     would have let it propose: every step's accepted lengths equal the eager engine's."""
     budgets = [10, 12, 9, 14, 30, 28]  # the last two join a batch of four and outlive it
-    lazy_engine, eager_engine = engine(pair, method, 2), engine(pair, method, 2)
-    eager_engine.lazy_draft_prefill = False
-    calls: list[int] = []  # rows per draft prefill (0: a new batch)
-    real = ModelDraftSource.prefill_rows
-
-    def counting(self, input_ids, attention_mask, rows, model_inputs=None):
-        calls.append(0 if rows is None else len(rows))
-        return real(self, input_ids, attention_mask, rows, model_inputs)
-
-    ModelDraftSource.prefill_rows = counting
-    try:
-        lazy_out, lazy_records = decode(lazy_engine, budgets=budgets)
-        lazy_calls, calls[:] = list(calls), []
-        eager_out, eager_records = decode(eager_engine, budgets=budgets)
-        eager_calls = list(calls)
-    finally:
-        ModelDraftSource.prefill_rows = real
+    (lazy_out, lazy_records, lazy_calls), (eager_out, eager_records, eager_calls) = lazy_and_eager(pair, method, budgets)
     assert lazy_out == eager_out == ar_outputs(pair, budgets)
-    assert eager_calls == [0, 1, 1], "eager: the first batch, then each prompt at its admission"
-    assert lazy_calls == [0, 2], "lazy: both late prompts at once, when the batch drafts again"
+    assert [rows for rows, _ in eager_calls] == [0, 1, 1], "eager: the first batch, then each prompt at its admission"
+    assert [rows for rows, _ in lazy_calls] == [0, 2], "lazy: both late prompts at once, when the batch drafts again"
     assert [r.accepted_len for r in lazy_records] == [r.accepted_len for r in eager_records]
     assert [r.drafted for r in lazy_records] == [r.drafted for r in eager_records]
     assert any(max(r.drafted) > 0 for r in lazy_records[-5:]), "the late prompts drafted after the catch-up"
@@ -191,23 +200,7 @@ def test_a_new_batch_over_the_limit_prefills_the_draft_only_for_the_rows_that_dr
     that finished first never are. The draft proposes what an eager prefill would have let it
     propose: every step's accepted lengths equal the eager engine's, and the outputs are AR's."""
     budgets = [30, 6, 8, 7, 5, 28]  # four rows start (over the limit of 2); rows 0 and 5 outlive the rest
-    lazy_engine, eager_engine = engine(pair, method, 2), engine(pair, method, 2)
-    eager_engine.lazy_draft_prefill = False
-    calls: list[tuple[int, int]] = []  # per draft prefill: (rows replaced, 0 for a new batch; prompt width)
-    real = ModelDraftSource.prefill_rows
-
-    def counting(self, input_ids, attention_mask, rows, model_inputs=None):
-        calls.append((0 if rows is None else len(rows), input_ids.shape[1]))
-        return real(self, input_ids, attention_mask, rows, model_inputs)
-
-    ModelDraftSource.prefill_rows = counting
-    try:
-        lazy_out, lazy_records = decode(lazy_engine, budgets=budgets)
-        lazy_calls, calls[:] = list(calls), []
-        eager_out, eager_records = decode(eager_engine, budgets=budgets)
-        eager_calls = list(calls)
-    finally:
-        ModelDraftSource.prefill_rows = real
+    (lazy_out, lazy_records, lazy_calls), (eager_out, eager_records, eager_calls) = lazy_and_eager(pair, method, budgets)
     assert lazy_out == eager_out == ar_outputs(pair, budgets)
     assert eager_calls[0] == (0, max(len(p) for p in PROMPTS[:4])), "eager: the first batch's prompts"
     assert lazy_calls[0] == (0, 1), "lazy: the new batch gets one token a row"
