@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -447,6 +448,18 @@ def test_bench_rolling_schedule_decodes_every_prompt_through_one_rolling_batch(t
     for r in results["records"]:
         if r["stats"] is not None:  # the call's steps, not the most any one row saw
             assert r["stats"]["steps"] == len(r["step_draft_s"]), r["label"]
+    # TTFT and TPOT per request: every prompt's own, medians over every row of every call
+    for label in ("ar", "chain", "eagle2"):
+        records = [r for r in results["records"] if r["label"] == label]
+        ttft = [x for r in records for x in r["row_ttft_s"]]
+        tpot = [x for r in records for x in r["row_tpot_s"]]
+        assert len(ttft) == 10 and len(tpot) >= 2, label
+        # prompts that waited for a free row start later than the first two, which start together
+        assert max(r["row_ttft_s"][-1] for r in records) > max(max(r["row_ttft_s"][:2]) for r in records), label
+        assert results["methods"][label]["ttft_ms"] == pytest.approx(statistics.median(ttft) * 1e3), label
+        assert results["methods"][label]["tpot_ms"] == pytest.approx(statistics.median(tpot) * 1e3), label
+        call_tpot = [r["stats"]["wall_s"] / r["stats"]["new_tokens"] for r in records]  # the batch's aggregate time per token
+        assert statistics.median(tpot) > statistics.median(call_tpot), label  # one stream's is slower than two rows' together
     assert "rolling batch" in (out / "report.md").read_text()
 
 

@@ -6,8 +6,8 @@ and the GenerationStats properties); this module only aggregates over calls:
   aggregate (total new tokens / total wall time);
 - speedup: ratio of median tokens/s to AR's; per prompt: for each prompt (and turn), the
   ratio of its median tokens/s over repeats to AR's, then the median and IQR of those ratios;
-- τ and acceptance pool every step of every call; TTFT, TPOT and engine efficiency are
-  medians over calls; the time split is summed time / summed wall time.
+- τ and acceptance pool every step of every call; TTFT and TPOT are medians over every request
+  (row) of every call, engine efficiency over calls; the time split is summed time / summed wall time.
 - per category (prompt files with a `category` field, e.g. Spec-Bench): the same medians and
   pooled τ over each category's calls, speedup against AR's median in the same category;
 - quality (`--quality`): AR agreement pools every row against AR's row of the same repeat,
@@ -267,8 +267,12 @@ def summarize(result: BenchResult) -> list[MethodSummary]:
             steps = sum(st.steps for st in stats)
             s.drafted_per_step = drafted / steps if steps else None
             s.relaxed_share = relaxed_share(s.relaxed_tokens, sum(st.accepted_tokens for st in stats))
-            s.ttft_ms = _median([st.ttft_s for st in stats]) * 1e3
-            s.tpot_ms = _median([st.tpot_s for st in stats]) * 1e3
+            # per request (row): its time to first token from the call's start and its own time per
+            # token after that, medians over every row of every call
+            row_ttft = [x for r in records for x in r.row_ttft_s]
+            row_tpot = [x for r in records for x in r.row_tpot_s]
+            s.ttft_ms = _median(row_ttft) * 1e3 if row_ttft else None
+            s.tpot_ms = _median(row_tpot) * 1e3 if row_tpot else None
             total = sum(st.wall_s for st in stats)
             if total > 0:
                 s.prefill_share = sum(st.prefill_s for st in stats) / total
@@ -618,6 +622,8 @@ def render_markdown(result: BenchResult, summaries: Sequence[MethodSummary], arg
         "τ max is the tree depth + 1 (mean over steps); per-step times are each call's mean, median over calls. "
         "It leaves out prefill and bookkeeping, so a measured speedup can exceed it when AR's own overhead is large.",
         "- **τ**: tokens committed per verification step; **acceptance**: accepted / drafted tokens (every tree node counts).",
+        "- **TTFT, TPOT**: per request (prompt row): the time from the call's start to its first token (a rolling call's wait for a free row "
+        "included) and its own time per token after the first (one stream's latency, not the batch's aggregate); medians over every row of every call.",
         "- **prefill/draft/verify/overhead**: share of wall time; **engine efficiency**: share of wall time inside model forwards (n/a on CUDA unless SPECDEC_TIME_FORWARDS=1: timing every forward slows decoding there).",
         "- **ops/step, host reads/step, host KB/step**: per decoding step, outside model forwards: torch ops that do work (views excluded; each is a "
         "kernel launch on a GPU), device-to-host value reads (`.item()`, `.tolist()`, `bool(t)`, ...; each a full sync on a GPU) "

@@ -140,6 +140,12 @@ class CallRecord:
     wall_s: float
     stats: GenerationStats | None
     """the engine's figures (`batch_stats` over the rows); None for peers"""
+    row_ttft_s: list[float] = field(default_factory=list)
+    """engine methods, per row: time from the call's start to the row's first token (its wait for a
+    free batch row, then its prefill)"""
+    row_tpot_s: list[float] = field(default_factory=list)
+    """engine methods, per row with two or more new tokens: its own time per token after the first
+    (`GenerationStats.tpot_s`: the latency of one stream, not the batch's aggregate)"""
     step_tau_max: list[int] = field(default_factory=list)
     """per verification step: tree depth + 1 (tokens the step would commit if all were accepted)"""
     step_draft_s: list[float] = field(default_factory=list)
@@ -185,6 +191,8 @@ class CallRecord:
             "finish_reasons": self.finish_reasons,
             "outputs": self.outputs,
             "stats": self.stats.to_dict() if self.stats is not None else None,
+            "row_ttft_s": self.row_ttft_s,
+            "row_tpot_s": self.row_tpot_s,
             "step_tau_max": self.step_tau_max,
             "step_draft_s": self.step_draft_s,
             "step_verify_s": self.step_verify_s,
@@ -522,6 +530,8 @@ class _Runner:
     def _generate(self, variant: Variant, contexts: list[list[int]], max_new: int, seed: int) -> CallRecord:
         stats: GenerationStats | None = None
         steps: list[StepRecord] = []
+        row_ttft_s: list[float] = []
+        row_tpot_s: list[float] = []
         if variant.peer:  # HF's generate() cannot roll: more contexts than the batch size are its groups, back to back
             outputs, finish_reasons, new_tokens, wall_s = [], [], 0, 0.0
             for start in range(0, len(contexts), self.config.batch_size):
@@ -543,6 +553,8 @@ class _Runner:
             steps = outs[0].steps
             stats = batch_stats([o.stats for o in outs], wall_s=wall, steps=steps)
             outputs, finish_reasons, new_tokens, wall_s = [o.token_ids for o in outs], [o.finish_reason for o in outs], stats.new_tokens, stats.wall_s
+            row_ttft_s = [o.stats.queue_s + o.stats.ttft_s for o in outs]
+            row_tpot_s = [o.stats.tpot_s for o in outs if o.stats.new_tokens > 1]
         return CallRecord(
             label=variant.label,
             repeat=0,  # repeat, group, turn and prompt_ids: set by the caller
@@ -555,6 +567,8 @@ class _Runner:
             new_tokens=new_tokens,
             wall_s=wall_s,
             stats=stats,
+            row_ttft_s=row_ttft_s,
+            row_tpot_s=row_tpot_s,
             step_tau_max=[s.tree_depth + 1 for s in steps],
             step_draft_s=[s.draft_s for s in steps],
             step_verify_s=[s.verify_s for s in steps],
