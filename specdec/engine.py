@@ -436,8 +436,8 @@ class DecodeSession:
         self.roots = torch.zeros(0, dtype=torch.long, device=engine.device)
         """[len(rows)] the last committed token of each row (the root of its next tree)"""
         self.records: list[StepRecord] = []
-        self._admit_s = 0.0  # admission time (prefill and first token) since the last step record
         """every step's record (kept only with keep_steps)"""
+        self._admit_s = 0.0  # admission time (prefill and first token) since the last step record
         self.steps = 0
         self._submitted = 0
         self._holds_cache = False
