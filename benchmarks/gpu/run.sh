@@ -13,6 +13,7 @@
 #                                        # traversal on the device (the default) against child by child
 #   bash benchmarks/gpu/run.sh unmeasured     # what earlier leases left unmeasured (greedy, B = 1, 2, 8): CAST unread / read, DynaTree's width
 #   bash benchmarks/gpu/run.sh unmeasured-t1  # the same at T = 1 (B = 1, 8): DynaTree's free_sampled_children, CAST unread / read
+#   bash benchmarks/gpu/run.sh depth-t1       # T = 1, B = 1: DynaTree's free-width depth (history rule, D_0 held at 5, D_0 from 8)
 #   (sweep, unmeasured, unmeasured-t1: SCHEDULE=rolling runs every prompt through one rolling batch, as a server batches)
 #
 # Writes under $OUT (the device tool brings back at most 8 files, 2 folders deep): a log per stage
@@ -21,7 +22,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|unmeasured|unmeasured-t1|pair|costs}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|unmeasured|unmeasured-t1|depth-t1|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -169,11 +170,20 @@ case "$stage" in
       --temperature 1 --seed 0 --num-prompts "${NUM_PROMPTS:-16}" --max-new-tokens 64 --repeats 1 --schedule "${SCHEDULE:-groups}" --no-progress --out "$OUT/unmeasured-t1" 2>&1 | grep -v "Loading weights" | tee "$OUT/unmeasured-t1.log"
     tar -czf "$OUT/unmeasured-t1.tar.gz" -C "$OUT" unmeasured-t1 && rm -rf "$OUT/unmeasured-t1"
     ;;
+  depth-t1)  # DynaTree's depth inside its free width at T = 1, B = 1: the phase-3 history rule (the default, whose D_0
+             # wandered from 3 to 8 on the CPU), D_0 held at 5 (phase 2) and started at 8, against the chain and EAGLE-2
+             # (benchmarks/dynatree-free-children/NOTE.md, session 36)
+    pair
+    timeout "${UNMEASURED_LIMIT_S:-420}" specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods "${DEPTH_METHODS:-ar,chain,eagle2,dynatree,dynatree:phase=2,dynatree:d0=8}" --temperature 1 --seed 0 --num-prompts "${NUM_PROMPTS:-16}" \
+      --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/depth-t1" 2>&1 | grep -v "Loading weights" | tee "$OUT/depth-t1.log"
+    tar -czf "$OUT/depth-t1.tar.gz" -C "$OUT" depth-t1 && rm -rf "$OUT/depth-t1"
+    ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
     pair
     ;;
   costs)  # the cost profiles measured on this machine (CAST's tables, DynaTree's free width), for reading back
     tar -czf "$OUT/costs.tar.gz" -C "$SPECDEC_CACHE_DIR" cost-profiles
     ;;
-  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, levels, levels-t1, unmeasured, unmeasured-t1, pair, costs)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, levels, levels-t1, unmeasured, unmeasured-t1, depth-t1, pair, costs)"; exit 2 ;;
 esac

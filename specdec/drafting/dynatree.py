@@ -305,7 +305,8 @@ class DynaTreePolicy:
     without replacement: inside the free width a node's children cost no verification, and the
     rerank by p keeps the best; a sampled child is accepted with about the target's leftover mass,
     so more draws per node accept more. Bundled pair, T = 1, free_tokens=64: τ 2.96 with 3, 3.41
-    with 6, 3.58 with 8 (the chain's 2.45); greedy, where low-ranked children are rarely accepted, the
+    with 6, 3.58 with 8 (the chain's 2.45; 8 prompts: on 16 and 32 prompts with two seeds, 6 and 8 were
+    within the noise of each other); greedy, where low-ranked children are rarely accepted, the
     same τ with 3, 6 and 8 (3.53, 3.64, 3.50), so greedy steps keep b_max (`proposed_children`)"""
     free_tokens: int | None = None
     """tokens one verification forward takes for about the price of one, over the whole batch (a
