@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,7 @@ from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, Ensemb
 from specdec.sources.lookup import LookupDraftSource
 from specdec.sources.model import ModelDraftSource
 from specdec.stats import GenerationStats
-from specdec.text import CompletionText, Message, chat_ids, chat_prompt, check_chat_template, message_pairs
+from specdec.text import CompletionText, Message, chat_ids, chat_prompt, check_chat_template, check_utf8, message_pairs
 from specdec.verification import make_rule
 
 if TYPE_CHECKING:
@@ -221,8 +222,8 @@ class SpeculativeDecoder:
     @classmethod
     def from_pretrained(
         cls,
-        target: str | PreTrainedModel | None = None,
-        draft: str | PreTrainedModel | None = None,
+        target: str | os.PathLike[str] | PreTrainedModel | None = None,
+        draft: str | os.PathLike[str] | PreTrainedModel | None = None,
         method: str = "chain",
         verify: str | None = None,
         device: str | None = None,
@@ -251,7 +252,7 @@ class SpeculativeDecoder:
         """Load from local folders or hub ids, or take models already loaded; with no target,
         the bundled pair.
 
-        target, draft: a folder, a hub id, or a loaded `PreTrainedModel` (causal LM or
+        target, draft: a folder (a str or a pathlib.Path), a hub id, or a loaded `PreTrainedModel` (causal LM or
         LLaVA-family), used as it is (its device, dtype, placement). A loaded target needs
         `tokenizer=` (and `processor=` for prompts with images); a loaded draft is trusted to
         share it (a draft loaded here is checked against it). Drafts whose output layer is
@@ -279,6 +280,7 @@ class SpeculativeDecoder:
         target_load, draft_load = pair_load_options(
             device_map, quantization, draft_quantization, attn_implementation, revision, draft_revision, trust_remote_code
         )
+        target, draft = (os.fspath(m) if isinstance(m, os.PathLike) else m for m in (target, draft))  # a pathlib.Path is a folder
         for role, name in (("target", target), ("draft", draft)):
             if isinstance(name, str) and not name.strip():
                 raise SpecDecError(f"{role}={name!r} is empty; give a model folder or hub id, or None (--{role} left out) for the bundled pair's {role}")
@@ -458,6 +460,7 @@ class SpeculativeDecoder:
             raise SpecDecError(f"prompt must be a string, got {type(prompt).__name__}")
         if not prompt:
             raise SpecDecError("the prompt is empty; give some text to continue")
+        check_utf8(prompt, "the prompt")
         if images:
             if self.processor is None and self.multimodal:
                 raise SpecDecError(f"{len(images)} image(s) were given but the decoder has no processor; pass processor= with a loaded vision-language target")
@@ -620,10 +623,13 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     """`stop` as a list of non-empty strings (a SpecDecError names a bad one)."""
     if stop is None:
         return []
+    if not isinstance(stop, str) and (isinstance(stop, bytes) or not isinstance(stop, Sequence)):
+        raise SpecDecError(f"stop={stop!r} must be a string or a list of strings")
     stops = [stop] if isinstance(stop, str) else list(stop)
-    for s in stops:
+    for i, s in enumerate(stops):
         if not isinstance(s, str) or not s:
-            raise SpecDecError(f"stop strings must be non-empty strings, got {s!r}")
+            where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+            raise SpecDecError(f"{where}={s!r}: stop strings must be non-empty strings")
     return stops
 
 

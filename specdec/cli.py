@@ -317,6 +317,22 @@ JSON_STATS = ("tau", "acceptance_rate", "tokens_per_s", "steps", "ttft_ms", "tpo
 """the stats `generate --json` prints per prompt"""
 
 
+def _note_unused_draft_flags(args: argparse.Namespace) -> None:
+    """A note on stderr for `generate`'s --draft and --verify mars where nothing is drafted from a
+    draft model (not an error: a script may pass the same flags to every method), so a flag is
+    never dropped without a word (a mistyped --draft path is not even read there)."""
+    from specdec.api import DRAFT_SOURCES, method_uses_draft, needs_draft_model
+    from specdec.methods import POLICY_CLASSES
+
+    if args.method not in POLICY_CLASSES or args.draft_source not in DRAFT_SOURCES:
+        return  # reported with the choices when the decoder is built
+    if args.draft is not None and not needs_draft_model(args.method, args.draft_source):
+        why = "--method ar drafts nothing" if not method_uses_draft(args.method) else f"--draft-source {args.draft_source} drafts without a draft model"
+        print(f"specdec: note: --draft {args.draft!r} is not read: {why}", file=sys.stderr)
+    if args.verify == "mars" and not method_uses_draft(args.method):
+        print("specdec: note: --verify mars changes nothing here: it relaxes how drafted tokens are accepted, and --method ar drafts none", file=sys.stderr)
+
+
 def _decoder_for(args: argparse.Namespace, target: str | None, draft: str | None) -> SpeculativeDecoder:
     """The decoder `generate` asked for (method, rule, draft source and their options)."""
     from specdec.api import SpeculativeDecoder
@@ -389,11 +405,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         require("PIL", "vision", "--image")
     if args.batch_size is not None and args.batch_size < 1:
         raise SpecDecError(f"--batch-size {args.batch_size} must be a positive integer")
+    if args.stream and args.json:
+        raise SpecDecError("--stream prints the text as it comes and --json one JSON object at the end; give one of them")
+    _note_unused_draft_flags(args)
     if len(prompts) > 1:
         if args.image:
             raise SpecDecError(f"--image goes with one prompt, got {len(prompts)} prompts; generate them one at a time")
         if args.stream:
-            raise SpecDecError(f"--stream shows one prompt's text as it comes, got {len(prompts)} prompts; drop --stream (or use --json)")
+            raise SpecDecError(f"--stream shows one prompt's text as it comes, got {len(prompts)} prompts; drop --stream")
         return _generate_many(args, prompts)
     prompt = prompts[0]
     target, draft = args.target, args.draft
@@ -489,8 +508,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     decoder = _decoder_for(args, args.target, args.draft)
     app = create_app(decoder, model_name=args.model_name, max_batch_size=args.max_batch_size, max_queue=args.max_queue)
-    print(f"specdec: serving {app.state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+
+    def listening(url: str) -> None:  # once it accepts connections, with the port it bound (--port 0: a free one)
+        print(f"specdec: serving {app.state.model_name!r} ({args.method}) on {url}/v1", file=sys.stderr, flush=True)
+
+    serve(app, host=args.host, port=args.port, log_level=args.log_level, on_listening=listening)
     return 0
 
 
@@ -749,6 +771,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     outputs = run_and_report(config, getattr(args, "argv", ()))
     print_summary(outputs.summaries)
+    for note in outputs.result.notes:  # also in the report; here so that a skipped method or a short prompt file is not missed
+        print(f"specdec: note: {note}", file=sys.stderr)
     print(f"report: {outputs.report}\nresults: {outputs.results}\nplots: {', '.join(str(p) for p in outputs.plots)}")
     return 0
 
@@ -786,8 +810,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     check_seed(args.seed)
     from specdec.bench.prompts import load_prompts, resolve_prompt_source
-    from specdec.bench.sweep import SweepConfig, best_row, estimate_text, grid_points, parse_float_list, run_sweep
+    from specdec.bench.sweep import SweepConfig, best_row, check_phase, estimate_text, grid_points, parse_float_list, run_sweep
 
+    check_phase(args.phase)  # before the plan (and its time estimate) is printed
     config = SweepConfig(
         prompts=args.prompts,
         out=args.out,
@@ -1059,6 +1084,12 @@ def _cmd_train_evaluate(args: argparse.Namespace) -> int:
         raise SpecDecError(f"--max-tokens={args.max_tokens} and --loop-tokens={args.loop_tokens} must be positive integers")
     if args.threads < 0:
         raise SpecDecError(f"--threads={args.threads} must be >= 0")
+    if args.prompts != "stdlib-heldout" and not args.loops:
+        raise SpecDecError(f"--prompts {args.prompts} applies only with --loops (the loop share of greedy completions of those prompts); add --loops or drop --prompts")
+    if args.loops:
+        from specdec.bench.prompts import resolve_prompt_source
+
+        resolve_prompt_source(args.prompts)  # a missing file fails before the models load and the figures run
     if args.target is not None and args.draft is None:
         raise SpecDecError(
             f"specdec train evaluate --target {args.target} needs --draft too (the figures compare the two models); "

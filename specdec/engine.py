@@ -241,11 +241,13 @@ class SpeculativeEngine:
         if len(prompt) == 0:
             raise SpecDecError(f"{name} is empty (0 tokens); give at least one token of text")
         if self.max_context is not None and len(prompt) + max_new_tokens > self.max_context:
+            whose = self._context_owner()
+            longer = ", or use a draft with a longer context" if whose == "the draft model's" else ""
             if len(prompt) >= self.max_context:
-                raise SpecDecError(f"{name} has {len(prompt)} tokens but the model's context is {self.max_context}; shorten the prompt")
+                raise SpecDecError(f"{name} has {len(prompt)} tokens but {whose} context is {self.max_context}; shorten the prompt{longer}")
             raise SpecDecError(
-                f"{name} ({len(prompt)} tokens) + max_new_tokens={max_new_tokens} exceeds the model's context of "
-                f"{self.max_context} tokens; lower max_new_tokens to at most {self.max_context - len(prompt)}"
+                f"{name} ({len(prompt)} tokens) + max_new_tokens={max_new_tokens} exceeds {whose} context of "
+                f"{self.max_context} tokens; lower max_new_tokens to at most {self.max_context - len(prompt)}{longer}"
             )
         if not isinstance(prompt, MultimodalPrompt):  # a processor's ids: image tokens may lie past the text vocabulary
             self._check_token_ids(prompt, name)
@@ -363,6 +365,14 @@ class SpeculativeEngine:
         if not self.target.time_forwards or (draft_runner is not None and not draft_runner.time_forwards):
             return None
         return self.target.forward_s + (self.source.forward_s if self.source is not None else 0.0)
+
+    def _context_owner(self) -> str:
+        """Whose context `max_context` is, for messages: the draft's when only the draft's learned
+        positions are that short (a draft with a shorter context than its target's)."""
+        target, *draft = self.context_lengths()
+        if draft and draft[0] == self.max_context and target != self.max_context:
+            return "the draft model's"
+        return "the model's"
 
     def context_lengths(self) -> list[int | None]:
         """The learned positions of the target and of the draft model (None: unbounded)."""

@@ -36,6 +36,8 @@ def method_uses_draft(method: str) -> bool:
 
 
 def _policy_class(method: str) -> type[TreePolicy]:
+    if not isinstance(method, str):
+        raise SpecDecError(f"method={method!r} must be a method's name, one of {', '.join(POLICY_CLASSES)}")
     if method not in POLICY_CLASSES:
         hint = ""
         if ":" in method:  # bench's `--methods name:option=value` form

@@ -40,6 +40,20 @@ def check_chat_template(tokenizer: Any, model: str | None = None, flag: str = "-
     )
 
 
+def check_utf8(text: str, where: str) -> None:
+    """A SpecDecError when `text` holds a lone UTF-16 surrogate (e.g. "\\ud800", from text decoded
+    with errors='surrogateescape' or a JSON escape), which no tokenizer or UTF-8 encoder takes."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise SpecDecError(
+            f"{where} holds a lone UTF-16 surrogate {text[err.start]!r} at character {err.start}, which no tokenizer takes; "
+            "remove it, or decode the text's bytes as UTF-8 without errors='surrogateescape'"
+        ) from None
+
+
 def message_pairs(messages: Sequence[Message], system: str | None = None, where: str = "messages") -> list[tuple[str, str]]:
     """(role, content) pairs of `messages` (dicts with role and content, or pairs), with a
     `system` message first when given; a SpecDecError names a malformed message."""
@@ -57,6 +71,7 @@ def message_pairs(messages: Sequence[Message], system: str | None = None, where:
             raise SpecDecError(f"{where}[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise SpecDecError(f"{where}[{i}] content must be a string, got {type(content).__name__}")
+        check_utf8(content, f"{where}[{i}] content")
         pairs.append((role, content))
     if not pairs:
         raise SpecDecError(f"{where} is empty; give at least one message, e.g. {{'role': 'user', 'content': 'Hi'}}")

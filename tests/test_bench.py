@@ -323,11 +323,17 @@ def test_draft_row_limits_are_the_first_run_of_sizes_at_or_above_ar():
     assert draft_row_limits(table, [1, 2, 4, 8]) == {"chain": 2, "eagle2": None, "cast": 8}
 
 
-def test_bench_batched_sampling_skips_single_row_peers(tiny_pair_dir, tmp_path):
+def test_bench_batched_sampling_skips_single_row_peers(tiny_pair_dir, tmp_path, capsys):
+    """A skipped peer is noted in the report and on stderr (it vanished from the console table
+    without a word), and so is a prompt file shorter than --num-prompts."""
     prompts = _write_jsonl(tmp_path / "p.jsonl", LINES[:2])
     out = tmp_path / "out"
     args = _bench_args(tiny_pair_dir, prompts, out, "--methods", "hf-assisted,chain", "--batch-size", "2", "--temperature", "0.8", "--seed", "3")
+    args += ["--num-prompts", "5"]
     assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "specdec: note: Hugging Face peers (hf-assisted) run only at batch size 1" in err
+    assert f"specdec: note: {prompts} holds 2 prompt(s), fewer than --num-prompts 5: all 2 ran." in err
     results = json.loads((out / "results.json").read_text())
     assert list(results["methods"]) == ["ar", "chain"]
     assert any("hf-assisted" in n and "batch size 1" in n for n in results["notes"])

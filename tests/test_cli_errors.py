@@ -308,6 +308,25 @@ def test_cost_profile_is_a_directory(capsys, tmp_path, tiny_pair_dir, no_model_f
     assert code == 2 and "(--cost-profile) is empty" in err
 
 
+@pytest.mark.parametrize("where", ["missing-folder", "unwritable-folder"])
+def test_cost_profile_that_could_not_be_saved(capsys, monkeypatch, tmp_path, tiny_pair_dir, no_model_files, where):
+    """A new profile's path must be writable, checked before anything is measured (it failed
+    with a bare errno message after measuring). Unwritable is simulated: root writes anywhere."""
+    folder = tmp_path / "nope"
+    if where == "unwritable-folder":
+        import tempfile
+
+        folder.mkdir()
+
+        def refuse(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    code, err = run_cli(capsys, "generate", *pair_args(tiny_pair_dir), "--method", "cast", "--cost-profile", str(folder / "p.json"), "--prompt", "x")
+    assert code == 2 and "(--cost-profile) does not exist" in err and str(folder) in err, err
+    assert ("does not either" if where == "missing-folder" else "cannot be written to (Permission denied)") in err
+
+
 def test_cost_profile_directory_in_the_api(tmp_path):
     from specdec.cost import CostTable
     from specdec.errors import SpecDecError
@@ -407,6 +426,15 @@ def test_train_evaluate_corpus_without_tokens(capsys, tmp_path, no_loading, cont
     assert code == 2 and f"--corpus '{corpus}' yields no tokens to score" in err and "no UTF-8 text" in err
 
 
+def test_train_evaluate_prompts_need_loops(capsys, tmp_path, no_loading):
+    """--prompts is read only with --loops: without it a flag silently ignored, with it a missing
+    file reported before the models load."""
+    code, err = run_cli(capsys, "train", "evaluate", "--no-latency", "--prompts", str(tmp_path / "p.jsonl"))
+    assert code == 2 and "applies only with --loops" in err
+    code, err = run_cli(capsys, "train", "evaluate", "--no-latency", "--loops", "--prompts", str(tmp_path / "p.jsonl"))
+    assert code == 2 and "no such file" in err
+
+
 def test_train_evaluate_out_is_a_directory(capsys, tmp_path, no_loading):
     code, err = run_cli(capsys, "train", "evaluate", "--no-latency", "--max-tokens", "64", "--out", str(tmp_path))
     assert code == 2 and f"--out '{tmp_path}' is a directory" in err
@@ -429,6 +457,10 @@ def decoder(tiny_pair_dir):
         ({"prompt": b"def"}, "prompt must be a string or a list of strings, got bytes; decode it first"),
         ({"prompt": "def", "stream": 5}, "stream=5 must be a function called with (index, token_ids), or None"),
         ({"prompt": "def", "stream_text": 5}, "stream_text=5 must be a function called with (index, text), or None"),
+        ({"prompt": "def", "stop": 5}, "stop=5 must be a string or a list of strings"),
+        ({"prompt": "def", "stop": ["a", 3]}, "stop[1]=3: stop strings must be non-empty strings"),
+        ({"prompt": "def", "stop": ""}, "stop='': stop strings must be non-empty strings"),
+        ({"prompt": "a\ud800b"}, "the prompt holds a lone UTF-16 surrogate '\\ud800' at character 1, which no tokenizer takes"),
     ],
 )
 def test_api_generate_argument_types(decoder, kwargs, message):
@@ -437,6 +469,14 @@ def test_api_generate_argument_types(decoder, kwargs, message):
     with pytest.raises(SpecDecError) as caught:
         decoder.generate(max_new_tokens=4, **kwargs)
     assert message in str(caught.value)
+
+
+def test_chat_message_with_a_lone_surrogate_is_named():
+    from specdec.errors import SpecDecError
+    from specdec.text import message_pairs
+
+    with pytest.raises(SpecDecError, match=r"messages\[1\] content holds a lone UTF-16 surrogate '\\udc80' at character 0"):
+        message_pairs([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\udc80"}])
 
 
 @pytest.mark.parametrize("ids", [[10**7], [-1, 5]])
@@ -448,3 +488,43 @@ def test_api_token_ids_outside_the_vocabulary(decoder, ids):
     bad = ids[0]
     with pytest.raises(SpecDecError, match=rf"prompt 0: token id {bad} is outside the vocabulary \(0\.\.{vocab - 1}\)"):
         decoder.generate_ids([ids], 4, SamplingParams())
+
+
+def test_api_model_paths_and_method_types(tiny_pair_dir):
+    """A pathlib.Path is a folder like a str; a method that is not a name is named (was a
+    TypeError from deep inside)."""
+    from specdec.api import SpeculativeDecoder
+    from specdec.errors import SpecDecError
+
+    for method in (None, 5):
+        with pytest.raises(SpecDecError, match=rf"method={method!r} must be a method's name, one of ar, chain"):
+            SpeculativeDecoder.from_pretrained(method=method)
+    decoder = SpeculativeDecoder.from_pretrained(tiny_pair_dir / "target", tiny_pair_dir / "draft", method="chain", device="cpu")
+    assert decoder.generate("x", max_new_tokens=2).token_ids
+
+
+def test_json_and_stream_together_are_an_error(capsys, no_loading):
+    """--stream was dropped without a word when --json was given too."""
+    code, err = run_cli(capsys, "generate", "--prompt", "x", "--json", "--stream")
+    assert code == 2 and "give one of them" in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--draft-source", "lookup", "--draft", "/no/such/draft"], "note: --draft '/no/such/draft' is not read: --draft-source lookup drafts without a draft model"),
+        (["--method", "ar", "--draft", "/no/such/draft"], "note: --draft '/no/such/draft' is not read: --method ar drafts nothing"),
+        (["--method", "ar", "--verify", "mars"], "note: --verify mars changes nothing here"),
+    ],
+)
+def test_flags_nothing_reads_are_noted(capsys, monkeypatch, args, needle):
+    """Flags generate does not use here are noted on stderr (they were dropped without a word; a
+    mistyped --draft path was never read), and the run goes on."""
+    import specdec.cli
+
+    def stop_before_loading(*args, **kwargs):
+        raise SystemExit(0)
+
+    monkeypatch.setattr(specdec.cli, "_decoder_for", stop_before_loading)
+    code, err = run_cli(capsys, "generate", "--prompt", "x", *args)
+    assert code == 0 and needle in err, err

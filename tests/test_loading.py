@@ -118,6 +118,28 @@ def test_missing_weights_name_the_first_few_and_the_count(tmp_path, tiny_pair_di
         load_model(str(target), "target", "cpu")
 
 
+@pytest.mark.parametrize(
+    "edit,needles",
+    [
+        ({"num_attention_heads": 5}, ["fails transformers' checks", "not divisible by the number of attention heads", "fix config.json"]),
+        ({"vocab_size": 9000}, ["and its weights disagree", "embed_in.weight is [", "from config.json", "vocab_size"]),
+    ],
+)
+def test_a_config_that_does_not_fit_its_weights_is_a_clear_error(capsys, tmp_path, tiny_pair_dir, edit, needles):
+    """A config.json transformers' own checks reject (heads that do not divide the hidden size),
+    or one whose sizes differ from the saved tensors': one line naming the reason (was a
+    traceback, and a 'see the report above' with no report)."""
+    draft = copy_model(tiny_pair_dir / "draft", tmp_path / "d")
+    config = json.loads((draft / "config.json").read_text())
+    if "num_attention_heads" in edit:
+        assert config["hidden_size"] % 5, "the edit must break divisibility"
+    (draft / "config.json").write_text(json.dumps({**config, **edit}))
+    code, err = run_cli(capsys, "generate", "--target", str(tiny_pair_dir / "target"), "--draft", str(draft), "--prompt", "x", "--device", "cpu")
+    assert code == 2, err
+    assert all(n in err for n in needles), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_corrupt_safetensors_is_a_clear_error(capsys, tmp_path, tiny_pair_dir, damage):
     target = copy_model(tiny_pair_dir / "target", tmp_path / "t")

@@ -250,21 +250,21 @@ def test_metrics_move_after_requests(client):
 LONG = "def add(a, b):\n" * 40  # 320 tokens of the tiny tokenizer; the context is 256
 
 BAD_COMPLETIONS = [
-    ({"prompt": "x", "temperature": 2.5}, 400, "temperature: Input should be less than or equal to 2 (got 2.5)", "temperature"),
-    ({"prompt": "x", "temperature": -1}, 400, "temperature: Input should be greater than or equal to 0", "temperature"),
-    ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0", "top_p"),
-    ({"prompt": "x", "top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1", "top_p"),
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1 (got 0)", "max_tokens"),
-    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens: Input should be a valid integer", "max_tokens"),
-    ({"prompt": 5}, 400, "prompt: Input should be a valid string", "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "one prompt per request is supported, got a list of 2", "prompt"),
+    ({"prompt": "x", "temperature": 2.5}, 400, "temperature=2.5 must be at most 2", "temperature"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature=-1 must be at least 0", "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p=0 must be greater than 0", "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p=1.5 must be at most 1", "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens=0 must be at least 1", "max_tokens"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens=\"ten\" must be an integer", "max_tokens"),
+    ({"prompt": 5}, 400, "prompt=5 must be a string or a list", "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt=[\"a\", \"b\"] holds 2 prompts; one prompt per request is supported", "prompt"),
     ({}, 400, "prompt is required", "prompt"),
     ({"prompt": "x", "foo": 1}, 400, "unknown field 'foo'; remove it (this endpoint takes: model, max_tokens", "foo"),
     ({"prompt": "x", "specdec": {"methd": "ar"}}, 400, "unknown field 'specdec.methd'; remove it", "specdec.methd"),
-    ({"prompt": "x", "n": 2}, 400, "n=2 is not supported: this server returns one choice per request", "n"),
-    ({"prompt": "x", "stop": 5}, 400, "stop: Input should be a valid string", "stop"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4 stop strings are allowed, got 5", "stop"),
-    ({"prompt": "x", "logprobs": 2}, 400, "logprobs are not supported", "logprobs"),
+    ({"prompt": "x", "n": 2}, 400, "n=2 is not supported: this server returns one choice per request; send 2 requests (with different seeds) instead", "n"),
+    ({"prompt": "x", "stop": 5}, 400, "stop=5 must be a string or a list", "stop"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop=[\"a\", \"b\", \"c\", \"d\", \"e\"] holds 5 stop strings; send at most 4", "stop"),
+    ({"prompt": "x", "logprobs": 2}, 400, "logprobs=2 is not supported; leave the field out", "logprobs"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options is only allowed with stream: true", None),
     ({"prompt": ""}, 400, "the prompt is empty", "prompt"),
     ({"prompt": "x", "max_tokens": 300}, 400, "the prompt has 1 tokens and max_tokens is 300: 301 tokens, more than the model's context of 256 tokens; lower max_tokens to at most 255", "max_tokens"),
@@ -274,7 +274,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "specdec": {"verify": "strict"}}, 400, "specdec.verify 'strict' is not known", "specdec.verify"),
     ({"prompt": "x", "temperature": 0.7, "specdec": {"verify": "greedy"}}, 400, "specdec.verify 'greedy' needs temperature 0 (got 0.7)", "specdec.verify"),
     ({"prompt": "x", "specdec": {"mars_theta": 0.8}}, 400, "specdec.mars_theta=0.8 applies only to verify \"mars\"", "specdec.mars_theta"),
-    ({"prompt": "x", "specdec": {"verify": "mars", "mars_theta": -1}}, 400, "specdec.mars_theta: Input should be greater than 0", "specdec.mars_theta"),
+    ({"prompt": "x", "specdec": {"verify": "mars", "mars_theta": -1}}, 400, "specdec.mars_theta=-1 must be greater than 0", "specdec.mars_theta"),
 ]
 
 
@@ -292,12 +292,60 @@ def test_bad_bodies_and_routes(client):
     assert_error(client.post("/v1/completions", content=b'{"prompt": "x"}'), 400, "Content-Type: application/json")
     assert_error(client.post("/v1/completions", content=b'{"prompt": "x\xff"}', headers=headers), 400, "not valid UTF-8 (byte 0xff at offset 13)")
     assert_error(client.post("/v1/completions", content=b"[" * 100_000, headers=headers), 400, "nested too deeply")
-    assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages: List should have at least 1 item", "messages")
-    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400, "messages[0].role: Input should be", "messages[0].role")
+    assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages=[] must have at least 1 item", "messages")
+    assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400, "messages[0].role=\"robot\" must be 'system', 'developer', 'user', 'assistant' or 'tool'", "messages[0].role")
     assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "max_completion_tokens": 5}), 400, "disagree")
     assert_error(client.post("/v1/completions", content=b" " * (4 * 2**20 + 1), headers=headers), 413, "more than the 4194304 this server takes")
     assert_error(client.get("/v1/nothing"), 404, "no such endpoint: GET /v1/nothing")
     assert_error(client.get("/v1/completions"), 405, "GET is not allowed on /v1/completions")
+
+
+SEED_MAX = 2**64 - 1
+
+VALUE_ERRORS = [
+    # n < 1 is not "send 0 requests instead": n must be 1
+    ({"n": 0}, "n=0 must be 1: specdec returns one choice per request", "n"),
+    ({"n": -2}, "n=-2 must be 1: specdec returns one choice per request", "n"),
+    # the value once (the handler used to append "(got ...)" to messages that already named it)
+    ({"presence_penalty": 1.5}, "presence_penalty=1.5 is not supported (this server applies no penalties); leave the field out or send 0", "presence_penalty"),
+    ({"frequency_penalty": -2}, "frequency_penalty=-2 is not supported (this server applies no penalties); leave the field out or send 0", "frequency_penalty"),
+    ({"best_of": 3}, "best_of=3 is not supported; leave it out or send 1", "best_of"),
+    ({"logit_bias": {"50256": 2}}, 'logit_bias={"50256": 2} is not supported; leave the field out', "logit_bias"),
+    # an element of a list (or of an object) by its index (key), not the whole field as "list"
+    ({"stop": ["a", ""]}, 'stop[1]="" must be non-empty; remove it', "stop[1]"),
+    ({"stop": ""}, 'stop="" must be non-empty; leave the field out for no stop string', "stop"),
+    ({"stop": ["a", 3]}, "stop[1]=3 must be a string", "stop[1]"),
+    ({"prompt": ["a", 3]}, "prompt[1]=3 must be a string", "prompt[1]"),
+    ({"logit_bias": {"50256": "x"}}, 'logit_bias["50256"]="x" must be a number', 'logit_bias["50256"]'),
+    # seeds: the API's range (0 to 2**64 - 1) and wording
+    ({"seed": SEED_MAX + 1}, f"seed={SEED_MAX + 1} does not fit in 64 bits; give an integer from 0 to {SEED_MAX}", "seed"),
+    ({"seed": -1}, f"seed=-1 must be at least 0; give an integer from 0 to {SEED_MAX}", "seed"),
+    ({"seed": 1.5}, "seed=1.5 must be an integer", "seed"),
+    # a long value is shortened, not echoed whole
+    ({"max_tokens": "9" * 1000}, 'max_tokens="' + "9" * 58 + '… must be an integer', "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("body", "message", "param"), VALUE_ERRORS, ids=[str(i) for i in range(len(VALUE_ERRORS))])
+def test_a_bad_value_is_named_once_with_its_fix(client, body, message, param):
+    error = assert_error(client.post("/v1/completions", json={"prompt": "x", "temperature": 0, **body}), 400, message, param)
+    assert error["message"] == message and error["code"] == "invalid_value"
+
+
+def test_a_bad_chat_content_part_is_named_by_its_index(client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": 3}]}]
+    error = assert_error(client.post("/v1/chat/completions", json={"messages": messages}), 400, "", "messages[0].content[1].text")
+    assert error["message"] == "messages[0].content[1].text=3 must be a string"
+    error = assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": 3}]}), 400, "", "messages[0].content")
+    assert error["message"] == "messages[0].content=3 must be a string or a list"
+
+
+def test_a_seed_takes_the_full_64_bits_as_in_the_api(client, decoder):
+    """The server took seeds up to 2**63 - 1 only; the CLI and the API take up to 2**64 - 1."""
+    for seed in (2**63, SEED_MAX):
+        response = complete(client, prompt=PROMPTS[4], temperature=1.0, seed=seed)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == offline(decoder, PROMPTS[4], 16, temperature=1.0, seed=seed)
 
 
 def _moved(before: dict[str, float], after: dict[str, float], key: str) -> float:
@@ -822,28 +870,24 @@ def test_max_draft_rows_behind_the_server(tiny_pair_dir, decoder):
 # ----- command line -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_specdec_serve_command(tiny_pair_dir):
-    port = _free_port()
+    """`specdec serve --port 0`: it announces the free port it bound once it listens (it used to
+    print ':0'), serves there, and drains a stream in flight on SIGTERM."""
     cmd = [sys.executable, "-m", "specdec.cli", "serve", "--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"),
-           "--device", "cpu", "--port", str(port), "--max-batch-size", "2", "--model-name", "cli", "--log-level", "warning"]
+           "--device", "cpu", "--port", "0", "--max-batch-size", "2", "--model-name", "cli", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr: list[bytes] = []
+    reader = threading.Thread(target=lambda: stderr.extend(iter(proc.stderr.readline, b"")) if proc.stderr else None, daemon=True)
+    reader.start()
     try:
-        url = f"http://127.0.0.1:{port}"
+        def announced() -> bool:
+            assert proc.poll() is None, b"".join(stderr).decode()
+            return any(b"specdec: serving 'cli' (chain) on http://127.0.0.1:" in line for line in stderr)
 
-        def up() -> bool:
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(up, timeout=40)
+        wait_for(announced, timeout=40)
+        line = next(line for line in stderr if b"specdec: serving" in line).decode()
+        url = line.split(" on ", 1)[1].strip().removesuffix("/v1")
+        assert not url.endswith(":0") and httpx.get(url + "/health", timeout=5).status_code == 200
         response = httpx.post(url + "/v1/completions", json={"model": "cli", "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0}, timeout=TIMEOUT)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
         # SIGTERM with a stream in flight: the server drains it (it ends with [DONE]) and exits cleanly
@@ -855,11 +899,40 @@ def test_specdec_serve_command(tiny_pair_dir):
             events = sse_payloads(lines)
         assert events[-1] == "[DONE]" and (events[-2].get("error") or events[-2]["choices"][0]["finish_reason"])
         assert proc.wait(20) in (0, -signal.SIGTERM)
-        assert b"Traceback" not in (proc.stderr.read() if proc.stderr else b"")
+        reader.join(5)
+        assert b"Traceback" not in b"".join(stderr)
     finally:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(20)
+
+
+def test_serve_on_port_0_announces_the_port_it_bound(decoder, monkeypatch):
+    """`serve(port=0)` listens on a free port; on_listening gets the URL with that port, not :0."""
+    import specdec.serve.server as server_module
+
+    servers = []
+    make = server_module._server
+
+    def keep(*args, **kwargs):
+        servers.append(make(*args, **kwargs))
+        return servers[-1]
+
+    monkeypatch.setattr(server_module, "_server", keep)
+    urls: list[str] = []
+    kwargs = {"port": 0, "log_level": "warning", "on_listening": urls.append}
+    thread = threading.Thread(target=server_module.serve, args=(create_app(decoder),), kwargs=kwargs, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: bool(urls) or not thread.is_alive(), timeout=40)
+        assert len(urls) == 1 and re.fullmatch(r"http://127\.0\.0\.1:\d+", urls[0]), urls
+        assert int(urls[0].rsplit(":", 1)[1]) != 0
+        assert httpx.get(urls[0] + "/health", timeout=TIMEOUT).status_code == 200
+    finally:
+        for srv in servers:
+            srv.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
 
 
 @pytest.mark.parametrize(

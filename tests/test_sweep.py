@@ -120,3 +120,11 @@ def test_sweep_end_to_end(tiny_pair_dir, tmp_path, capsys):
 def test_sweep_errors_exit_2(tiny_pair_dir, tmp_path, capsys, extra, needle):
     assert main(_sweep_args(tiny_pair_dir, _prompts(tmp_path), tmp_path / "out", *extra)) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_sweep_bad_phase_is_refused_before_the_plan(tiny_pair_dir, tmp_path, capsys):
+    """--phase is checked before the plan (and its time estimate) is printed: the error is the only line."""
+    assert main(_sweep_args(tiny_pair_dir, _prompts(tmp_path), tmp_path / "out", "--phase", "9")) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["specdec: error: --phase 9 must be 0, 1, 2 or 3 (0: the fixed tree; 1-3 add the adaptive rules)"], err
+    assert not (tmp_path / "out").exists()

@@ -16,12 +16,16 @@ from specdec.cli import main
 from specdec.errors import SpecDecError
 from specdec.models import synthetic
 from specdec.models.synthetic import (
+    CALIBRATION,
+    DTYPES,
     DraftSpec,
     TargetSpec,
     build_draft,
     cached_draft,
     cached_target,
+    check_memory,
     critical_noise,
+    estimate_memory,
     gaussian_rows,
     load_shape,
     measure_full,
@@ -30,6 +34,7 @@ from specdec.models.synthetic import (
     plan_tensors,
     read_record,
     shape_names,
+    synth_pair,
     target_config,
     write_model,
 )
@@ -286,7 +291,7 @@ def test_synth_pair_bad_options_exit_2(capsys, tiny_config, tmp_path, case):
     code, _, err = _run(capsys, *argv)
     assert code == 2 and needle in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "o" / "target").exists()  # refused before building anything
+    assert not (tmp_path / "o").exists()  # refused before building anything (or creating --out)
 
 
 def test_synth_pair_refuses_a_non_empty_out(capsys, tiny_config, tmp_path):
@@ -296,6 +301,109 @@ def test_synth_pair_refuses_a_non_empty_out(capsys, tiny_config, tmp_path):
     assert code == 2 and "is not an empty folder" in err
     code, _, err = _run(capsys, "synth-pair", "--out", str(tmp_path / "p"))
     assert code == 2 and "--shape is required" in err
+
+
+BAD_SHAPES = {
+    "heads do not divide hidden": (
+        {**TINY, "num_attention_heads": 7},
+        "is not a valid llama config: The hidden size (64) is not a multiple of the number of attention heads (7); fix the file",
+    ),
+    "a field of the wrong type": ({**TINY, "hidden_size": "64"}, "is not a valid llama config: Field 'hidden_size' expected int, got str"),
+    "unknown model type": ({**TINY, "model_type": "llama9"}, "model_type 'llama9' is not one transformers knows"),
+    "an encoder": (
+        {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 512},
+        "is an encoder (bert, a masked LM that reads both ways), not a causal LM",
+    ),
+    "an encoder-decoder": (
+        {"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 2, "vocab_size": 512},
+        "is an encoder-decoder model (t5), not a causal LM",
+    ),
+}
+"""config.json files transformers refuses to build, or builds but not as a decoder-only causal LM"""
+
+
+@pytest.mark.parametrize("case", list(BAD_SHAPES))
+def test_bad_shape_files_are_one_line_errors(capsys, tmp_path, case):
+    """Refused up front, by synth-pair and by bench --synthetic, naming the file and the reason, with
+    no traceback, before anything is built (an encoder used to be calibrated first and then refused
+    for a wrong reason, soft-capping)."""
+    config, needle = BAD_SHAPES[case]
+    shape = tmp_path / "bad.json"
+    shape.write_text(json.dumps(config))
+    code, _, err = _run(capsys, "synth-pair", "--shape", str(shape), "--device", "cpu", "--out", str(tmp_path / "o"))
+    assert code == 2 and needle in err and f"--shape {str(shape)!r}" in err, err
+    assert err.startswith("specdec: error: ") and len(err.strip().splitlines()) == 1  # no traceback, no "generating ..." line
+    assert not (tmp_path / "o").exists()
+    code, _, err = _run(capsys, "bench", "--synthetic", str(shape), "--synth-cache", str(tmp_path / "c"), "--no-progress", "--out", str(tmp_path / "b"))
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "c").exists()
+
+
+HUGE = {**TINY, "hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 100, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000}
+"""~6.1e12 parameters (~333 GB to build): far beyond any machine's memory"""
+
+
+def _estimate(shape: str, dtype: str = "float16", device: str = "cpu"):
+    config, _ = target_config(load_shape(shape), dtype)
+    plans, _ = plan_tensors(meta_model(config))
+    return estimate_memory(config, plans, DTYPES[dtype], 64, CALIBRATION, 1, torch.device(device))
+
+
+def test_memory_estimate_of_the_documented_shapes():
+    """The estimate follows what the build allocates: docs/synthetic-pairs.md measured a peak RSS of
+    8.8 GiB for llama-3-8b in float16 and 1.2 GiB for tiny-llama (both including ~0.4 GiB of Python
+    and torch), so every named shape passes the check on the 23 GB machine they were built on."""
+    gib = 2**30
+    eight = _estimate("llama-3-8b")
+    assert eight.target_params == REAL_PARAMS["llama-3-8b"] and eight.draft_params == 1_268_789_248  # docs: 1,268.8M
+    assert 7.5 * gib < eight.host_bytes < 9.5 * gib and "calibrating" in eight.host_phase and eight.device_bytes == 0
+    assert 0.5 * gib < _estimate("tiny-llama", "float32").host_bytes < 1.3 * gib
+    for name in shape_names():
+        assert _estimate(name).host_bytes < 12e9, name  # leaves room on a 16 GB machine too
+
+
+def test_a_shape_too_big_for_memory_is_refused_before_anything_is_created(capsys, tmp_path, monkeypatch, tiny_config):
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps(HUGE))
+    monkeypatch.setattr(synthetic, "available_memory", lambda: 64 * 10**9)
+    out = tmp_path / "new" / "pair"
+    code, _, err = _run(capsys, "synth-pair", "--shape", str(huge), "--device", "cpu", "--out", str(out))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--shape {str(huge)!r} is too big for this machine" in err and "6,124.54B-parameter target" in err
+    assert "GB of memory" in err and "64.0 GB is available" in err and "smaller shape" in err and "more memory" in err
+    assert not (tmp_path / "new").exists()  # neither --out nor its parent was created
+    # the check compares with what is available: the tiny shape fits in 2 GB, not in 100 MB
+    monkeypatch.setattr(synthetic, "available_memory", lambda: 10**8)
+    code, _, err = _run(capsys, "synth-pair", "--shape", str(tiny_config), "--device", "cpu", "--out", str(out))
+    assert code == 2 and "is too big for this machine" in err and "0.1 GB is available" in err, err
+    assert not (tmp_path / "new").exists()
+    code, _, err = _run(capsys, "bench", "--synthetic", str(huge), "--synth-cache", str(tmp_path / "c"), "--no-progress", "--out", str(tmp_path / "b"))
+    assert code == 2 and "is too big for this machine" in err, err
+    assert not (tmp_path / "c").exists()
+    # on CUDA the calibration's share is compared with the GPU's free memory
+    monkeypatch.setattr(synthetic, "available_memory", lambda: 64 * 10**9)
+    monkeypatch.setattr(synthetic, "available_device_memory", lambda device: 10**8)
+    estimate = _estimate("tiny-llama", "float32", "cuda")
+    assert estimate.device_bytes > 10**8 and "calibrating" in estimate.device_phase
+    with pytest.raises(SpecDecError, match=r"too big for cuda: .* of GPU memory .* 0\.1 GB is free; .* or --device cpu"):
+        check_memory(load_shape("tiny-llama"), estimate, torch.device("cuda"))
+    monkeypatch.setattr(synthetic, "available_memory", lambda: None)  # unknown: no check
+    check_memory(load_shape(str(huge)), _estimate(str(huge)), torch.device("cpu"))
+
+
+def test_a_failed_build_leaves_no_folder_behind(tmp_path, monkeypatch, tiny_config):
+    def fail(*args, **kwargs):
+        raise SpecDecError("the draft failed")
+
+    monkeypatch.setattr(synthetic, "build_draft", fail)
+    spec, draft = TargetSpec(shape=str(tiny_config), dtype="float32"), DraftSpec(agreement=0.8)
+    with pytest.raises(SpecDecError, match="the draft failed"):
+        synth_pair(spec, draft, tmp_path / "new" / "pair", device="cpu")
+    assert not (tmp_path / "new").exists()  # the folders it created are removed
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecDecError, match="the draft failed"):
+        synth_pair(spec, draft, tmp_path / "empty", device="cpu")
+    assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())  # a given empty folder is left as it was
 
 
 def test_build_draft_needs_a_target(tmp_path):

@@ -591,6 +591,8 @@ def run_bench(config: BenchConfig, variants: Sequence[Variant] | None = None) ->
         raise SpecDecError(f"the first variant must be the {BASELINE} baseline")
     variants = list(variants)
     notes: list[str] = []
+    if config.num_prompts is not None and len(prompts) < config.num_prompts:
+        notes.append(f"{prompt_file} holds {len(prompts)} prompt(s), fewer than --num-prompts {config.num_prompts}: all {len(prompts)} ran.")
     if config.batch_size > 1:
         images = any(p.images for p in prompts)
         skipped = [v.label for v in variants if v.peer and (v.method not in BATCHED_PEERS or images)]

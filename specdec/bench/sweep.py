@@ -164,10 +164,19 @@ def bench_config(config: SweepConfig) -> BenchConfig:
 # ----- the run -------------------------------------------------------------------------
 
 
+PHASES = (0, 1, 2, 3)
+"""the dynatree phases a sweep can run"""
+
+
+def check_phase(phase: int) -> None:
+    """A SpecDecError for a --phase the dynatree policy does not have (checked before the plan is printed)."""
+    if phase not in PHASES:
+        raise SpecDecError(f"--phase {phase} must be 0, 1, 2 or 3 (0: the fixed tree; 1-3 add the adaptive rules)")
+
+
 def run_sweep(config: SweepConfig, argv: Sequence[str] = ()) -> SweepOutputs:
     """Run the grid (one interleaved bench run), write sweep.md, sweep.json and the heatmaps."""
-    if config.phase not in (0, 1, 2, 3):
-        raise SpecDecError(f"--phase {config.phase} must be 0, 1, 2 or 3")
+    check_phase(config.phase)
     points = grid_points(config)
     variants = grid_variants(config)
     result = run_bench(bench_config(config), variants=variants)

@@ -115,7 +115,7 @@ def validate_whatif(bench: BenchConfig, whatif: WhatIfConfig) -> TargetSpec:
         shape=whatif.shape, dtype=str(dtype).replace("torch.", ""), seed=whatif.seed, head_scale=whatif.head_scale, prompt_tokens=whatif.prompt_tokens
     )
     spec.validate()
-    config, _ = target_config(load_shape(whatif.shape), spec.dtype)
+    config, _ = target_config(load_shape(whatif.shape, flag="--synthetic"), spec.dtype)
     for a in whatif.agreements:
         DraftSpec(agreement=a, draft_layers=whatif.draft_layers).validate(num_layers(config))
     return spec

@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import platform
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,13 +66,30 @@ _VOLATILE_CONFIG_KEYS = frozenset(
 
 def check_cost_profile_path(path: str) -> None:
     """A cost profile path (cost_profile=, --cost-profile): a JSON file that exists, or that a
-    measured table may be written to; a SpecDecError for an empty one or a directory."""
+    measured table may be written to; a SpecDecError for an empty one, a directory, or a new file
+    whose folder is missing or not writable (checked before anything is measured)."""
     if not path.strip():
         raise SpecDecError("cost_profile (--cost-profile) is empty; give a JSON file path from `specdec profile`, or leave it out")
-    if Path(path).expanduser().is_dir():
+    file = Path(path).expanduser()
+    if file.is_dir():
         raise SpecDecError(
             f"cost profile {path!r} (--cost-profile) is a directory; give a JSON file path, e.g. {Path(path) / 'cost_profile.json'} (`specdec profile --out FILE` writes one)"
         )
+    if not file.exists():
+        folder = file.parent if str(file.parent) else Path(".")
+        if not folder.is_dir():
+            raise SpecDecError(
+                f"cost profile {path!r} (--cost-profile) does not exist, and its folder {str(folder)!r} does not either, so a measured "
+                "profile could not be saved there; give an existing profile, or a path in an existing folder"
+            )
+        try:  # a file created and removed: permissions alone miss read-only mounts and /proc
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".specdec-write-check-"):
+                pass
+        except OSError as err:
+            raise SpecDecError(
+                f"cost profile {path!r} (--cost-profile) does not exist, and its folder {str(folder)!r} cannot be written to "
+                f"({err.strerror}), so a measured profile could not be saved there; give an existing profile, or a path in a folder you can write to"
+            ) from None
 
 
 def select_context(c: int, step: int, buckets: int) -> int:

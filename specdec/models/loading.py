@@ -165,9 +165,30 @@ def _hub_kwargs(options: LoadOptions) -> dict[str, Any]:
     return kwargs
 
 
+try:  # transformers' config checks (huggingface_hub's strict dataclasses) raise these, not ValueError
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an older huggingface_hub: its configs raise ValueError
+    StrictDataclassError = ValueError  # type: ignore[misc,assignment]
+
+LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, ImportError, TypeError, StrictDataclassError)
+"""what `from_pretrained` of a config, tokenizer or processor raises for a bad or missing checkpoint"""
+
+
 def _load_error(what: str, name: str, part: str, err: BaseException, options: LoadOptions) -> SpecDecError:
     """A SpecDecError for a from_pretrained failure, with the likely fix."""
     text = _first_line(err)
+    if isinstance(err, StrictDataclassError) and err.__cause__ is not None:
+        return SpecDecError(
+            f"the config.json of {what} model {name!r} fails transformers' checks ({_first_line(err.__cause__)}); "
+            "fix config.json (or save the model again with save_pretrained())"
+        )
+    if "ignore_mismatched_sizes" in text:
+        shapes = _shape_mismatches(name, options)
+        detail = f": {shapes}" if shapes else " (a tensor's shape)"
+        return SpecDecError(
+            f"the config.json of {what} model {name!r} and its weights disagree{detail}; "
+            "fix config.json's sizes (vocab_size, hidden_size, ...) or save the model again with save_pretrained()"
+        )
     if "trust_remote_code" in text and not options.trust_remote_code:
         fix = "the checkpoint ships its own modelling code: pass --trust-remote-code (trust_remote_code=True) if you trust it"
     elif "safetensors" in type(err).__module__ or "deserializ" in text:
@@ -185,7 +206,7 @@ def load_config(name: str, what: str = "target", options: LoadOptions | None = N
     source = _check_source(name, what, options.revision)
     try:
         return AutoConfig.from_pretrained(source, **_hub_kwargs(options))
-    except (OSError, ValueError, KeyError, ImportError) as err:
+    except LOAD_ERRORS as err:
         raise _load_error(what, name, "config", err, options) from err
 
 
@@ -211,14 +232,25 @@ def check_causal_lm(config: PretrainedConfig, name: str, what: str = "target") -
             raise SpecDecError(f"{what} model {name!r} ({model_type}) is not an image-text-to-text model transformers knows; {fix}")
         check_tree_verifiable(config, name, what)
         return AutoModelForImageTextToText
-    if getattr(config, "is_encoder_decoder", False):
-        raise SpecDecError(f"{what} model {name!r} is an encoder-decoder model ({model_type}), not a causal LM; {fix}")
-    if model_type in _auto_class_names("MODEL_FOR_MASKED_LM_MAPPING_NAMES") and not getattr(config, "is_decoder", False):
-        raise SpecDecError(f"{what} model {name!r} is an encoder ({model_type}, a masked LM that reads both ways), not a causal LM; {fix}")
-    if model_type not in _auto_class_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") and "AutoModelForCausalLM" not in auto_map:
-        raise SpecDecError(f"{what} model {name!r} ({model_type}) is not a causal LM transformers knows; {fix}")
+    problem = text_causal_lm_problem(config)
+    if problem is not None:
+        raise SpecDecError(f"{what} model {name!r} {problem}; {fix}")
     check_tree_verifiable(config, name, what, _causal_lm_class(config))
     return AutoModelForCausalLM
+
+
+def text_causal_lm_problem(config: PretrainedConfig) -> str | None:
+    """Why a text model's `config` is not a decoder-only causal LM (a phrase to follow its name:
+    an encoder-decoder, a masked-LM encoder, a type transformers has no causal LM for, unless
+    remote code maps one), or None."""
+    model_type = getattr(config, "model_type", None) or "unknown"
+    if getattr(config, "is_encoder_decoder", False):
+        return f"is an encoder-decoder model ({model_type}), not a causal LM"
+    if model_type in _auto_class_names("MODEL_FOR_MASKED_LM_MAPPING_NAMES") and not getattr(config, "is_decoder", False):
+        return f"is an encoder ({model_type}, a masked LM that reads both ways), not a causal LM"
+    if model_type not in _auto_class_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") and "AutoModelForCausalLM" not in (getattr(config, "auto_map", None) or {}):
+        return f"({model_type}) is not a causal LM transformers knows"
+    return None
 
 
 def _causal_lm_class(config: PretrainedConfig) -> type | None:
@@ -260,6 +292,36 @@ def _list_tensors(names: set[str] | list[str]) -> str:
     ordered = sorted(names)
     shown = ", ".join(ordered[:LISTED_TENSORS])
     return shown + (f", ... ({len(ordered)} in all)" if len(ordered) > LISTED_TENSORS else "")
+
+
+def _shape_mismatches(name: str, options: LoadOptions, shown: int = 3) -> str | None:
+    """The checkpoint tensors whose shapes differ from what the config builds (`shown` of them and
+    the count), read from a local folder's safetensors headers against the model built on the meta
+    device; None where that cannot be read (a hub id, .bin weights)."""
+    folder = Path(name).expanduser()
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    try:
+        from safetensors import safe_open
+
+        config = AutoConfig.from_pretrained(str(folder), **_hub_kwargs(options))
+        with torch.device("meta"):
+            model = check_causal_lm(config, name).from_config(config)
+        expected = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+        found = []
+        for file in files:
+            with safe_open(str(file), framework="pt") as weights:
+                for key in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    shape = tuple(weights.get_slice(key).get_shape())
+                    if key in expected and shape != expected[key]:
+                        found.append(f"{key} is {list(shape)} in the weights, {list(expected[key])} from config.json")
+    except Exception:  # best effort: the caller still names the problem
+        return None
+    if not found:
+        return None
+    more = f" (and {len(found) - shown} more)" if len(found) > shown else ""
+    return "; ".join(found[:shown]) + more
 
 
 def check_loading_info(info: Mapping[str, Any], model: PreTrainedModel, name: str, what: str = "target") -> None:
@@ -363,7 +425,7 @@ def load_tokenizer(name: str, what: str = "target", options: LoadOptions | None 
     _check_tokenizer_files(source, name, what)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **_hub_kwargs(options))
-    except (OSError, ValueError, KeyError, ImportError, TypeError) as err:
+    except LOAD_ERRORS as err:
         raise _load_error(what, name, "tokenizer", err, options) from err
     vocab = tokenizer.get_vocab()
     if set(vocab) <= set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()):
@@ -380,7 +442,7 @@ def load_processor(name: str, what: str = "target", options: LoadOptions | None 
     source = _check_source(name, what, options.revision)
     try:
         return AutoProcessor.from_pretrained(source, **_hub_kwargs(options))
-    except (OSError, ValueError, TypeError, ImportError) as err:
+    except LOAD_ERRORS as err:
         raise SpecDecError(
             f"could not load the processor of {what} model {name!r}: {_first_line(err)}; a vision-language model needs its processor files"
         ) from err

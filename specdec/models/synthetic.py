@@ -50,6 +50,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -58,11 +59,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from specdec.errors import SpecDecError
-from specdec.models.loading import ASSETS, DTYPES, resolve_device
+from specdec.models.loading import ASSETS, DTYPES, resolve_device, text_causal_lm_problem
 
 SHAPES_DIR = ASSETS / "shapes"
 """the named shapes: one JSON file per name, {"source", "notes", "config": <the model's config.json>}"""
@@ -136,6 +139,8 @@ class Shape:
     source: str | None = None
     """the model whose shape this is (hub id), when known"""
     notes: str = ""
+    flag: str = "--shape"
+    """the option that gave the shape, named in errors"""
 
 
 def shape_names() -> list[str]:
@@ -151,7 +156,7 @@ def load_shape(shape: str, flag: str = "--shape") -> Shape:
     named = SHAPES_DIR / f"{shape}.json"
     if named.is_file():
         data = json.loads(named.read_text(encoding="utf-8"))
-        return Shape(name=shape, config=dict(data["config"]), source=data.get("source"), notes=data.get("notes", ""))
+        return Shape(name=shape, config=dict(data["config"]), source=data.get("source"), notes=data.get("notes", ""), flag=flag)
     path = Path(shape).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -163,7 +168,7 @@ def load_shape(shape: str, flag: str = "--shape") -> Shape:
         raise SpecDecError(f"{flag} {shape!r}: could not read it as JSON ({err}); give a model's config.json") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise SpecDecError(f"{flag} {shape!r} has no 'model_type'; give a Hugging Face config.json (e.g. a model folder's config.json)")
-    return Shape(name=str(path), config=config, source=config.get("_name_or_path") or None)
+    return Shape(name=str(path), config=config, source=config.get("_name_or_path") or None, flag=flag)
 
 
 # ----- what defines a pair -------------------------------------------------------------
@@ -339,12 +344,35 @@ def target_config(shape: Shape, dtype: str) -> tuple[PretrainedConfig, list[str]
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         fields[key] = None
     model_type = fields.pop("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise SpecDecError(
+            f"{shape.flag} {shape.name!r}: model_type {model_type!r} is not one transformers knows; "
+            "give a decoder-only config (llama, qwen2, mistral, gpt2, gpt_neox, ...)"
+        )
     try:
         config = AutoConfig.for_model(model_type, **fields)
-    except (ValueError, TypeError, KeyError) as err:
-        raise SpecDecError(f"--shape {shape.name!r}: transformers cannot build a {model_type!r} config from it ({err})") from None
+    except (StrictDataclassError, ValueError, TypeError, KeyError, ArithmeticError) as err:
+        # transformers validates configs with huggingface_hub's strict dataclasses; their message
+        # wraps the validator's own (err.__cause__), which is the reason to show
+        reason = " ".join(str(err.__cause__ or err).split()).rstrip(". ") or type(err).__name__
+        raise SpecDecError(f"{shape.flag} {shape.name!r} is not a valid {model_type} config: {reason}; fix the file") from None
+    check_causal(config, shape)
     config.dtype = DTYPES[dtype]
     return config, notes
+
+
+def check_causal(config: PretrainedConfig, shape: Shape) -> None:
+    """A SpecDecError, before anything is built, for a config that is not a decoder-only causal LM
+    (`specdec.models.loading.text_causal_lm_problem`; a vision-language config is refused too:
+    synth-pair builds text models)."""
+    model_type = config.model_type
+    fix = "synth-pair needs a decoder-only causal LM config (Llama, Qwen2, Mistral, GPT-2, GPT-NeoX, ...)"
+    what = f"{shape.flag} {shape.name!r}"
+    if getattr(config, "vision_config", None) is not None:
+        raise SpecDecError(f"{what} is a vision-language model ({model_type}), not a text-only causal LM; {fix} (e.g. its text_config)")
+    problem = text_causal_lm_problem(config)
+    if problem is not None:
+        raise SpecDecError(f"{what} {problem}; {fix}")
 
 
 def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
@@ -761,11 +789,137 @@ def _heads(seed: int, plan: TensorPlan, scale: float, dtype: torch.dtype) -> tup
     return target, clean, noise
 
 
+# ----- memory ----------------------------------------------------------------------------
+
+
+def available_memory() -> int | None:
+    """Bytes of RAM this process can still allocate without swapping (Linux MemAvailable, else
+    free physical pages); None where the system does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def available_device_memory(device: torch.device) -> int | None:
+    """Free bytes on a CUDA device (None for other devices)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What building a pair (target + one draft) allocates at its peak, from the code's own
+    allocations (`estimate_memory`); the weights themselves are streamed to disk and never held whole."""
+
+    target_params: int
+    draft_params: int
+    host_bytes: int
+    """peak of CPU memory"""
+    host_phase: str
+    """the step at that peak"""
+    device_bytes: int
+    """peak on the calibration device when it is not the CPU (0 on the CPU: counted in host_bytes)"""
+    device_phase: str
+
+
+def estimate_memory(
+    config: PretrainedConfig, plans: list[TensorPlan], dtype: torch.dtype, prompt_tokens: int, calibration: Calibration,
+    draft_layers: int = 1, device: torch.device | None = None,
+) -> MemoryEstimate:
+    """Peak memory of build_target + build_draft, step by step as they allocate (a lower bound:
+    Python, torch and allocator overheads come on top):
+
+    - reference: the float32 one-layer model (embeddings, layer 0, norm, head) + one saved-dtype tensor being filled;
+    - calibration: the reference + the activations of its forward over every calibration context
+      (2 x sequences contexts of prompt + new tokens: 3 MLP-wide and 4 hidden-wide float32 values per
+      token, the attention scores) + the kept hidden states;
+    - writing: a pending shard (up to SHARD_BYTES, or the largest tensor; at most the whole target) + the next
+      tensor + a generated block;
+    - draft calibration: the fit hidden states and a few [positions, head block] float32 matrices;
+    - full check (targets up to FULL_CHECK_MAX_PARAMS): the target and draft loaded whole in float32.
+    """
+    device = device or torch.device("cpu")
+    on_host = device.type != "cuda"
+    numel = {p.name: math.prod(p.shape) for p in plans}
+
+    def first(n_layers: int) -> list[int]:  # the tensors of a model of the first n_layers layers
+        return [n for name, n in numel.items() if (index := _layer_of(name)) is None or index < n_layers]
+
+    target = sum(numel.values())
+    reference = sum(first(1))
+    draft = sum(first(draft_layers))
+    largest = max(numel.values(), default=0)
+    largest_reference = max(first(1), default=0)
+    size = dtype.itemsize
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    mlp = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    length = prompt_tokens + calibration.new_tokens
+    tokens = 2 * calibration.sequences * length
+    positions = calibration.sequences * calibration.new_tokens  # per set (fit, check)
+    block = min(vocab, max(1, CHUNK_VALUES // max(hidden, 1)))  # head rows per block
+    generated = 2 * CHUNK_VALUES * 4  # a float32 block being drawn + its rows
+
+    kept = 4 * 2 * positions * hidden  # fit + check hidden states, float32
+    steps: dict[str, tuple[bool, int]] = {  # step -> (on the host, bytes)
+        "building the float32 first-layer reference": (True, 4 * reference + largest_reference * size + generated),
+        "calibrating with the float32 first-layer reference": (
+            on_host, 4 * reference + 4 * tokens * (3 * mlp + 4 * hidden) + 4 * tokens * heads * length + kept,
+        ),
+        "fitting the head scale": (on_host, kept + 4 * HEAD_SCALE_POSITIONS * vocab + 3 * 4 * positions * block),
+        "writing the weights": (True, kept + min(max(SHARD_BYTES, largest * size), target * size) + largest * size + generated),
+        "calibrating the draft": (on_host, 4 * positions * hidden + 6 * 4 * positions * block + 2 * 4 * block * hidden),
+    }
+    if target <= FULL_CHECK_MAX_PARAMS:
+        rows = 4
+        steps["checking the pair end to end"] = (on_host, 4 * (target + draft) + 3 * 4 * rows * length * vocab + 4 * rows * length * (3 * mlp + 4 * hidden))
+    host = max(((b, s) for s, (h, b) in steps.items() if h), default=(0, ""))
+    dev = max(((b, s) for s, (h, b) in steps.items() if not h), default=(0, ""))
+    return MemoryEstimate(target_params=target, draft_params=draft, host_bytes=host[0], host_phase=host[1], device_bytes=dev[0], device_phase=dev[1])
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def check_memory(shape: Shape, estimate: MemoryEstimate, device: torch.device) -> None:
+    """A SpecDecError, before anything is built, when the pair clearly cannot be built here: the
+    estimated peak exceeds the memory available now (RAM; free GPU memory for calibration on CUDA).
+    Skipped where the system does not say what is available."""
+    sizes = f"a {estimate.target_params / 1e9:,.2f}B-parameter target and {estimate.draft_params / 1e9:,.2f}B-parameter draft"
+    fix = "use a smaller shape (fewer layers, a smaller hidden size, intermediate size or vocabulary) or a machine with more memory"
+    host = available_memory()
+    if host is not None and estimate.host_bytes > host:
+        raise SpecDecError(
+            f"{shape.flag} {shape.name!r} is too big for this machine: building {sizes} needs about {_gb(estimate.host_bytes)} of memory "
+            f"at its peak ({estimate.host_phase}), and {_gb(host)} is available; {fix}"
+        )
+    free = available_device_memory(device)
+    if free is not None and estimate.device_bytes > free:
+        raise SpecDecError(
+            f"{shape.flag} {shape.name!r} is too big for {device}: building {sizes} needs about {_gb(estimate.device_bytes)} of GPU memory "
+            f"at its peak ({estimate.device_phase}), and {_gb(free)} is free; {fix}, or --device cpu"
+        )
+
+
 def build_target(
-    spec: TargetSpec, root: Path, device: str | torch.device | None = None, log: Log = _quiet, calibration: Calibration = CALIBRATION
+    spec: TargetSpec, root: Path, device: str | torch.device | None = None, log: Log = _quiet, calibration: Calibration = CALIBRATION,
+    draft_layers: int = 1,
 ) -> PairRecord:
     """Build the target into root/target (+ root/prompts.jsonl, root/calibration.safetensors,
-    root/synth_pair.json); returns its record."""
+    root/synth_pair.json); returns its record. Refuses, before creating root, a shape whose
+    target and a `draft_layers`-layer draft cannot be built in the memory available (`check_memory`)."""
     spec.validate()
     shape = load_shape(spec.shape)
     config, notes = target_config(shape, spec.dtype)
@@ -774,6 +928,7 @@ def build_target(
     _check_positions(config, spec.prompt_tokens, calibration)
     plans, head_name = plan_tensors(meta_model(config))  # fails early on an unsupported architecture
     dev = device if isinstance(device, torch.device) else resolve_device(device)
+    check_memory(shape, estimate_memory(config, plans, DTYPES[spec.dtype], spec.prompt_tokens, calibration, draft_layers, dev), dev)
     root.mkdir(parents=True, exist_ok=True)
 
     log(f"{shape.name}: generating {2 * calibration.sequences} x {calibration.new_tokens} calibration tokens with the first-layer model")
@@ -962,8 +1117,21 @@ def synth_pair(spec: TargetSpec, draft: DraftSpec, out: Path, device: str | torc
     draft.validate(num_layers(config))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SpecDecError(f"--out {str(out)!r} exists and is not an empty folder; give a new folder (or delete it)")
-    build_target(spec, out, device, log)
-    build_draft(out, draft, "draft", device, log)
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the first folder this call creates
+    try:
+        build_target(spec, out, device, log, draft_layers=draft.draft_layers)
+        build_draft(out, draft, "draft", device, log)
+    except BaseException:
+        # no half-built pair (or empty folder) is left behind: remove what this call created
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        elif out.is_dir():
+            for child in out.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+        raise
     record = read_record(out)
     assert record is not None
     return record

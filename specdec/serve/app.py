@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
@@ -50,6 +50,7 @@ from specdec.serve.scheduler import (
     shutting_down,
 )
 from specdec.serve.schemas import (
+    INVALID_ITEM,
     LONE_SURROGATE,
     AssistantMessage,
     ChatChoice,
@@ -175,23 +176,104 @@ def _sse(payload: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def _param(loc: Sequence[str | int]) -> str:
-    """A pydantic error location as the request field it names, e.g. messages[0].role.
+_MISSING = object()
 
-    Union members add their type to the location (stop -> str / list[str]); those are dropped."""
-    parts: list[str] = []
-    for part in loc:
+SHOWN_VALUE_CHARS = 60
+"""an error message shows at most this many characters of the offending value (its JSON)"""
+
+REASONS: dict[str, str] = {
+    "string_type": "must be a string",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "greater_than": "must be greater than {gt}",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than": "must be less than {lt}",
+    "less_than_equal": "must be at most {le}",
+    "literal_error": "must be {expected}",
+}
+"""pydantic error type -> the reason a message gives (formatted with the error's ctx)"""
+
+
+def _located(body: Any, loc: Sequence[str | int], kind: str) -> tuple[list[str | int], Any]:
+    """The request field a pydantic error location names, as path parts, and the value there.
+
+    The location is walked through the request body, so union members' tags (stop -> str /
+    list[str], a validator's function-after[...]) are dropped and dict keys are kept."""
+    path: list[str | int] = []
+    value = body
+    for i, part in enumerate(loc):
+        in_list = isinstance(part, int) and isinstance(value, list) and 0 <= part < len(value)
+        if in_list or (isinstance(part, str) and isinstance(value, dict) and part in value):
+            path.append(part)
+            value = value[part]
+        elif kind == "missing" and i == len(loc) - 1 and isinstance(part, str):
+            path.append(part)
+            value = _MISSING
+        # else: a union member's tag, not a place in the body
+    if not path:  # no body to walk (not a body error): the parts that look like fields
+        path = [p for p in loc if isinstance(p, int) or (p.isidentifier() and p not in ("str", "int", "float", "bool", "list", "dict", "none"))]
+        value = _MISSING
+    return path, value
+
+
+def _param(path: Sequence[str | int]) -> str:
+    """Path parts as the request field they name, e.g. messages[0].role or logit_bias["50256"]."""
+    out = ""
+    for part in path:
         if isinstance(part, int):
-            parts.append(f"[{part}]")
-        elif "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none") or part.startswith("function-"):
-            break
+            out += f"[{part}]"
+        elif part.isidentifier():
+            out += ("." if out else "") + part
         else:
-            parts.append(("." if parts else "") + part)
-    return "".join(parts)
+            out += f"[{json.dumps(part, ensure_ascii=False)}]"
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A value as its JSON, shortened to SHOWN_VALUE_CHARS characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= SHOWN_VALUE_CHARS else text[: SHOWN_VALUE_CHARS - 1] + "…"
+
+
+def _reason(error: Mapping[str, Any]) -> str:
+    """What is wrong with the value, without naming the field or the value ("must be at most 2")."""
+    kind = str(error.get("type", ""))
+    ctx = error.get("ctx") or {}
+    if kind in ("too_short", "too_long") and isinstance(count := ctx.get("min_length" if kind == "too_short" else "max_length"), int):
+        return f"must have at {'least' if kind == 'too_short' else 'most'} {count} item{'' if count == 1 else 's'}"
+    template = REASONS.get(kind)
+    if template is not None:
+        try:
+            return template.format(**{k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in ctx.items()})
+        except (KeyError, IndexError):
+            pass
+    message = str(error.get("msg", "")).removeprefix("Value error, ")
+    return "must be" + message.removeprefix("Input should be") if message.startswith("Input should be") else message
+
+
+def _joined(reasons: Sequence[str]) -> str:
+    """One reason from several (a union's members): "must be a string or a list"."""
+    unique = list(dict.fromkeys(reasons))
+    if len(unique) > 1 and all(r.startswith("must be ") for r in unique):
+        return "must be " + " or ".join(r.removeprefix("must be ") for r in unique)
+    return " or ".join(unique)
 
 
 def _validation_error(exc: RequestValidationError, body_model: type[BaseModel] | None) -> APIError:
-    """The first pydantic error as one message naming the field, the value and the fix."""
+    """The first pydantic error as one message naming the field, the value (once) and the fix:
+    `stop[1]=3 must be a string`."""
     errors = list(exc.errors())
     if not errors:
         return APIError(400, "the request is invalid")
@@ -210,19 +292,36 @@ def _validation_error(exc: RequestValidationError, body_model: type[BaseModel] |
         if kind.endswith("_type"):
             return APIError(400, f"the request body must be a JSON object (got {type(given).__name__}); send {{\"prompt\": ...}} or {{\"messages\": [...]}}")
         return APIError(400, str(first.get("msg", "")).removeprefix("Value error, "), code="invalid_value")
-    param = _param(loc)
+    body = getattr(exc, "body", None)
     if kind == "extra_forbidden":
+        param = _param(_located(body, loc, kind)[0])
         fields = ""
         if body_model is not None and len(loc) == 1:
             fields = f" (this endpoint takes: {', '.join(body_model.model_fields)})"
         return APIError(400, f"unknown field {param!r}; remove it{fields}", param=param, code="unknown_field")
     if kind == "missing":
+        param = _param(_located(body, loc, kind)[0])
         return APIError(400, f"{param} is required", param=param, code="missing_field")
-    same = [e for e in errors if _param([p for p in e.get("loc", ()) if p != "body"]) == param]
-    messages = list(dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ") for e in same))
-    got = first.get("input")
-    shown = json.dumps(got) if isinstance(got, str | int | float | bool | type(None)) else type(got).__name__
-    return APIError(400, f"{param}: {' or '.join(messages)} (got {shown})", param=param, code="invalid_value")
+    # the first error's field, and the errors inside it; a union reports one error per member, and
+    # the one that got deepest into the value (stop[1] rather than stop) names the element that is wrong
+    located = []
+    for error in errors:
+        error_loc = [p for p in error.get("loc", ()) if p != "body"]
+        if error_loc:
+            path, value = _located(body, error_loc, str(error.get("type", "")))
+            if error.get("type") == INVALID_ITEM and isinstance(value, list):
+                index = (error.get("ctx") or {}).get("index")
+                if isinstance(index, int) and 0 <= index < len(value):
+                    path, value = [*path, index], value[index]
+            if not located or path[: len(located[0][0])] == located[0][0]:
+                located.append((path, value, _reason(error)))
+    deepest = max(len(path) for path, _, _ in located)
+    path, value, _ = next(item for item in located if len(item[0]) == deepest)
+    reasons = [reason for p, _, reason in located if p == path]
+    param = _param(path)
+    if value is _MISSING:  # a union member's field that is missing: messages[0].content[0].text
+        return APIError(400, f"{param} is required", param=param, code="missing_field")
+    return APIError(400, f"{param}={_shown(value)} {_joined(reasons)}", param=param, code="invalid_value")
 
 
 def prompt_char_limit(tokenizer: Any, max_context: int | None) -> int | None:

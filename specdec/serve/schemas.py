@@ -4,6 +4,11 @@ Requests forbid unknown fields. Fields of the OpenAI API this server does not im
 (`logprobs`, `echo`, penalties, ...) are declared so that a non-default value gets an error
 that names it, rather than being silently ignored. Text must be valid Unicode: JSON can
 spell a lone UTF-16 surrogate (`"\\ud800"`), which no tokenizer or UTF-8 encoder takes.
+
+Validators here raise the *reason* only ("must be non-empty; ..."): the app's error handler
+(`specdec.serve.app`) puts the field and the value in front of it once (`stop[1]="" must be
+non-empty; ...`). A reason about one element of a list field is an `item_error`, which names the
+element's index.
 """
 
 from __future__ import annotations
@@ -15,13 +20,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from specdec.parsing import SEED_MAX, SEED_MIN
+
 MAX_STOP_STRINGS = 4
 """at most this many stop strings per request (as OpenAI)"""
-MAX_SEED = 2**63 - 1
 NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "n", "stream", "echo", "specdec"})
 """fields for which JSON null means the default value"""
 LONE_SURROGATE = "lone_surrogate"
 """the validation error type of a string holding a lone UTF-16 surrogate (its ctx names the field)"""
+INVALID_ITEM = "invalid_item"
+"""the validation error type of one bad element of a list field (its ctx `index` names the element)"""
+
+
+def item_error(index: int, reason: str) -> PydanticCustomError:
+    """A validation error about element `index` of the field being validated (reported as e.g. stop[1])."""
+    return PydanticCustomError(INVALID_ITEM, reason, {"index": index})
 
 
 def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
@@ -72,11 +85,16 @@ class StreamOptions(_Strict):
 
 
 def _check_stop(value: str | list[str] | None) -> list[str]:
-    stops = [value] if isinstance(value, str) else list(value or [])
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("must be non-empty; leave the field out for no stop string")
+        return [value]
+    stops = list(value or [])
     if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
-    if any(not s for s in stops):
-        raise ValueError("stop strings must be non-empty")
+        raise ValueError(f"holds {len(stops)} stop strings; send at most {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(stops):
+        if not stop:
+            raise item_error(i, "must be non-empty; remove it")
     return stops
 
 
@@ -92,7 +110,8 @@ class _GenerationRequest(_Strict):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: StrictInt | None = None
+    """0 to 2**64 - 1, as `SpeculativeDecoder.generate(seed=...)` and `specdec generate --seed`"""
     user: str | None = None
     """accepted and ignored"""
     presence_penalty: float | None = None
@@ -127,15 +146,27 @@ class _GenerationRequest(_Strict):
     def _number_not_bool(cls, value: Any) -> Any:
         """JSON true/false is not a number (pydantic's lax mode would read true as 1.0)."""
         if isinstance(value, bool):
-            raise ValueError(f"{str(value).lower()} is a boolean; give a number")
+            raise ValueError("is a boolean; give a number")
         return value
 
     @field_validator("n")
     @classmethod
     def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n={n} is not supported: this server returns one choice per request; send {n} requests (with different seeds) instead")
+        if n < 1:
+            raise ValueError("must be 1: specdec returns one choice per request")
+        if n > 1:
+            raise ValueError(f"is not supported: this server returns one choice per request; send {n} requests (with different seeds) instead")
         return n
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, seed: int | None) -> int | None:
+        """The range and wording of `specdec.parsing.check_seed` (the CLI's and the Python API's)."""
+        if seed is not None and seed < SEED_MIN:
+            raise ValueError(f"must be at least {SEED_MIN}; give an integer from {SEED_MIN} to {SEED_MAX}")
+        if seed is not None and seed > SEED_MAX:
+            raise ValueError(f"does not fit in 64 bits; give an integer from {SEED_MIN} to {SEED_MAX}")
+        return seed
 
     @field_validator("stop")
     @classmethod
@@ -147,14 +178,14 @@ class _GenerationRequest(_Strict):
     @classmethod
     def _no_penalty(cls, value: float | None) -> float | None:
         if value not in (None, 0, 0.0):
-            raise ValueError(f"penalties are not supported (got {value}); leave the field out or send 0")
+            raise ValueError("is not supported (this server applies no penalties); leave the field out or send 0")
         return value
 
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value:
-            raise ValueError("logit_bias is not supported; leave the field out")
+            raise ValueError("is not supported; leave the field out")
         return value
 
     @model_validator(mode="after")
@@ -186,35 +217,35 @@ class CompletionRequest(_GenerationRequest):
     @classmethod
     def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
         if isinstance(value, list) and len(value) != 1:
-            raise ValueError(f"one prompt per request is supported, got a list of {len(value)}; send one request per prompt")
+            raise ValueError(f"holds {len(value)} prompts; one prompt per request is supported, send one request per prompt")
         return value
 
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool) -> bool:
         if value:
-            raise ValueError("echo is not supported; leave it out (the response holds the completion only)")
+            raise ValueError("is not supported; leave it out (the response holds the completion only)")
         return value
 
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, value: int | None) -> int | None:
         if value:
-            raise ValueError("logprobs are not supported; leave the field out")
+            raise ValueError("is not supported; leave the field out")
         return value
 
     @field_validator("best_of")
     @classmethod
     def _no_best_of(cls, value: int | None) -> int | None:
         if value not in (None, 1):
-            raise ValueError(f"best_of={value} is not supported; leave it out or send 1")
+            raise ValueError("is not supported; leave it out or send 1")
         return value
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("suffix (insertion) is not supported; leave the field out")
+            raise ValueError("is not supported (no insertion); leave the field out")
         return value
 
     @property
@@ -253,7 +284,7 @@ class ChatCompletionRequest(_GenerationRequest):
     @classmethod
     def _no_logprobs(cls, value: bool | None) -> bool | None:
         if value:
-            raise ValueError("logprobs are not supported; leave the field out or send false")
+            raise ValueError("is not supported; leave the field out or send false")
         return value
 
     @model_validator(mode="after")

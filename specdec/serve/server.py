@@ -10,9 +10,11 @@ FLUSH_S seconds to reach their clients.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 import uvicorn
@@ -25,15 +27,54 @@ SHUTDOWN_GRACE_S = 5.0
 FLUSH_S = 3.0
 """seconds the answers then get to reach their clients before uvicorn cancels what is left"""
 
+log = logging.getLogger("uvicorn.error")
+
+
+def base_url(host: str, port: int) -> str:
+    """e.g. http://127.0.0.1:8000 (an IPv6 address in brackets; the OpenAI base URL is this + "/v1")."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) for uvicorn to listen on; port 0 binds one free port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise SpecDecError(f"cannot listen on {host}:{port} ({err}); pick another --port") from err
+    return sock
+
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, but on shutdown it first stops accepting connections and lets the app
     answer every request in flight (`app.state.drain`, see `specdec.serve.app`)."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float, on_listening: Callable[[str], None] | None = None) -> None:
         super().__init__(config)
         self.app = app
         self.grace_s = grace_s
+        self.on_listening = on_listening
+
+    @property
+    def port(self) -> int | None:
+        """The TCP port the server listens on (the one bound when config.port is 0); None before it listens."""
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        port = self.port
+        if not self.started or port is None:
+            return
+        url = base_url(self.config.host, port)
+        if sockets is not None:  # uvicorn logs where it listens only when it binds the socket itself
+            log.info("Uvicorn running on %s (Press CTRL+C to quit)", url)
+        if self.on_listening is not None:
+            self.on_listening(url)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # no new connections while draining (uvicorn's shutdown closes them too)
@@ -44,16 +85,33 @@ class _DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def _server(app: FastAPI, host: str, port: int, log_level: str, grace_s: float) -> uvicorn.Server:
+def _server(
+    app: FastAPI, host: str, port: int, log_level: str, grace_s: float, on_listening: Callable[[str], None] | None = None
+) -> _DrainingServer:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=FLUSH_S)
-    return _DrainingServer(config, app, grace_s)
+    return _DrainingServer(config, app, grace_s, on_listening)
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
-    """Serve until interrupted (Ctrl-C, SIGTERM), then drain (see the module docstring)."""
+def serve(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until interrupted (Ctrl-C, SIGTERM), then drain (see the module docstring).
+
+    on_listening: called with the server's base URL (`base_url`) once it accepts connections,
+    with the port actually bound: port 0 binds one free port, and the URL names it."""
     if not 0 <= port <= 65535:
         raise SpecDecError(f"--port {port} is not a TCP port; give a number from 1 to 65535 (0 picks a free one)")
-    _server(app, host, port, log_level, shutdown_grace_s).run()
+    if port != 0:
+        _server(app, host, port, log_level, shutdown_grace_s, on_listening).run()
+        return
+    # uvicorn would bind port 0 once per address of the host (localhost: ::1 and 127.0.0.1, two
+    # different free ports); one socket bound here gives one port, the one announced
+    sock = _listening_socket(host, 0)
+    try:
+        _server(app, host, int(sock.getsockname()[1]), log_level, shutdown_grace_s, on_listening).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 class BackgroundServer:
@@ -66,13 +124,7 @@ class BackgroundServer:
         self.app = app
         self.host = host
         self.start_timeout_s = start_timeout_s
-        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._socket.bind((host, port))
-        except OSError as err:
-            self._socket.close()
-            raise SpecDecError(f"cannot listen on {host}:{port} ({err}); pick another --port") from err
+        self._socket = _listening_socket(host, port)
         self.port = int(self._socket.getsockname()[1])
         self.shutdown_grace_s = shutdown_grace_s
         self._server = _server(app, host, self.port, log_level, shutdown_grace_s)
@@ -81,8 +133,7 @@ class BackgroundServer:
     @property
     def url(self) -> str:
         """e.g. http://127.0.0.1:PORT (the OpenAI base URL is url + "/v1")."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return base_url(self.host, self.port)
 
     def start(self) -> BackgroundServer:
         self._thread.start()
