@@ -40,18 +40,27 @@ def check_chat_template(tokenizer: Any, model: str | None = None, flag: str = "-
     )
 
 
-def check_utf8(text: str, where: str) -> None:
-    """A SpecDecError when `text` holds a lone UTF-16 surrogate (e.g. "\\ud800", from text decoded
-    with errors='surrogateescape' or a JSON escape), which no tokenizer or UTF-8 encoder takes."""
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone UTF-16 surrogate in `text` (e.g. "\\ud800", from text decoded
+    with errors='surrogateescape' or a JSON escape), which no tokenizer or UTF-8 encoder takes;
+    None when there is none."""
     if text.isascii():
-        return
+        return None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
+        return err.start
+    return None
+
+
+def check_utf8(text: str, where: str) -> None:
+    """A SpecDecError naming `where` when `text` holds a lone UTF-16 surrogate (`lone_surrogate`)."""
+    at = lone_surrogate(text)
+    if at is not None:
         raise SpecDecError(
-            f"{where} holds a lone UTF-16 surrogate {text[err.start]!r} at character {err.start}, which no tokenizer takes; "
+            f"{where} holds a lone UTF-16 surrogate {text[at]!r} at character {at}, which no tokenizer takes; "
             "remove it, or decode the text's bytes as UTF-8 without errors='surrogateescape'"
-        ) from None
+        )
 
 
 def message_pairs(messages: Sequence[Message], system: str | None = None, where: str = "messages") -> list[tuple[str, str]]:

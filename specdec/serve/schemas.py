@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from pydantic_core import PydanticCustomError
 
 from specdec.parsing import SEED_MAX, SEED_MIN
+from specdec.text import lone_surrogate
 
 MAX_STOP_STRINGS = 4
 """at most this many stop strings per request (as OpenAI)"""
@@ -41,13 +42,8 @@ def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | No
     """The first string of a JSON value (object keys included) that holds a lone UTF-16
     surrogate: (its field, e.g. messages[0].content, the character's index, the character)."""
     if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as err:
-            return path, err.start, value[err.start]
-        return None
+        at = lone_surrogate(value)
+        return None if at is None else (path, at, value[at])
     if isinstance(value, dict):
         for key, item in value.items():
             field = f"{path}.{key}" if path else str(key)
