@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import platform
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 from specdec.cpu_blas import mkl_mode
 from specdec.errors import SpecDecError
 from specdec.isotonic import isotonic
+from specdec.paths import folder_write_problem
 
 FORMAT = "specdec-cost-profile"
 VERSION = 1
@@ -67,7 +67,7 @@ _VOLATILE_CONFIG_KEYS = frozenset(
 def check_cost_profile_path(path: str) -> None:
     """A cost profile path (cost_profile=, --cost-profile): a JSON file that exists, or that a
     measured table may be written to; a SpecDecError for an empty one, a directory, or a new file
-    whose folder is missing or not writable (checked before anything is measured)."""
+    whose folder cannot be made or written to (`folder_write_problem`, before anything is measured)."""
     if not path.strip():
         raise SpecDecError("cost_profile (--cost-profile) is empty; give a JSON file path from `specdec profile`, or leave it out")
     file = Path(path).expanduser()
@@ -75,21 +75,12 @@ def check_cost_profile_path(path: str) -> None:
         raise SpecDecError(
             f"cost profile {path!r} (--cost-profile) is a directory; give a JSON file path, e.g. {Path(path) / 'cost_profile.json'} (`specdec profile --out FILE` writes one)"
         )
-    if not file.exists():
-        folder = file.parent if str(file.parent) else Path(".")
-        if not folder.is_dir():
-            raise SpecDecError(
-                f"cost profile {path!r} (--cost-profile) does not exist, and its folder {str(folder)!r} does not either, so a measured "
-                "profile could not be saved there; give an existing profile, or a path in an existing folder"
-            )
-        try:  # a file created and removed: permissions alone miss read-only mounts and /proc
-            with tempfile.NamedTemporaryFile(dir=folder, prefix=".specdec-write-check-"):
-                pass
-        except OSError as err:
-            raise SpecDecError(
-                f"cost profile {path!r} (--cost-profile) does not exist, and its folder {str(folder)!r} cannot be written to "
-                f"({err.strerror}), so a measured profile could not be saved there; give an existing profile, or a path in a folder you can write to"
-            ) from None
+    problem = None if file.exists() else folder_write_problem(file.parent)  # (`save` makes missing folders)
+    if problem is not None:
+        raise SpecDecError(
+            f"cost profile {path!r} (--cost-profile) does not exist, and a measured one could not be saved there ({problem}); "
+            "give an existing profile, or a path in a folder you can write to"
+        )
 
 
 def select_context(c: int, step: int, buckets: int) -> int:
