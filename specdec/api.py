@@ -132,7 +132,7 @@ def check_costs_available(policy: TreePolicy, draft_source: str) -> None:
 def check_draft_source(draft_source: str, lookup_ngram: int) -> None:
     if draft_source not in DRAFT_SOURCES:
         raise SpecDecError(f"--draft-source {draft_source!r} is not known; choose one of {', '.join(DRAFT_SOURCES)}")
-    if not isinstance(lookup_ngram, int) or lookup_ngram < 1:
+    if isinstance(lookup_ngram, bool) or not isinstance(lookup_ngram, int) or lookup_ngram < 1:
         raise SpecDecError(f"--lookup-ngram {lookup_ngram!r} must be a positive integer")
 
 

@@ -237,7 +237,7 @@ def read_prompt_file(name: str) -> str:
         raise SpecDecError(f"--prompt-file {name!r} is not UTF-8 text (byte {err.start}: {err.reason}); convert it, e.g. iconv -t UTF-8 {name}") from None
     except OSError as err:
         raise SpecDecError(f"--prompt-file {name!r} cannot be read ({err.strerror or err}); check its permissions") from None
-    if not text.strip():
+    if not text.strip("\r\n"):  # spaces are text to continue, as with --prompt "  "; line breaks alone are an empty file
         raise SpecDecError(f"--prompt-file {name!r} is empty; give a file with the text to continue")
     return text
 

@@ -268,7 +268,7 @@ class SpeculativeEngine:
     def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         if not prompts:
             raise SpecDecError("no prompts given; pass at least one prompt")
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpecDecError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
         for i, prompt in enumerate(prompts):
             self.check_prompt(prompt, max_new_tokens, f"prompt {i}")
@@ -311,7 +311,7 @@ class SpeculativeEngine:
         params = params or SamplingParams()
         self._validate(prompts, max_new_tokens)
         batch_size = len(prompts) if batch_size is None else batch_size
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise SpecDecError(f"batch_size={batch_size!r} must be a positive integer")
         session = self.session(params, seed=seed, max_rows=min(batch_size, len(prompts)), keep_steps=keep_steps)
         on_tokens: TokenCallback | None = None
@@ -428,7 +428,7 @@ class DecodeSession:
     def __init__(
         self, engine: SpeculativeEngine, params: SamplingParams | None = None, seed: int | None = None, max_rows: int | None = None, keep_steps: bool = False
     ) -> None:
-        if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
             raise SpecDecError(f"max_rows={max_rows!r} must be a positive integer (or None for no limit)")
         self.engine = engine
         self.params = params or SamplingParams()

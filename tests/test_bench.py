@@ -76,6 +76,8 @@ def test_bad_prompt_file_names_file_and_line(tmp_path, rows, needle):
 def test_resolve_prompt_source(tmp_path, monkeypatch):
     with pytest.raises(SpecDecError, match="no such file"):
         resolve_prompt_source(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(SpecDecError, match="a directory; pass"):
+        resolve_prompt_source(str(tmp_path))
     monkeypatch.setattr(prompts_mod, "BUNDLED_PAIR", tmp_path)
     with pytest.raises(SpecDecError, match="bundled prompt set 'stdlib-heldout' is missing"):
         resolve_prompt_source(STDLIB_HELDOUT)

@@ -8,10 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import needs_serve
+from conftest import needs_serve, tiny_model
 
 from specdec import cli
 from specdec.cli import main
+from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
+from specdec.methods import make_policy
+from specdec.verification import GreedyRule
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str]:
@@ -72,7 +76,7 @@ def test_prompt_file_unreadable(capsys, monkeypatch, tmp_path, tiny_pair_dir, no
     assert code == 2 and "cannot be read (Permission denied)" in err
 
 
-@pytest.mark.parametrize("content", ["", " \n\n"])
+@pytest.mark.parametrize("content", ["", "\n\n", "\r\n"])
 def test_prompt_file_empty(capsys, tmp_path, tiny_pair_dir, no_loading, content):
     path = tmp_path / "empty.txt"
     path.write_text(content)
@@ -324,9 +328,6 @@ def test_cost_profile_that_could_not_be_saved(capsys, tmp_path, tiny_pair_dir, n
 
 def test_cost_profile_directory_in_the_api(tmp_path):
     from specdec.cost import CostTable
-    from specdec.errors import SpecDecError
-    from specdec.methods import make_policy
-
     with pytest.raises(SpecDecError, match="is a directory; give a JSON file path"):
         make_policy("cast", cost_profile=str(tmp_path))  # from_pretrained builds the policy before loading
     with pytest.raises(SpecDecError, match="is a directory"):
@@ -341,9 +342,6 @@ def test_eagle2_tree_too_large(capsys, tiny_pair_dir, no_model_files, flag, valu
 
 
 def test_tree_size_limit_keeps_the_used_configurations():
-    from specdec.errors import SpecDecError
-    from specdec.methods import make_policy
-
     make_policy("eagle2")
     make_policy("eagle2", depth=13, top_k=16, total_tokens=256)  # well past the largest the tests and benchmarks use
     make_policy("static", depth=8, branching=4, max_nodes=4096)
@@ -363,9 +361,6 @@ def test_tree_size_limit_keeps_the_used_configurations():
 def test_other_trees_too_large(method, options, named):
     """Before: a chain with k = 10**9 was killed for memory (24 GB) sizing its buffers, a DynaTree
     with b_max = 10**5 asked for 31 TB, CAST with total_tokens = 10**8 ran at 0.2 tok/s in 9 GB."""
-    from specdec.errors import SpecDecError
-    from specdec.methods import make_policy
-
     with pytest.raises(SpecDecError, match=named):
         make_policy(method, **options)
 
@@ -523,3 +518,22 @@ def test_flags_nothing_reads_are_noted(capsys, monkeypatch, args, needle):
     monkeypatch.setattr(specdec.cli, "_decoder_for", stop_before_loading)
     code, err = run_cli(capsys, "generate", "--prompt", "x", *args)
     assert code == 0 and needle in err, err
+
+
+# ----- booleans are not sizes ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("method", "option"),
+    [("chain", "k"), ("static", "depth"), ("eagle2", "depth"), ("eagle2", "top_k"), ("cast", "depth"), ("dynatree", "d_max")],
+)
+def test_a_boolean_is_not_a_tree_size(method, option):
+    """True is an int to Python (so `depth=True` once built a depth-1 tree); every size option refuses it by name."""
+    with pytest.raises(SpecDecError, match=f"{option}=True must be a positive integer"):
+        make_policy(method, **{option: True})
+
+
+def test_a_boolean_is_not_a_token_count_or_batch_size():
+    engine = SpeculativeEngine(tiny_model("llama", seed=0), make_policy("ar"), GreedyRule(), None)
+    with pytest.raises(SpecDecError, match="max_new_tokens=True"):
+        engine.generate([[1, 2]], True)
+    with pytest.raises(SpecDecError, match="batch_size=True"):
+        engine.generate([[1, 2]], 4, batch_size=True)

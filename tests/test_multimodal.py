@@ -143,6 +143,8 @@ def test_api_with_images(lvlm, tmp_path):
         dec.generate(TEXTS[0], max_new_tokens=4, images=[str(path), str(path)])
     with pytest.raises(SpecDecError, match="does not exist"):
         dec.generate(TEXTS[0], max_new_tokens=4, images=[str(tmp_path / "missing.png")])
+    with pytest.raises(SpecDecError, match="is a directory; pass a path"):
+        dec.generate(TEXTS[0], max_new_tokens=4, images=[str(tmp_path)])
     with pytest.raises(SpecDecError, match="placeholder"):
         dec.generate(TEXTS[0], max_new_tokens=4)
 

@@ -71,7 +71,7 @@ def resolve_prompt_source(source: str) -> Path | str:
     path = Path(source).expanduser()
     if not path.is_file():
         raise SpecDecError(
-            f"--prompts {source!r}: no such file; pass {STDLIB_HELDOUT!r}, one of the generated sets ({', '.join(SCENARIOS)}) "
+            f"--prompts {source!r}: {'a directory' if path.is_dir() else 'no such file'}; pass {STDLIB_HELDOUT!r}, one of the generated sets ({', '.join(SCENARIOS)}) "
             "or a JSONL file whose lines have a 'prompt' or 'turns' field"
         )
     return path

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is an int to Python, not a size
         raise SpecDecError(f"{name}={value!r} must be a positive integer")
 
 

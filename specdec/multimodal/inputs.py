@@ -80,7 +80,8 @@ def load_images(images: Sequence[str | Path | Image.Image]) -> list[Image.Image]
             continue
         path = Path(item).expanduser()
         if not path.is_file():
-            raise SpecDecError(f"image {str(item)!r} does not exist; pass a path to a PNG or JPEG file")
+            problem = "is a directory" if path.is_dir() else "does not exist"
+            raise SpecDecError(f"image {str(item)!r} {problem}; pass a path to a PNG or JPEG file")
         try:
             with Image.open(path) as img:
                 loaded.append(img.convert("RGB"))

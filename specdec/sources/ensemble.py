@@ -81,9 +81,9 @@ class EnsembleConfig:
             raise SpecDecError(f"ensemble weight policy {self.policy!r} is not known; use one of {', '.join(WEIGHT_POLICIES)}")
         if self.distance not in DISTANCES:
             raise SpecDecError(f"ensemble distance {self.distance!r} is not known; use one of {', '.join(DISTANCES)}")
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1):
             raise SpecDecError(f"ensemble window h={self.window!r} must be a positive integer (or all)")
-        if not isinstance(self.grid_n, int) or self.grid_n < 1:
+        if isinstance(self.grid_n, bool) or not isinstance(self.grid_n, int) or self.grid_n < 1:
             raise SpecDecError(f"grid_n={self.grid_n!r} must be a positive integer")
         def number(value: object) -> bool:
             return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
