@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -924,18 +925,48 @@ def _add_train(sub) -> None:
 
 
 def _cmd_train_tokenizer(args: argparse.Namespace) -> int:
-    from specdec.training.corpus import iter_texts, list_sources, split_sources
-    from specdec.training.tokenizer import train_tokenizer
+    from specdec.training.corpus import iter_texts, training_split
+    from specdec.training.tokenizer import MIN_VOCAB, train_tokenizer
 
-    train_files, _ = split_sources(list_sources([Path(c) for c in args.corpus] or None))
+    check_out_dir(args.out)
+    if args.vocab_size < MIN_VOCAB:
+        raise SpecDecError(f"--vocab-size={args.vocab_size} is too small for byte-level BPE (256 bytes + specials); use {MIN_VOCAB} or more")
+    train_files, _ = training_split([Path(c) for c in args.corpus] or None, heldout_needed=False)
     train_tokenizer(iter_texts(train_files), Path(args.out), vocab_size=args.vocab_size)
     print(f"tokenizer saved to {args.out}")
     return 0
 
 
+def _check_trained_folder(flag: str, folder: str, needs: str) -> None:
+    """A folder of a finished training run (`needs`: the file it must hold), checked before any training."""
+    path = Path(folder).expanduser()
+    kind, example = ("tokenizer folder", "runs/pair/tokenizer") if needs == "tokenizer.json" else ("model folder", "specdec/assets/pair/target")
+    if not folder.strip():
+        raise SpecDecError(f"{flag} is empty; pass a trained {kind} such as {example}, or leave {flag} out")
+    why = "it does not exist" if not path.exists() else "it is a file" if not path.is_dir() else None if (path / needs).is_file() else f"no {needs}"
+    if why is not None:
+        raise SpecDecError(f"{flag} {folder!r} is not a {kind} ({why}); pass a trained {kind} such as {example}")
+
+
 def _cmd_train_pair(args: argparse.Namespace) -> int:
     from specdec.training.pair import ModelShape, PairConfig, StageConfig, train_pair
 
+    check_out_dir(args.out)
+    check_seed(args.seed)
+    for flag, folder, needs in (
+        ("--tokenizer", args.tokenizer, "tokenizer.json"), ("--target-from", args.target_from, "config.json"),
+        ("--init-target", args.init_target, "config.json"), ("--init-draft", args.init_draft, "config.json"),
+    ):
+        if folder is not None:
+            _check_trained_folder(flag, folder, needs)
+    for name in ("target_lr", "draft_lr", "unlikelihood_lr", "distill_weight", "unlikelihood_weight"):
+        if not math.isfinite(getattr(args, name)):
+            raise SpecDecError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a finite number")
+    if args.tokenizer is None and args.init_target is None:  # a tokenizer is trained: its size first, before anything is written
+        from specdec.training.tokenizer import MIN_VOCAB
+
+        if args.vocab_size < MIN_VOCAB:
+            raise SpecDecError(f"--vocab-size={args.vocab_size} is too small for byte-level BPE (256 bytes + specials); use {MIN_VOCAB} or more")
     for name in ("target_steps", "draft_steps", "seq_len", "checkpoint_every", "eval_every"):
         if getattr(args, name) <= 0:
             raise SpecDecError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive integer")
@@ -1024,12 +1055,15 @@ def _cmd_train_lvlm(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps <= 0:
         raise SpecDecError(f"--steps={args.steps} must be a positive integer")
-    if args.minutes <= 0:
-        raise SpecDecError(f"--minutes={args.minutes} must be positive")
+    if not 0 < args.minutes < math.inf:
+        raise SpecDecError(f"--minutes={args.minutes} must be a positive number of minutes")
     if args.batch_size <= 0:
         raise SpecDecError(f"--batch-size={args.batch_size} must be a positive integer")
-    if args.vision_lr_scale < 0:
-        raise SpecDecError(f"--vision-lr-scale={args.vision_lr_scale} must be >= 0")
+    if not 0 <= args.vision_lr_scale < math.inf:
+        raise SpecDecError(f"--vision-lr-scale={args.vision_lr_scale} must be a number >= 0")
+    if args.threads < 0:
+        raise SpecDecError(f"--threads={args.threads} must be >= 0 (0: torch's default)")
+    check_seed(args.seed)
     cfg = LvlmTrainConfig(
         steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, seed=args.seed, threads=args.threads, vision_lr_scale=args.vision_lr_scale
     )
@@ -1045,6 +1079,16 @@ def _cmd_train_lvlm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_lvlm_pair_args(args: argparse.Namespace, command: str) -> None:
+    """--target without --draft: the commands that compare an LVLM pair need both (without
+    --target they use the bundled LVLM pair)."""
+    if args.target is not None and args.draft is None:
+        raise SpecDecError(
+            f"specdec {command} --target {args.target} needs --draft too (a vision-language draft sharing its tokenizer); "
+            "pass --draft PATH, or leave both out for the bundled LVLM pair"
+        )
+
+
 def _cmd_train_evaluate_lvlm(args: argparse.Namespace) -> int:
     require(None, "vision", "specdec train evaluate-lvlm")
     from specdec.api import SpeculativeDecoder
@@ -1054,6 +1098,7 @@ def _cmd_train_evaluate_lvlm(args: argparse.Namespace) -> int:
         raise SpecDecError(f"--per-task={args.per_task} must be a positive integer")
     if args.out is not None:
         check_out_file(args.out, example="figures.json")
+    _check_lvlm_pair_args(args, "train evaluate-lvlm")
     target, draft = args.target or bundled_lvlm_target(), args.draft or (None if args.target else bundled_lvlm_draft())
     decoder = SpeculativeDecoder.from_pretrained(target, draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
     if not decoder.multimodal or decoder.draft is None:
@@ -1069,7 +1114,11 @@ def _cmd_train_evaluate_lvlm(args: argparse.Namespace) -> int:
 def _cmd_train_bundle(args: argparse.Namespace) -> int:
     from specdec.training.pair import bundle_pair
 
-    dest = bundle_pair(Path(args.source))
+    source = Path(args.source).expanduser()
+    if not args.source.strip() or not source.is_dir():
+        why = "is empty" if not args.source.strip() else "does not exist" if not source.exists() else "is a file"
+        raise SpecDecError(f"--from {args.source!r} {why}; pass the --out folder of a finished `specdec train pair` run")
+    dest = bundle_pair(source)
     print(f"bundled pair copied to {dest}")
     return 0
 
@@ -1086,10 +1135,19 @@ def _cmd_train_evaluate(args: argparse.Namespace) -> int:
         raise SpecDecError(f"--threads={args.threads} must be >= 0")
     if args.prompts != "stdlib-heldout" and not args.loops:
         raise SpecDecError(f"--prompts {args.prompts} applies only with --loops (the loop share of greedy completions of those prompts); add --loops or drop --prompts")
+    loop_prompts = None
     if args.loops:
-        from specdec.bench.prompts import resolve_prompt_source
+        from specdec.bench.prompts import load_prompts, resolve_prompt_source
 
-        resolve_prompt_source(args.prompts)  # a missing file fails before the models load and the figures run
+        # a missing or malformed file fails before the models load and the figures run
+        items = load_prompts(resolve_prompt_source(args.prompts))
+        with_images = sum(1 for p in items if p.images)
+        if with_images:
+            raise SpecDecError(
+                f"--prompts {args.prompts!r}: {with_images} of its {len(items)} prompts have images, which the text pair cannot see; "
+                "give text prompts, e.g. --prompts stdlib-heldout"
+            )
+        loop_prompts = [p.turns[0] for p in items]
     if args.target is not None and args.draft is None:
         raise SpecDecError(
             f"specdec train evaluate --target {args.target} needs --draft too (the figures compare the two models); "
@@ -1102,13 +1160,21 @@ def _cmd_train_evaluate(args: argparse.Namespace) -> int:
     corpus = [Path(c) for c in args.corpus] or None
     texts = heldout_texts(corpus)  # a corpus with nothing to score fails before loading
     decoder = SpeculativeDecoder.from_pretrained(args.target, args.draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
+    if loop_prompts is not None:  # before the figures: every completion must fit the target's context
+        from specdec.models.loading import context_length
+
+        limit = context_length(decoder.target)
+        longest = max(len(decoder.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in loop_prompts)
+        if limit is not None and longest + args.loop_tokens > limit:
+            raise SpecDecError(
+                f"--loop-tokens {args.loop_tokens}: the longest --prompts prompt ({longest} tokens) and {args.loop_tokens} new tokens "
+                f"exceed the target's context of {limit} tokens; use --loop-tokens {max(1, limit - longest)} or less"
+            )
     figures = evaluate_pair(decoder.target, decoder.draft, decoder.tokenizer, corpus, args.max_tokens, latency=not args.no_latency, texts=texts)
-    if args.loops:
-        from specdec.bench.prompts import load_prompts, resolve_prompt_source
+    if loop_prompts is not None:
         from specdec.training.evaluate import greedy_loop_share
 
-        prompts = [p.turns[0] for p in load_prompts(resolve_prompt_source(args.prompts))]
-        figures.update(greedy_loop_share(decoder.target, decoder.tokenizer, prompts, args.loop_tokens))
+        figures.update(greedy_loop_share(decoder.target, decoder.tokenizer, loop_prompts, args.loop_tokens))
     text = json.dumps(figures, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -1135,11 +1201,14 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from specdec.cost.profile import ProfileGrid, describe, profile_models
     from specdec.models.loading import bundled_draft, bundled_target, context_length, load_model, pair_load_options
 
+    for flag, value, least in (("--context-step", args.context_step, 1), ("--contexts", args.contexts, 1), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1)):
+        if value < least:
+            raise SpecDecError(f"{flag}={value} must be {'a positive integer' if least else 'an integer >= 0'}")
     grid = ProfileGrid(
         batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"),
         context_step=args.context_step,
         num_contexts=args.contexts,
-        n_grid=parse_int_list(args.n_grid, "--n-grid"),
+        n_grid=sorted(parse_int_list(args.n_grid, "--n-grid")),  # points, in any order
         warmup=args.warmup,
         repeats=args.repeats,
     )
@@ -1163,7 +1232,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             f"beyond the models' context of {min(limits)}; use --context-step {step} or less (or fewer --contexts, a smaller --n-grid)"
         )
     print(f"profiling {grid.points()} points per model (batch sizes {list(grid.batch_sizes)}, contexts up to {grid.context_step * grid.num_contexts})", file=sys.stderr)
-    table = profile_models(target, draft, grid, progress=lambda line: print(line, file=sys.stderr), cuda_graphs=graphs)
+    try:
+        table = profile_models(target, draft, grid, progress=lambda line: print(line, file=sys.stderr), cuda_graphs=graphs)
+    except (MemoryError, RuntimeError) as err:  # torch.OutOfMemoryError is a RuntimeError; so is the CPU allocator's refusal
+        if not isinstance(err, MemoryError) and "out of memory" not in str(err) and "can't allocate memory" not in str(err):
+            raise
+        raise SpecDecError(
+            f"profiling ran out of memory on {next(target.parameters()).device} (the grid's largest forward: batch size {grid.batch_sizes[-1]}, "
+            f"{longest} positions); use smaller --batch-sizes (or --context-step, --contexts, --n-grid)"
+        ) from None
     path = table.save(args.out)
     print(describe(table))
     print(f"cost profile: {path} ({table.meta['seconds']} s)")
@@ -1186,7 +1263,13 @@ def _cmd_scenes(args: argparse.Namespace) -> int:
 
     if args.num < 1:
         raise SpecDecError(f"--num={args.num} must be a positive integer")
-    path = export_scenario(check_scenario(args.scenario), Path(args.out), n=args.num, seed=args.seed)
+    scenario = check_scenario(args.scenario)
+    images, jsonl = Path(args.out) / "images", Path(args.out) / f"{scenario}.jsonl"
+    if images.exists() and not images.is_dir():
+        raise SpecDecError(f"--out {args.out!r} holds a file named images, where the images folder goes; move it or give another --out")
+    if jsonl.is_dir():
+        raise SpecDecError(f"--out {args.out!r} holds a folder named {jsonl.name}, where the prompt file goes; move it or give another --out")
+    path = export_scenario(scenario, Path(args.out), n=args.num, seed=args.seed)
     print(f"wrote {args.num} prompts to {path} (images in {Path(args.out) / 'images'}); use it with specdec bench --prompts {path}")
     return 0
 
@@ -1212,7 +1295,7 @@ def _cmd_bench_tabed(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
 
     from specdec.api import SpeculativeDecoder
-    from specdec.bench.tabed import run_tabed_bench
+    from specdec.bench.tabed import check_tabed_shapes, run_tabed_bench
     from specdec.multimodal.scenes import check_scenario
 
     scenarios = [check_scenario(s.strip()) for s in args.scenarios.split(",") if s.strip()]
@@ -1222,6 +1305,8 @@ def _cmd_bench_tabed(args: argparse.Namespace) -> int:
     widths = parse_int_list(args.widths, "--widths")
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise SpecDecError("--num-prompts and --max-new-tokens must be positive integers")
+    check_tabed_shapes(gammas, widths)
+    _check_lvlm_pair_args(args, "bench-tabed")
     target, draft = args.target or bundled_lvlm_target(), args.draft or (None if args.target else bundled_lvlm_draft())
     decoder = SpeculativeDecoder.from_pretrained(target, draft, method="chain", device=args.device, dtype=args.dtype, **load_kwargs(args))
     command = "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -395,3 +395,36 @@ def test_stale_points_tolerance(monkeypatch, now_ms, stale):
     if stale:
         assert points == [(1, pytest.approx(10.0), now_ms)]
 
+
+
+# ----- `specdec profile`: flags named, memory ------------------------------------------------
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [("--contexts", "0", "--contexts=0 must be a positive integer"), ("--context-step", "-8", "--context-step=-8 must be"),
+     ("--warmup", "-1", "--warmup=-1 must be an integer >= 0"), ("--repeats", "0", "--repeats=0 must be a positive integer")],
+)
+def test_profile_grid_errors_name_the_flag(tmp_path, capsys, monkeypatch, flag, value, needle):
+    import specdec.models.loading
+
+    monkeypatch.setattr(specdec.models.loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the bad value was reported"))
+    assert main(["profile", flag, value, "--out", str(tmp_path / "p.json")]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_profile_n_grid_in_any_order_and_out_of_memory(tiny_pair_dir, tmp_path, capsys, monkeypatch):
+    import specdec.cost.profile
+
+    grids = []
+
+    def out_of_memory(target, draft, grid, **kwargs):
+        grids.append(grid)
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1835008000000 bytes")
+
+    monkeypatch.setattr(specdec.cost.profile, "profile_models", out_of_memory)
+    args = ["profile", "--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"), "--device", "cpu",
+            "--batch-sizes", "1,100000", "--contexts", "1", "--context-step", "8", "--n-grid", "4,1,2", "--out", str(tmp_path / "p.json")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert grids[0].n_grid == (1, 2, 4)
+    assert "ran out of memory" in err and "batch size 100000" in err and "smaller --batch-sizes" in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()

@@ -84,3 +84,29 @@ def test_bundle_copies_the_shippable_files(tiny_run, tmp_path):
     assert (dest / "target" / "config.json").is_file()
     with pytest.raises(SpecDecError, match="specdec train lvlm"):
         bundle_lvlm(tmp_path / "empty", tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--minutes", "nan"], "--minutes=nan must be a positive number"),
+        (["--minutes", "inf"], "--minutes=inf must be a positive number"),
+        (["--steps", "1", "--vision-lr-scale", "nan"], "--vision-lr-scale=nan must be a number >= 0"),
+        (["--steps", "1", "--threads", "-3"], "--threads=-3 must be >= 0"),
+        (["--steps", "1", "--seed", "-1"], "--seed -1 must be at least 0"),
+    ],
+)
+def test_bad_numbers_before_training(tmp_path, capsys, monkeypatch, args, needle):
+    import specdec.training.lvlm_train
+
+    monkeypatch.setattr(specdec.training.lvlm_train, "train_lvlm", lambda *a, **k: pytest.fail("training started before the bad value was reported"))
+    assert main(["train", "lvlm", "--out", str(tmp_path / "out"), "--tiny", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: ") and needle in err and "Traceback" not in err
+
+
+def test_evaluate_lvlm_target_without_draft(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(SpeculativeDecoder, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded before the bad value was reported"))
+    assert main(["train", "evaluate-lvlm", "--target", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--target" in err and "needs --draft too" in err and "--method" not in err

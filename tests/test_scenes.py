@@ -462,3 +462,16 @@ def test_cli_scenes_export(tmp_path, capsys):
     assert len(items) == 2 and all(len(p.images) == 5 for p in items)
     assert main(["scenes", "--scenario", "scenes-nope", "--out", str(tmp_path)]) == 2
     assert "scenes-nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("in_the_way", ["images", "scenes-ood.jsonl"])
+def test_cli_scenes_out_holding_the_wrong_kind_of_entry(tmp_path, capsys, in_the_way):
+    from specdec.cli import main
+
+    if in_the_way == "images":
+        (tmp_path / "images").write_text("a file where the images folder goes\n")
+    else:
+        (tmp_path / in_the_way).mkdir()
+    assert main(["scenes", "--scenario", "scenes-ood", "--num", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: --out") and f"named {in_the_way}" in err and "Traceback" not in err

@@ -997,3 +997,15 @@ def test_a_boolean_is_not_a_number(client, field):
     """JSON `true` must not be read as 1.0 (pydantic's lax mode would)."""
     response = complete(client, prompt="def f(x):", max_tokens=4, **{field: True})
     assert_error(response, 400, "boolean", param=field)
+
+
+def test_bench_serve_concurrency_beyond_the_open_file_limit(monkeypatch, tmp_path, capsys):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 1024))
+    import specdec.bench.serving
+
+    monkeypatch.setattr(specdec.bench.serving, "load_pair", lambda *a, **k: pytest.fail("a model was loaded before the bad value was reported"))
+    assert main(["bench-serve", "--concurrency", "1,1000", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--concurrency 1000 needs about" in err and "limit of 1024 (ulimit -n)" in err and "--concurrency 384 or less" in err

@@ -278,3 +278,20 @@ def test_bench_tabed_needs_a_scenario(capsys):
 
     assert main(["bench-tabed", "--scenarios", ",", "--out", "unused"]) == 2
     assert "names no scenario" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--gammas", "100000"], "--gammas 100000 (a chain of 100000 draft tokens"),
+        (["--widths", "100000"], "--widths 100000 (trees of depth 5"),
+        (["--target", "some/target"], "needs --draft too"),
+    ],
+)
+def test_bench_tabed_bad_shapes_and_pair_before_loading(tmp_path, capsys, monkeypatch, args, needle):
+    from specdec.cli import main
+
+    monkeypatch.setattr(SpeculativeDecoder, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded before the bad value was reported"))
+    assert main(["bench-tabed", *args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "--k" not in err and "--expand-top-k" not in err and "--method" not in err

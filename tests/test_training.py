@@ -431,3 +431,101 @@ def test_train_pair_with_unlikelihood_stage(tmp_path, capsys):
     assert (out / "work" / "unlikelihood.ckpt").exists()
     assert main([*base, "--out", str(tmp_path / "bad"), "--target-steps", "1", "--unlikelihood-steps", "-1"]) == 2
     assert "--unlikelihood-steps -1" in capsys.readouterr().err
+
+
+# ----- bad input to the train commands: one line, exit 2, before anything is trained or written ---------------------
+@pytest.fixture
+def corpora(tmp_path):
+    """Corpus folders a careless user passes: one with no .py file, one whose only file is not UTF-8."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "a.py").write_bytes('x = "\xe9"\n'.encode("latin-1"))
+    (tmp_path / "a_file").write_text("not a folder\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("command", "corpus", "needle"),
+    [
+        ("tokenizer", "empty", "it holds no .py files"),
+        ("tokenizer", "latin1", "hold no UTF-8 text"),
+        ("pair", "empty", "it holds no .py files"),
+        ("pair", "latin1", "hold no UTF-8 text"),
+        ("pair", "a_file", "held-out split"),
+    ],
+)
+def test_train_corpus_with_nothing_to_train_on(corpora, capsys, command, corpus, needle):
+    out = corpora / "out"
+    extra = ["--tiny", "--target-steps", "1", "--draft-steps", "1", "--seq-len", "16"] if command == "pair" else []
+    assert main(["train", command, "--corpus", str(corpora / corpus), "--out", str(out), "--vocab-size", "300", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: --corpus") and "nothing to train on" in err and needle in err and "Traceback" not in err
+    assert not out.exists()  # no tokenizer trained on nothing, no half-made run folder
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    import specdec.training.pair
+    import specdec.training.tokenizer
+
+    def refuse(*args, **kwargs):
+        pytest.fail("training started before the bad value was reported")
+
+    monkeypatch.setattr(specdec.training.pair, "train_pair", refuse)
+    monkeypatch.setattr(specdec.training.tokenizer, "train_tokenizer", refuse)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["tokenizer", "--out", "{file}"], "--out '{file}' is an existing file"),
+        (["tokenizer", "--out", ""], "--out is empty"),
+        (["tokenizer", "--out", "{tmp}/tok", "--vocab-size", "10"], "--vocab-size=10 is too small"),
+        (["pair", "--out", "{file}"], "--out '{file}' is an existing file"),
+        (["pair", "--out", ""], "--out is empty"),
+        (["pair", "--out", "{tmp}/p", "--vocab-size", "10"], "--vocab-size=10 is too small"),
+        (["pair", "--out", "{tmp}/p", "--tokenizer", "{tmp}/nothing"], "--tokenizer '{tmp}/nothing' is not a tokenizer folder (it does not exist)"),
+        (["pair", "--out", "{tmp}/p", "--tokenizer", "{file}"], "is not a tokenizer folder (it is a file)"),
+        (["pair", "--out", "{tmp}/p", "--target-from", "{tmp}"], "--target-from '{tmp}' is not a model folder (no config.json)"),
+        (["pair", "--out", "{tmp}/p", "--init-draft", "{tmp}/nothing"], "--init-draft '{tmp}/nothing' is not a model folder"),
+        (["pair", "--out", "{tmp}/p", "--draft-lr", "nan"], "--draft-lr=nan must be a finite number"),
+        (["pair", "--out", "{tmp}/p", "--target-lr", "inf"], "--target-lr=inf must be a finite number"),
+        (["pair", "--out", "{tmp}/p", "--unlikelihood-steps", "1", "--unlikelihood-weight", "nan"], "--unlikelihood-weight=nan must be a finite number"),
+        (["pair", "--out", "{tmp}/p", "--seed", "-1"], "--seed -1 must be at least 0"),
+        (["bundle", "--from", ""], "--from '' is empty"),
+        (["bundle", "--from", "{tmp}/nothing"], "--from '{tmp}/nothing' does not exist"),
+        (["bundle", "--from", "{file}"], "--from '{file}' is a file"),
+    ],
+)
+def test_train_bad_flags_before_any_work(tmp_path, capsys, no_training, args, needle):
+    (tmp_path / "a_file").write_text("x\n")
+    fill = {"tmp": str(tmp_path), "file": str(tmp_path / "a_file")}
+    assert main(["train", *(a.format(**fill) for a in args)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: ") and needle.format(**fill) in err and "Traceback" not in err
+    assert not (tmp_path / "p").exists() and not (tmp_path / "tok").exists()
+
+
+def test_train_evaluate_loop_prompts_checked_before_the_figures(tmp_path, capsys, tiny_pair_dir, monkeypatch):
+    import specdec.training.evaluate
+
+    monkeypatch.setattr(specdec.training.evaluate, "evaluate_pair", lambda *a, **k: pytest.fail("the figures ran before the bad value was reported"))
+    pair = ["--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"), "--device", "cpu", "--corpus", str(STDLIB / "json")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"\n')
+    assert main(["train", "evaluate", *pair, "--loops", "--prompts", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "def f():"}\n')
+    assert main(["train", "evaluate", *pair, "--loops", "--prompts", str(good), "--loop-tokens", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "--loop-tokens 100000" in err and "exceed the target's context of 256 tokens" in err and "--loop-tokens" in err.split("; ")[-1]
+
+
+def test_train_evaluate_loops_refuse_image_prompts(capsys, monkeypatch):
+    from specdec.api import SpeculativeDecoder
+
+    monkeypatch.setattr(SpeculativeDecoder, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded before the bad value was reported"))
+    assert main(["train", "evaluate", "--loops", "--prompts", "scenes-ood"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompts 'scenes-ood'" in err and "have images" in err

@@ -261,6 +261,30 @@ def _last_tokens(decoder: SpeculativeDecoder, text: str, room: int) -> str | Non
     return None
 
 
+FILES_PER_CLIENT = 2
+"""open files a concurrent client costs this process: its socket and the in-process server's end of it"""
+FILES_SPARE = 256
+"""open files kept for everything else (model files, the listening socket, the event loop, libraries)"""
+
+
+def check_open_files(concurrency: int) -> None:
+    """A SpecDecError when `concurrency` clients would run this process out of file descriptors
+    (`ulimit -n`): the run would fail with "Too many open files" part way, and hang."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX: no limit to check
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    most = max(0, (soft - FILES_SPARE) // FILES_PER_CLIENT)
+    if concurrency > most:
+        raise SpecDecError(
+            f"--concurrency {concurrency} needs about {FILES_PER_CLIENT * concurrency + FILES_SPARE} open files, beyond this shell's limit of {soft} "
+            f"(ulimit -n); use --concurrency {most} or less, or raise the limit"
+        )
+
+
 def check_config(config: ServeBenchConfig) -> list[Variant]:
     """Validate everything cheap before any model loads; returns the variants."""
     if not isinstance(config.requests_per_client, int) or config.requests_per_client < 1:
@@ -273,6 +297,7 @@ def check_config(config: ServeBenchConfig) -> list[Variant]:
         raise SpecDecError(f"--max-batch-size {config.max_batch_size} must be a positive integer")
     if not config.concurrency or any(c < 1 for c in config.concurrency):
         raise SpecDecError(f"--concurrency {config.concurrency} must be positive integers, e.g. 1,2,4,8,16")
+    check_open_files(max(config.concurrency))
     check_max_draft_rows(config.decoder_options.get("max_draft_rows"))
     unknown = [m for m in config.methods if m.split("@")[0].split(":")[0] not in POLICY_CLASSES]
     if unknown:

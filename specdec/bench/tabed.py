@@ -26,6 +26,7 @@ import torch
 from specdec.api import SpeculativeDecoder
 from specdec.bench.prompts import load_prompts
 from specdec.bench.report import machine_info, versions
+from specdec.drafting.builder import check_tree_nodes
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
@@ -127,6 +128,21 @@ def measure_cost_ratio(decoder: SpeculativeDecoder, prompt: Sequence[int], rows:
     return step_time(decoder.draft, rows) / step_time(decoder.target, 1)
 
 
+def check_tabed_shapes(gammas: Sequence[int], widths: Sequence[int], ablation_gamma: int = 5) -> None:
+    """Every chain (gamma draft tokens) and tree (depth `ablation_gamma`, top-d expansion) of the
+    matrix fits a step's draft tree (`check_tree_nodes`), named by bench-tabed's flags; checked
+    before any model loads."""
+    for g in (*gammas, *widths, ablation_gamma):
+        if g < 1:
+            raise SpecDecError(f"gamma and tree widths must be positive integers (got {g})")
+    for g in gammas:
+        check_tree_nodes(1 + g, f"--gammas {g} (a chain of {g} draft tokens and its root)", "--gammas")
+    for d in widths:
+        # eagle2's capacity: d at the first level, d^2 at each further one, and the root
+        nodes = 1 + d + (ablation_gamma - 1) * d * d
+        check_tree_nodes(nodes, f"--widths {d} (trees of depth {ablation_gamma}, top-{d} expansion: 1 + d + {ablation_gamma - 1} x d^2 nodes)", "--widths")
+
+
 def run_tabed_bench(
     decoder: SpeculativeDecoder,
     out_dir: Path,
@@ -143,9 +159,7 @@ def run_tabed_bench(
     """Run the matrix and write report.md, results.json and plots into `out_dir`."""
     if decoder.draft is None or not decoder.multimodal:
         raise SpecDecError("bench-tabed needs a vision-language target and draft (the bundled LVLM pair by default)")
-    for g in (*gammas, *widths, ablation_gamma):
-        if g < 1:
-            raise SpecDecError(f"gamma and tree widths must be positive integers (got {g})")
+    check_tabed_shapes(gammas, widths, ablation_gamma)
     out_dir.mkdir(parents=True, exist_ok=True)
     eos = decoder.eos_token_ids
     view_cache: dict[str, PromptView] = {}

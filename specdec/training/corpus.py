@@ -95,6 +95,34 @@ def iter_texts(files: list[SourceFile]) -> Iterator[str]:
             yield text
 
 
+def corpus_name(corpus: list[Path] | None) -> str:
+    """How errors name a corpus: the --corpus flag as given, or the default."""
+    return "--corpus " + " ".join(repr(str(p)) for p in corpus) if corpus else "the standard library"
+
+
+def training_split(corpus: list[Path] | None, heldout_needed: bool = True) -> tuple[list[SourceFile], list[SourceFile]]:
+    """(train, heldout) files of `corpus` (default: the standard library); a SpecDecError naming
+    the corpus when its training split has no text (no .py files, only empty or non-UTF-8 ones),
+    or with `heldout_needed` when its held-out split has none (a corpus of one file)."""
+    from specdec.errors import SpecDecError
+
+    files = list_sources(corpus)
+    train, heldout = split_sources(files)
+    if not files:
+        why = "it holds no .py files"
+    elif not any(True for _ in iter_texts(files)):
+        why = f"its {len(files)} file(s) hold no UTF-8 text (empty or binary)"
+    elif not any(True for _ in iter_texts(train)) or (heldout_needed and not any(True for _ in iter_texts(heldout))):
+        split = "training" if not any(True for _ in iter_texts(train)) else "held-out"
+        why = (
+            f"its {split} split (a hash-chosen share of its {len(files)} file(s)) holds no text; "
+            f"a corpus needs at least two files with text"
+        )
+    else:
+        return train, heldout
+    raise SpecDecError(f"{corpus_name(corpus)} has nothing to train on: {why}; give folders of UTF-8 .py files (or leave --corpus out for the standard library)")
+
+
 def build_prompt_set(
     heldout: list[SourceFile],
     out_path: Path,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, PreTrainedModel
 
-from specdec.training.corpus import SourceFile, build_prompt_set, iter_texts, list_sources, split_sources
+from specdec.training.corpus import SourceFile, build_prompt_set, iter_texts, split_sources, training_split
 from specdec.training.packages import package_sources
 from specdec.training.tokenizer import train_tokenizer
 from specdec.training.unlikelihood import SequenceUnlikelihood, UnlikelihoodConfig
@@ -326,13 +326,11 @@ def train_pair(cfg: PairConfig, tokenizer_dir: Path | None = None) -> dict:
     """
     out = Path(cfg.out_dir)
     work = out / "work"
+    t_start = time.time()
+    train_files, heldout_files = training_split([Path(c) for c in cfg.corpus] or None)  # a corpus without both splits fails before anything is written
+    files = sorted(train_files + heldout_files, key=lambda f: f.module)  # list_sources order
     work.mkdir(parents=True, exist_ok=True)
     (out / "pair_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    t_start = time.time()
-    files = list_sources([Path(c) for c in cfg.corpus] or None)
-    train_files, heldout_files = split_sources(files)
-    if not train_files or not heldout_files:
-        raise ValueError(f"corpus has {len(train_files)} train and {len(heldout_files)} held-out files; it needs both (add more files)")
     n_prompts = build_prompt_set(heldout_files, out / "stdlib-heldout.jsonl", prompt_lines=cfg.prompt_lines)
     package_train: list[SourceFile] = []
     corpus_info: dict = {}

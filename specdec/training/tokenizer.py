@@ -12,6 +12,8 @@ from specdec.errors import SpecDecError
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+MIN_VOCAB = 300
+"""the smallest vocabulary trained: the 256 byte tokens, the specials and a few merges"""
 
 
 def bpe_tokenizer(
@@ -31,8 +33,8 @@ def bpe_tokenizer(
 
 def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 8192, min_frequency: int = 2) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on `texts` and save it so `AutoTokenizer.from_pretrained(out_dir)` loads it."""
-    if vocab_size < 300:
-        raise SpecDecError(f"vocab_size={vocab_size} is too small for byte-level BPE (256 bytes + specials); use >= 300")
+    if vocab_size < MIN_VOCAB:
+        raise SpecDecError(f"vocab_size={vocab_size} is too small for byte-level BPE (256 bytes + specials); use >= {MIN_VOCAB}")
     tokenizer = bpe_tokenizer(texts, vocab_size, EOS_TOKEN, PAD_TOKEN, max_length=2048, min_frequency=min_frequency)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
