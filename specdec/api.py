@@ -150,6 +150,33 @@ def make_ensemble_config(options: Mapping[str, Any] | EnsembleConfig | None, num
     return config
 
 
+def _role_of(value: Any) -> str:
+    """What a constructor argument is, for `_check_positional_roles`' message."""
+    if isinstance(value, torch.nn.Module):
+        return "a model"
+    if hasattr(value, "convert_tokens_to_ids") and callable(value):
+        return "a tokenizer"
+    return f"a {type(value).__name__}"
+
+
+def _check_positional_roles(target: Any, tokenizer: Any, draft: Any) -> None:
+    """SpeculativeDecoder(target, tokenizer, draft): models where models go and a tokenizer where
+    it goes, so arguments in another order (target, draft, tokenizer, as `from_pretrained` takes
+    paths) are named, not an AttributeError deep inside."""
+    problems = []
+    if not isinstance(target, torch.nn.Module) or not hasattr(target, "config"):
+        problems.append(f"target is {_role_of(target)}, not a transformers model")
+    if isinstance(tokenizer, torch.nn.Module) or tokenizer is None:  # (token-id users may pass any object with pad/eos ids)
+        problems.append(f"tokenizer is {_role_of(tokenizer)}, not a tokenizer")
+    if draft is not None and (not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config")):
+        problems.append(f"draft is {_role_of(draft)}, not a transformers model")
+    if problems:
+        raise SpecDecError(
+            f"SpeculativeDecoder(target, tokenizer, draft): {'; '.join(problems)}; pass them in this order "
+            "(or by name), or load from paths with SpeculativeDecoder.from_pretrained(target, draft)"
+        )
+
+
 class SpeculativeDecoder:
     """A target model, an optional draft model sharing its tokenizer, and a method."""
 
@@ -188,6 +215,7 @@ class SpeculativeDecoder:
         model; `lookup_ngram` is the longest n-gram matched);
         max_draft_rows: a step with more active rows than this drafts nothing (a plain step, as
         AR; `specdec.parsing.check_max_draft_rows`); None (default): every step drafts."""
+        _check_positional_roles(target, tokenizer, draft)
         check_draft_source(draft_source, lookup_ngram)
         self.max_draft_rows = check_max_draft_rows(max_draft_rows)
         self.cuda_graphs = _resolve_graphs(cuda_graphs, target)

@@ -537,3 +537,20 @@ def test_a_boolean_is_not_a_token_count_or_batch_size():
         engine.generate([[1, 2]], True)
     with pytest.raises(SpecDecError, match="batch_size=True"):
         engine.generate([[1, 2]], 4, batch_size=True)
+
+
+def test_decoder_arguments_in_another_order_are_named(tiny_pair_dir):
+    """SpeculativeDecoder(target, tokenizer, draft): models given in from_pretrained's order
+    (target, draft, tokenizer) are named, not an AttributeError from deep inside."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.api import SpeculativeDecoder
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target")
+    draft = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "draft")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+    with pytest.raises(SpecDecError, match="tokenizer is a model, not a tokenizer; draft is a tokenizer, not a transformers model; pass them in this order"):
+        SpeculativeDecoder(target, draft, tokenizer)
+    with pytest.raises(SpecDecError, match="target is a str, not a transformers model"):
+        SpeculativeDecoder(str(tiny_pair_dir / "target"), tokenizer)
+    assert SpeculativeDecoder(target, tokenizer, draft).generate("def f(x):", max_new_tokens=2).token_ids  # the right order decodes
