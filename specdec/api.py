@@ -485,7 +485,8 @@ class SpeculativeDecoder:
     def encode(self, prompt: str, images: Sequence[str | Path | Image.Image] | None = None) -> Sequence[int]:
         """Token ids of `prompt`; with images, a `MultimodalPrompt` (one `<image>` placeholder per image)."""
         if not isinstance(prompt, str):
-            raise SpecDecError(f"prompt must be a string, got {type(prompt).__name__}")
+            ids = " (for token ids use generate_ids)" if isinstance(prompt, int | torch.Tensor) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)) else ""
+            raise SpecDecError(f"prompt must be a string, got {type(prompt).__name__}{ids}")
         if not prompt:
             raise SpecDecError("the prompt is empty; give some text to continue")
         check_utf8(prompt, "the prompt")
@@ -619,7 +620,7 @@ class SpeculativeDecoder:
         self,
         prompt_ids: Sequence[Sequence[int]],
         max_new_tokens: int,
-        params: SamplingParams,
+        params: SamplingParams | None = None,
         verify: str | None = None,
         seed: int | None = None,
         stream: Callable[[int, list[int]], None] | None = None,
@@ -628,7 +629,11 @@ class SpeculativeDecoder:
         stop: StopCallback | None = None,
     ) -> list[EngineOutput]:
         """Token-level entry point (benchmarks use it); `seed` as in `generate`; `stop(index,
-        tokens)` returning True ends that prompt (`SpeculativeEngine.generate`)."""
+        tokens)` returning True ends that prompt (`SpeculativeEngine.generate`); `params` None: greedy."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise SpecDecError(f"params={params!r} must be a SamplingParams (or None for greedy)")
         check_seed(seed)
         check_callback(stream, "stream", "(index, token_ids)")
         verify = resolve_verify(verify or self.verify, params.temperature)

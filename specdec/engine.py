@@ -266,8 +266,15 @@ class SpeculativeEngine:
                 raise SpecDecError(f"{name}: token id {bad} is outside the vocabulary ({span}); give ids from the target's tokenizer")
 
     def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        if isinstance(prompts, torch.Tensor):  # `not prompts` would be an ambiguous truth value; rows of a padded batch carry their padding
+            raise SpecDecError(
+                f"prompts is a tensor {list(prompts.shape)}; pass a list of token-id lists, one per prompt, without padding "
+                "(e.g. ids.tolist() for rows of equal length)"
+            )
         if not prompts:
             raise SpecDecError("no prompts given; pass at least one prompt")
+        if isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
+            raise SpecDecError(f"prompts is a list of {len(prompts)} integers; pass a list of token-id lists, one per prompt (e.g. [ids] for one prompt)")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpecDecError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
         for i, prompt in enumerate(prompts):

@@ -15,6 +15,7 @@ from specdec.cli import main
 from specdec.engine import SpeculativeEngine
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy
+from specdec.sampling import SamplingParams
 from specdec.verification import GreedyRule
 
 
@@ -554,3 +555,23 @@ def test_decoder_arguments_in_another_order_are_named(tiny_pair_dir):
     with pytest.raises(SpecDecError, match="target is a str, not a transformers model"):
         SpeculativeDecoder(str(tiny_pair_dir / "target"), tokenizer)
     assert SpeculativeDecoder(target, tokenizer, draft).generate("def f(x):", max_new_tokens=2).token_ids  # the right order decodes
+
+
+def test_token_id_prompts_of_the_wrong_shape_are_named(tiny_pair_dir):
+    """generate_ids takes a list of token-id lists: a tensor (maybe padded) or one flat list is
+    named with the fix, not a tensor truth-value or len() error; generate() given ids points to
+    generate_ids; params=None is greedy."""
+    import torch
+
+    from specdec.api import SpeculativeDecoder
+
+    dec = SpeculativeDecoder.from_pretrained(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"), device="cpu")
+    with pytest.raises(SpecDecError, match=r"prompts is a tensor \[1, 3\]; pass a list of token-id lists"):
+        dec.generate_ids(torch.tensor([[5, 6, 7]]), 3)
+    with pytest.raises(SpecDecError, match=r"prompts is a list of 3 integers; .*\[ids\] for one prompt"):
+        dec.generate_ids([5, 6, 7], 3)
+    with pytest.raises(SpecDecError, match=r"got int \(for token ids use generate_ids\)"):
+        dec.generate([5, 6, 7], max_new_tokens=3)
+    with pytest.raises(SpecDecError, match="params=0.5 must be a SamplingParams"):
+        dec.generate_ids([[5, 6, 7]], 3, 0.5)
+    assert dec.generate_ids([[5, 6, 7]], 3)[0].token_ids == dec.generate_ids([[5, 6, 7]], 3, SamplingParams())[0].token_ids
