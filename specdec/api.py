@@ -634,7 +634,7 @@ class SpeculativeDecoder:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise SpecDecError(f"params={params!r} must be a SamplingParams (or None for greedy)")
-        check_seed(seed)
+        check_seed(seed, "seed=")
         check_callback(stream, "stream", "(index, token_ids)")
         verify = resolve_verify(verify or self.verify, params.temperature)
         return self.engine(verify).generate(

@@ -52,15 +52,17 @@ ones, as aliases of large ones: -1 seeds as 2**64 - 1, so they are refused rathe
 
 
 def check_seed(seed: object, flag: str = "--seed") -> None:
-    """None or an integer torch can seed a generator with; a SpecDecError otherwise."""
+    """None or an integer torch can seed a generator with; a SpecDecError otherwise. flag: how the
+    message names it, "--seed" (the CLI's "--seed -1") or "seed=" (the Python API's "seed=-1")."""
     if seed is None:
         return
+    named = f"{flag}{seed!r}" if flag.endswith("=") else f"{flag} {seed!r}"
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise SpecDecError(f"{flag} {seed!r} must be an integer")
+        raise SpecDecError(f"{named} must be an integer")
     if seed < SEED_MIN:
-        raise SpecDecError(f"{flag} {seed} must be at least 0; give an integer from 0 to {SEED_MAX}")
+        raise SpecDecError(f"{named} must be at least 0; give an integer from 0 to {SEED_MAX}")
     if seed > SEED_MAX:
-        raise SpecDecError(f"{flag} {seed} does not fit in 64 bits; give an integer from 0 to {SEED_MAX}")
+        raise SpecDecError(f"{named} does not fit in 64 bits; give an integer from 0 to {SEED_MAX}")
 
 
 def check_max_draft_rows(value: object) -> int | None:

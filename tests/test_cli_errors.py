@@ -111,6 +111,10 @@ def test_negative_seed_in_the_api():
     check_seed(0)
     with pytest.raises(SpecDecError, match="must be at least 0"):
         check_seed(-1)
+    with pytest.raises(SpecDecError, match=r"^seed=-1 must be at least 0"):  # the API's wording, as the server's
+        check_seed(-1, "seed=")
+    with pytest.raises(SpecDecError, match=r"^seed='1' must be an integer"):
+        check_seed("1", "seed=")
 
 
 @pytest.mark.parametrize("flag", ["--draft", "--target"])
