@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu/run.sh unmeasured     # what earlier leases left unmeasured (greedy, B = 1, 2, 8): CAST unread / read, DynaTree's width
 #   bash benchmarks/gpu/run.sh unmeasured-t1  # the same at T = 1 (B = 1, 8): DynaTree's free_sampled_children, CAST unread / read
 #   bash benchmarks/gpu/run.sh depth-t1       # T = 1, B = 1: DynaTree's free-width depth (history rule, D_0 held at 5, D_0 from 8)
+#   bash benchmarks/gpu/run.sh compile        # torch.compile of the target's forward against CUDA graphs (split KV storage)
 #   (sweep, unmeasured, unmeasured-t1: SCHEDULE=rolling runs every prompt through one rolling batch, as a server batches)
 #
 # Writes under $OUT (the device tool brings back at most 8 files, 2 folders deep): a log per stage
@@ -22,7 +23,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|unmeasured|unmeasured-t1|depth-t1|pair|costs}
+stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|unmeasured|unmeasured-t1|depth-t1|compile|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -179,11 +180,23 @@ case "$stage" in
       --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/depth-t1" 2>&1 | grep -v "Loading weights" | tee "$OUT/depth-t1.log"
     tar -czf "$OUT/depth-t1.tar.gz" -C "$OUT" depth-t1 && rm -rf "$OUT/depth-t1"
     ;;
+  compile)  # torch.compile of the static forward (benchmarks/torch-compile-cpu): the pair's target, AR one-token forwards
+            # at B = 1 and COMPILE_B (8), eager (dynamic, static shapes), the runner's CUDA graphs, compiled alone and
+            # compiled inside the CUDA graphs; keys and values split per layer (specdec's shared storage makes compiled
+            # forwards rebuild it every write), and the shared layout's graphs beside them as the baseline
+    pair
+    for b in 1 "${COMPILE_B:-8}"; do
+      $PY benchmarks/gpu/compile_probe.py --model "$PAIR/target" --device "$DEVICE" --batch-size "$b" --layout shared \
+        --modes dynamic,graphs 2>&1 | grep -v "Loading weights" | tee -a "$OUT/compile.log"
+      $PY benchmarks/gpu/compile_probe.py --model "$PAIR/target" --device "$DEVICE" --batch-size "$b" --layout split-kv \
+        --modes graphs,compiled,compiled-graphs 2>&1 | grep -v "Loading weights" | tee -a "$OUT/compile.log"
+    done
+    ;;
   pair)  # the synthetic pair alone (for a call that runs other things beside its build)
     pair
     ;;
   costs)  # the cost profiles measured on this machine (CAST's tables, DynaTree's free width), for reading back
     tar -czf "$OUT/costs.tar.gz" -C "$SPECDEC_CACHE_DIR" cost-profiles
     ;;
-  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, levels, levels-t1, unmeasured, unmeasured-t1, depth-t1, pair, costs)"; exit 2 ;;
+  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, levels, levels-t1, unmeasured, unmeasured-t1, depth-t1, compile, pair, costs)"; exit 2 ;;
 esac
