@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.cost.profile import CostTableResolver, ProfileSource
 from specdec.drafting.base import CostAwarePolicy, TreePolicy
-from specdec.engine import EngineOutput, SpeculativeEngine, StopCallback
+from specdec.engine import EngineOutput, SpeculativeEngine, StopCallback, _embedding_rows
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy, method_uses_draft
 from specdec.models.graphs import check_cuda_graphs, resolve_cuda_graphs
@@ -242,7 +242,12 @@ class SpeculativeDecoder:
         limits = [c for c in (context_length(target), context_length(draft) if draft is not None else None) if c]
         self.max_context = min(limits) if limits else None
         self.eos_token_ids = eos_token_ids(target, tokenizer)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        # padding is masked out, so any id the target embeds will do: the tokenizer's, else EOS, else 0
+        # (a pad token added to a tokenizer whose model's embedding was not resized is not one)
+        rows = _embedding_rows(target)
+        pad = next(
+            (i for i in (getattr(tokenizer, "pad_token_id", None), *self.eos_token_ids) if isinstance(i, int) and i >= 0 and (rows is None or i < rows)), 0
+        )
         self.pad_token_id = pad
         self.vocab_fit = VocabFit.for_pair(target, draft, len(tokenizer)) if draft is not None else None
         """the draft's logits brought to the target's width (checkpoints of one family may pad their vocabularies differently)"""

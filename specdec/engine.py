@@ -12,9 +12,10 @@ any time, join free rows at a step boundary and leave when they finish or are ca
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,10 +30,12 @@ from specdec.models.loading import context_length
 from specdec.models.runner import ModelRunner, hole_filling_order
 from specdec.models.static import WARM_UP_TOKENS
 from specdec.models.support import image_prompt_problem
+from specdec.models.vocab import output_width
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
-from specdec.parsing import check_max_draft_rows
+from specdec.parsing import check_max_draft_rows, check_seed
 from specdec.sampling import SamplingParams, choose_tokens
 from specdec.sources.base import DraftSource, TargetPath
+from specdec.sources.lookup import LookupDraftSource
 from specdec.sources.model import ModelDraftSource
 from specdec.stats import GenerationStats, StepRecord
 from specdec.tree import TokenTree
@@ -159,6 +162,72 @@ class StepResult:
         )
 
 
+def _check_parts(target: object, policy: object, rule: object, source: object) -> None:
+    """A SpecDecError naming the argument when the engine's parts are not what it runs (a method
+    name for a policy, a class for an instance, a bare draft model for a draft source), instead
+    of an AttributeError at the first step."""
+    if not isinstance(target, torch.nn.Module) or getattr(target, "config", None) is None:
+        raise SpecDecError(
+            f"target must be a loaded causal LM (a transformers PreTrainedModel), got {type(target).__name__}; "
+            "load it with AutoModelForCausalLM.from_pretrained(...), or use SpeculativeDecoder.from_pretrained(path)"
+        )
+    if isinstance(policy, str):
+        raise SpecDecError(f"policy={policy!r} is a method name; pass a policy: specdec.methods.make_policy({policy!r}, **options)")
+    if isinstance(policy, type) or not callable(getattr(policy, "draft", None)) or not hasattr(policy, "uses_draft"):
+        shown = f"the class {policy.__name__} (pass an instance)" if isinstance(policy, type) else type(policy).__name__
+        raise SpecDecError(f"policy must be a tree policy, got {shown}; build one with specdec.methods.make_policy(name, **options)")
+    if isinstance(rule, str):
+        raise SpecDecError(f"rule={rule!r} is an accept rule's name; pass a rule: specdec.verification.make_rule({rule!r})")
+    if isinstance(rule, type) or not callable(getattr(rule, "verify", None)):
+        shown = f"the class {rule.__name__} (pass an instance)" if isinstance(rule, type) else type(rule).__name__
+        raise SpecDecError(f"rule must be an accept rule, got {shown}; build one with specdec.verification.make_rule('greedy', 'sampling' or 'mars')")
+    if isinstance(source, torch.nn.Module):
+        raise SpecDecError(
+            f"source is a model ({type(source).__name__}), not a draft source; wrap it: specdec.sources.ModelDraftSource(draft) "
+            "(with vocab=VocabFit.for_pair(target, draft, len(tokenizer)) when their output layers differ in width)"
+        )
+    if source is not None and (isinstance(source, type) or not callable(getattr(source, "begin_step", None)) or not callable(getattr(source, "prefill", None))):
+        shown = f"the class {source.__name__} (pass an instance)" if isinstance(source, type) else type(source).__name__
+        raise SpecDecError(f"source must be a draft source (specdec.sources.ModelDraftSource(draft), LookupDraftSource, ...) or None, got {shown}")
+
+
+def _check_source_width(target: PreTrainedModel, source: DraftSource | None) -> None:
+    """A SpecDecError when the draft source's distributions would not be as wide as the target's
+    logits (a draft whose output layer differs in width, given no `VocabFit`; a lookup source
+    sized for another vocabulary): the accept rules compare them id by id, and a drafted id past
+    the target's vocabulary would index past its embedding."""
+    inner = getattr(source, "inner", source)  # TABED's ensemble drafts through one ModelDraftSource
+    if isinstance(inner, ModelDraftSource):
+        if inner.vocab is not None:
+            width, what, fix = inner.vocab.target_width, f"the draft source's vocab.target_width={inner.vocab.target_width}", "build its VocabFit for this target"
+        else:
+            width = output_width(inner.runner.model)
+            what = f"the draft model's output layer has {width} rows"
+            fix = "pass vocab=VocabFit.for_pair(target, draft, len(tokenizer)) to the draft source (specdec.models.vocab; SpeculativeDecoder does this)"
+    elif isinstance(source, LookupDraftSource):
+        width, what, fix = source.vocab_size, f"the lookup source's vocab_size={source.vocab_size}", "build it with vocab_size=output_width(target) (specdec.models.vocab)"
+    else:
+        return
+    target_width = output_width(target)
+    if width != target_width:
+        raise SpecDecError(f"{what}, but the target's logits are {target_width} wide; {fix}")
+
+
+def _check_eos_ids(value: object) -> set[int]:
+    """The EOS ids as a set of ints; a SpecDecError for a lone id, a string or ids that are not
+    integers (a set of tensors or strings would never match a token: rows would never stop at EOS)."""
+    if isinstance(value, torch.Tensor):
+        value = value.flatten().tolist()
+    if isinstance(value, (int, str, bytes)) or value is None or not isinstance(value, Iterable):
+        fix = f"; pass [{value}] for one id" if isinstance(value, int) and not isinstance(value, bool) else ""
+        raise SpecDecError(f"eos_token_ids={value!r} must be a list of integer token ids (empty: no EOS){fix}")
+    ids = list(value)
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise SpecDecError(f"eos_token_ids holds {token!r}, not an integer token id; pass integer ids, e.g. [tokenizer.eos_token_id]")
+    return {int(token) for token in ids}
+
+
 def _embedding_rows(model: PreTrainedModel) -> int | None:
     """Rows of the model's input embedding (the token ids it can read), or None when it has none to ask."""
     try:
@@ -192,9 +261,21 @@ class SpeculativeEngine:
         """static_shapes, cuda_graphs: the target runner's forward mode (`ModelRunner`; the
         draft source's runner gets its own). max_draft_rows: a step with more active rows than
         this drafts nothing (`check_max_draft_rows`); None: no limit."""
+        _check_parts(target, policy, rule, source)
         if policy.uses_draft and source is None:
             raise SpecDecError(f"method {policy.name!r} needs a draft model; pass --draft or use --method ar")
+        if policy.uses_draft:
+            _check_source_width(target, source)
         self.max_draft_rows = check_max_draft_rows(max_draft_rows)
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1):
+            raise SpecDecError(f"max_context={max_context!r} must be a positive integer (the most tokens a row may hold), or None for no limit")
+        vocab_size = _embedding_rows(target)
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral) or pad_token_id < 0 or (vocab_size is not None and pad_token_id >= vocab_size):
+            span = f" in 0..{vocab_size - 1}" if vocab_size is not None else " >= 0"
+            raise SpecDecError(
+                f"pad_token_id={pad_token_id!r} must be a token id{span} (left padding, masked out); "
+                "pass the tokenizer's pad_token_id, or its EOS id when it has none"
+            )
         self.lazy_draft_prefill = True
         """with `max_draft_rows`: a prompt admitted into a batch over the limit (or starting one) is
         prefilled into the draft model only before the first step that drafts (False: at admission,
@@ -203,15 +284,19 @@ class SpeculativeEngine:
         self.policy = policy
         self.rule = rule
         self.source = source if policy.uses_draft else None
-        self.eos_token_ids = set(eos_token_ids)
-        self.pad_token_id = pad_token_id
+        self.eos_token_ids = _check_eos_ids(eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
         self.max_context = max_context
         self.device = self.target.device
         self.multimodal = is_multimodal(target)
         self.image_problem = image_prompt_problem(target.config, target) if self.multimodal else None
         """why prompts with images would not decode exactly with this target (None: they do)"""
-        self.vocab_size = _embedding_rows(target)
+        self.vocab_size = vocab_size
         """rows of the target's input embedding: prompt token ids must be below it (None: unknown)"""
+        self.cache_batches = 0
+        """batches the KV caches have held (counted at each new batch's prefill, and at `warm_up`):
+        a session whose batch is not the last has lost its rows' caches (a count, not the
+        session: a reference back would keep an engine and its caches alive past its last use)"""
 
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -255,6 +340,15 @@ class SpeculativeEngine:
     def _check_token_ids(self, prompt: Sequence[int], name: str) -> None:
         """A SpecDecError naming `name` when a token id is not one of the target's (negative, or
         past its input embedding), instead of an IndexError inside the model."""
+        if isinstance(prompt, str):
+            raise SpecDecError(f"{name} is a string ({prompt[:40]!r}); the engine takes token ids: encode it first (tokenizer.encode, or SpeculativeDecoder.generate for text)")
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
+                raise SpecDecError(f"{name} is a {prompt.dtype} tensor of shape {list(prompt.shape)}; give one prompt's integer token ids (a 1-D list)")
+        elif not all(type(token) is int for token in prompt):  # (min/max below would also order floats, and strings among themselves)
+            for token in prompt:  # numpy integers pass
+                if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                    raise SpecDecError(f"{name} holds {token!r}, not an integer token id; give a list of integer token ids")
         try:
             low, high = min(prompt), max(prompt)
         except TypeError:
@@ -266,14 +360,20 @@ class SpeculativeEngine:
                 raise SpecDecError(f"{name}: token id {bad} is outside the vocabulary ({span}); give ids from the target's tokenizer")
 
     def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-        if isinstance(prompts, torch.Tensor):  # `not prompts` would be an ambiguous truth value; rows of a padded batch carry their padding
+        if isinstance(prompts, torch.Tensor) or (hasattr(prompts, "shape") and hasattr(prompts, "tolist")):
+            # (a numpy array too) `not prompts` would be an ambiguous truth value; rows of a padded batch carry their padding
             raise SpecDecError(
-                f"prompts is a tensor {list(prompts.shape)}; pass a list of token-id lists, one per prompt, without padding "
-                "(e.g. ids.tolist() for rows of equal length)"
+                f"prompts is {'a tensor' if isinstance(prompts, torch.Tensor) else 'an array'} {list(prompts.shape)}; pass a list of token-id lists, "
+                "one per prompt, without padding (e.g. ids.tolist() for rows of equal length)"
             )
+        if isinstance(prompts, str):
+            raise SpecDecError(f"prompts is a string ({prompts[:40]!r}); the engine takes token ids: encode it first (tokenizer.encode, or SpeculativeDecoder.generate for text)")
+        if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+            fix = "list(prompts)" if isinstance(prompts, Iterable) and not isinstance(prompts, (str, bytes, dict)) else "[ids] for one prompt"
+            raise SpecDecError(f"prompts must be a list of token-id lists, one per prompt, got {type(prompts).__name__}; pass {fix}")
         if not prompts:
             raise SpecDecError("no prompts given; pass at least one prompt")
-        if isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
+        if isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool):
             raise SpecDecError(f"prompts is a list of {len(prompts)} integers; pass a list of token-id lists, one per prompt (e.g. [ids] for one prompt)")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpecDecError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
@@ -285,6 +385,7 @@ class SpeculativeEngine:
     ) -> DecodeSession:
         """A step-by-step decode loop over this engine (see `DecodeSession`). A cost-aware
         policy (cast) gets its cost table ready for `max_rows` rows here, before any step."""
+        _check_session_args(params, seed, self.rule)
         prepare = getattr(self.policy, "prepare_costs", None)
         if callable(prepare) and max_rows is not None:
             prepare(max_rows)
@@ -320,6 +421,8 @@ class SpeculativeEngine:
         batch_size = len(prompts) if batch_size is None else batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise SpecDecError(f"batch_size={batch_size!r} must be a positive integer")
+        _check_callback(stream, "stream", "stream(prompt_index, new_token_ids)")
+        _check_callback(stop, "stop", "stop(prompt_index, new_token_ids) -> bool")
         session = self.session(params, seed=seed, max_rows=min(batch_size, len(prompts)), keep_steps=keep_steps)
         on_tokens: TokenCallback | None = None
         if stream is not None or stop is not None:
@@ -347,6 +450,7 @@ class SpeculativeEngine:
         model for every node-count bucket up to `max_tokens` at each batch size, over caches with
         room for `context` slots, so that capture costs land here and not in a timed call.
         Returns the number of forwards run; 0 without static shapes. Resets both caches."""
+        self.cache_batches += 1  # (a session's running rows lose their caches here)
         runners = [self.target]
         draft_runner = self._draft_runner()
         if draft_runner is not None and draft_runner is not self.target:
@@ -388,6 +492,26 @@ class SpeculativeEngine:
         if draft_runner is not None:
             models.append(draft_runner.model)
         return [context_length(m) for m in models]
+
+
+def _check_session_args(params: object, seed: object, rule: object) -> None:
+    """A SpecDecError for sampling params that are not a `SamplingParams` (or that sample, under
+    the greedy accept rule: argmax verification of sampled drafts and roots is neither greedy nor
+    the target's distribution), or a seed torch cannot take."""
+    if params is not None and not isinstance(params, SamplingParams):
+        fix = "SamplingParams(**params)" if isinstance(params, dict) else "SamplingParams(temperature=..., top_p=..., top_k=...)"
+        raise SpecDecError(f"params must be a specdec.sampling.SamplingParams, got {type(params).__name__}; pass {fix}")
+    if params is not None and not params.greedy and getattr(rule, "name", None) == "greedy":
+        raise SpecDecError(
+            f"the greedy accept rule needs temperature 0 (got temperature={params.temperature}); "
+            "build the engine with make_rule('sampling') to sample losslessly, or pass SamplingParams() for greedy decoding"
+        )
+    check_seed(seed, "seed=")
+
+
+def _check_callback(callback: object, name: str, signature: str) -> None:
+    if callback is not None and not callable(callback):
+        raise SpecDecError(f"{name}={callback!r} must be a function {signature}, or None")
 
 
 class PhaseClock:
@@ -437,6 +561,7 @@ class DecodeSession:
     ) -> None:
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
             raise SpecDecError(f"max_rows={max_rows!r} must be a positive integer (or None for no limit)")
+        _check_session_args(params, seed, engine.rule)
         self.engine = engine
         self.params = params or SamplingParams()
         self.max_rows = max_rows
@@ -458,6 +583,10 @@ class DecodeSession:
         self.steps = 0
         self._submitted = 0
         self._holds_cache = False
+        self._cache_batch = 0
+        """the engine's `cache_batches` when this session started its batch"""
+        self._callback_error: Exception | None = None
+        """the first exception an `on_tokens` callback raised in this step (raised at its end)"""
         self._clock = PhaseClock(torch.device(engine.device))
 
     # ----- requests ------------------------------------------------------------------
@@ -471,6 +600,8 @@ class DecodeSession:
         session's generator is reseeded with it, so a sampled request that runs alone is
         reproducible; rows that share a batch share the generator (best effort)."""
         self.engine.check_prompt(prompt, max_new_tokens)
+        check_seed(seed, "seed=")
+        _check_callback(on_tokens, "on_tokens", "on_tokens(request, new_token_ids)")
         request = DecodeRequest(
             index=self._submitted,
             prompt=prompt,
@@ -487,11 +618,18 @@ class DecodeSession:
     def cancel(self, request: DecodeRequest, reason: str = "cancelled") -> None:
         """End a request now with `finish_reason` = reason: a waiting one never starts, a
         running one keeps its tokens so far and frees its row at the next step boundary."""
+        if not isinstance(reason, str) or not reason:
+            raise SpecDecError(f"reason={reason!r} must be a non-empty string (the request's finish_reason), e.g. 'cancelled' or 'stop'")
         if request.done:
             return
         if request in self.waiting:
             self.waiting.remove(request)
         self._finish(request, reason)
+
+    def _holds_engine_caches(self) -> bool:
+        """Whether the engine's caches still hold this session's batch (no other session, nor
+        `warm_up`, has used them since it started)."""
+        return self._cache_batch == self.engine.cache_batches
 
     @property
     def idle(self) -> bool:
@@ -502,6 +640,9 @@ class DecodeSession:
         """Free the KV caches of an idle session (its next prompt starts a fresh batch anyway);
         does nothing while rows run."""
         if self.rows or not self._holds_cache:
+            return
+        if not self._holds_engine_caches():  # another session's batch holds the caches now: not ours to free
+            self._holds_cache = False
             return
         self.engine.target.reset(0)
         if self.engine.source is not None:
@@ -522,13 +663,30 @@ class DecodeSession:
     def step(self) -> StepRecord | None:
         """One step boundary (retire, admit) and, when rows run, one draft/verify/commit step.
         Returns the step's record, or None when no row ran."""
+        if self.rows and not self._holds_engine_caches() and all(r.done for r in self.rows):
+            self.rows, self.roots, self._holds_cache = [], self.roots[:0], False  # nothing left to decode in the lost caches
+        if self.rows and not self._holds_engine_caches():
+            raise SpecDecError(
+                f"this session's {len(self.rows)} row(s) lost their KV caches: another session on the same engine "
+                "(or engine.generate, or warm_up) used them since this session's batch started; an engine runs one session at a time: "
+                "build one engine per concurrent session (SpeculativeDecoder.make_engine()), and cancel these requests"
+            )
         self._retire_and_admit()
         self._fill_rows()
         if not self.rows:
+            self._raise_callback_error()
             return None
         record = self._decode_step()
         self._retire_and_admit()
+        self._raise_callback_error()
         return record
+
+    def _raise_callback_error(self) -> None:
+        """Raise what a callback raised during the step, now that the step is complete (the
+        session can step on; the other rows' callbacks of the step have run)."""
+        err, self._callback_error = self._callback_error, None
+        if err is not None:
+            raise err
 
     def _decode_step(self) -> StepRecord:
         engine, params = self.engine, self.params
@@ -660,6 +818,8 @@ class DecodeSession:
         model_inputs = batch_model_inputs(prompts, engine.device)  # pixel values of multimodal prompts
         if batch_rows is None:
             self._holds_cache = True
+            engine.cache_batches += 1
+            self._cache_batch = engine.cache_batches
             target_logits = engine.target.prefill(ids, mask, model_inputs, dense=len({len(p) for p in prompts}) == 1)
         else:
             target_logits = engine.target.replace_rows(batch_rows, ids, mask, model_inputs)
@@ -815,7 +975,12 @@ class DecodeSession:
         if finish is not None:
             self._finish(request, finish)
         if request.on_tokens is not None and kept:
-            request.on_tokens(request, kept)
+            try:
+                request.on_tokens(request, kept)
+            except Exception as err:  # raised when the step is done: raised here, it left the step half-committed (caches
+                # advanced, roots and the draft source not), and a session stepped on after it decoded wrong tokens
+                if self._callback_error is None:
+                    self._callback_error = err
         return len(kept)
 
     def _finish(self, request: DecodeRequest, reason: str) -> None:

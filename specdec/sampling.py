@@ -29,7 +29,7 @@ class SamplingParams:
     """keep only the k most likely tokens; 0 = no limit"""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):  # also refuses nan
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) or not 0 <= self.temperature < float("inf"):  # also refuses nan
             raise SpecDecError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 means greedy)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1:
             raise SpecDecError(f"top_p={self.top_p!r} must be a number in (0, 1]; use 1.0 to disable nucleus sampling")

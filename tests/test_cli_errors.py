@@ -579,3 +579,24 @@ def test_token_id_prompts_of_the_wrong_shape_are_named(tiny_pair_dir):
     with pytest.raises(SpecDecError, match="params=0.5 must be a SamplingParams"):
         dec.generate_ids([[5, 6, 7]], 3, 0.5)
     assert dec.generate_ids([[5, 6, 7]], 3)[0].token_ids == dec.generate_ids([[5, 6, 7]], 3, SamplingParams())[0].token_ids
+
+
+def test_a_pad_token_the_target_cannot_embed_is_not_used(tiny_pair_dir):
+    """A pad token added to the tokenizer without resizing the model's embedding: padding is
+    masked out, so the decoder pads with EOS instead (the engine refuses ids it cannot embed),
+    and a batch of prompts of different lengths decodes as each prompt alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.api import SpeculativeDecoder
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+    tokenizer.add_special_tokens({"pad_token": "<|added_pad|>"})
+    assert tokenizer.pad_token_id >= target.get_input_embeddings().weight.shape[0]
+    dec = SpeculativeDecoder(target, tokenizer, method="ar")
+    assert dec.pad_token_id in dec.eos_token_ids
+    texts = ["def f(x):", "import os\nimport sys\nclass A:"]
+    together = [r.token_ids for r in dec.generate(texts, max_new_tokens=4)]
+    assert together == [dec.generate(t, max_new_tokens=4).token_ids for t in texts]
+    with pytest.raises(SpecDecError, match=r"pad_token_id=\d+ must be a token id in 0\.\."):
+        SpeculativeEngine(target, make_policy("ar"), GreedyRule(), None, pad_token_id=tokenizer.pad_token_id)

@@ -428,3 +428,42 @@ def test_profile_n_grid_in_any_order_and_out_of_memory(tiny_pair_dir, tmp_path, 
     assert grids[0].n_grid == (1, 2, 4)
     assert "ran out of memory" in err and "batch size 100000" in err and "smaller --batch-sizes" in err and "Traceback" not in err
     assert not (tmp_path / "p.json").exists()
+
+
+# ----- malformed tables: a SpecDecError naming the problem --------------------------------------
+
+
+def test_load_refuses_files_that_are_not_a_profile_object(tmp_path):
+    """JSON that is not an object, bytes that are not UTF-8 and tables of the wrong shape had
+    raised AttributeError or UnicodeDecodeError from inside the loader."""
+    good = CostTable.synthetic(lambda b, c, n: 1.0 + n, lambda b, c, n: 0.5, batch_sizes=(1, 2), num_contexts=2, n_grid=(1, 2, 4)).to_json()
+    cases = {
+        "list.json": json.dumps([1, 2]),
+        "null.json": "null",
+        "targets.json": json.dumps({**good, "target_ms": [[1.0]]}),
+    }
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SpecDecError, match="re-run `specdec profile`|create one with `specdec profile`"):
+            CostTable.load(tmp_path / name)
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00 not text")
+    with pytest.raises(SpecDecError, match="is not readable JSON"):
+        CostTable.load(tmp_path / "binary.json")
+    zero = {**good, "target_ms": {**good["target_ms"], "0": good["target_ms"]["1"]}, "draft_ms": {**good["draft_ms"], "0": good["draft_ms"]["1"]}}
+    (tmp_path / "zero.json").write_text(json.dumps(zero))
+    with pytest.raises(SpecDecError, match="cost table batch size 0 must be a positive integer"):
+        CostTable.load(tmp_path / "zero.json")
+    with pytest.raises(SpecDecError, match="must be a file path"):
+        CostTable.load(None)
+
+
+def test_synthetic_names_a_bad_cost_function_or_grid():
+    flat = lambda b, c, n: 1.0  # noqa: E731
+    with pytest.raises(SpecDecError, match=r"CostTable.synthetic target\(1, 256, 1\) returned None, not a number of milliseconds"):
+        CostTable.synthetic(lambda b, c, n: None, flat)
+    with pytest.raises(SpecDecError, match="draft=2.0 must be a function f"):
+        CostTable.synthetic(flat, 2.0)
+    with pytest.raises(SpecDecError, match="batch_sizes=4 must be a list of integers"):
+        CostTable.synthetic(flat, flat, batch_sizes=4)
+    with pytest.raises(SpecDecError, match=r"n grid \[1.5, 3\] must be a list of integers"):  # costs measured at 1.5 had been filed under n = 1
+        CostTable.synthetic(flat, flat, n_grid=[1.5, 3])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import EOS, sharpen, tiny_model
@@ -201,3 +202,149 @@ def test_steps_take_their_phase_spans_from_the_clock(pair, monkeypatch):
     steps = outs[0].steps
     assert steps and all((s.draft_s, s.verify_s) == (0.5, 0.25) for s in steps)
     assert outs[0].stats.draft_s == pytest.approx(0.5 * outs[0].stats.steps)
+
+
+# ----- bad input to the engine-level API: a SpecDecError naming the value and the fix ------------
+
+
+@pytest.mark.parametrize(
+    ("swap", "needle"),
+    [
+        ({"policy": "chain"}, "make_policy('chain', **options)"),
+        ({"rule": "greedy"}, "make_rule('greedy')"),
+        ({"rule": GreedyRule}, "the class GreedyRule (pass an instance)"),
+        ({"source": "draft"}, "source must be a draft source"),
+        ({"target": "target/dir"}, "target must be a loaded causal LM"),
+        ({"eos_token_ids": EOS}, f"eos_token_ids={EOS} must be a list of integer token ids (empty: no EOS); pass [{EOS}]"),
+        ({"eos_token_ids": str(EOS)}, f"eos_token_ids='{EOS}' must be a list"),  # a set of characters: never an EOS
+        ({"eos_token_ids": [torch.tensor(EOS)]}, "eos_token_ids holds tensor(2), not an integer token id"),  # hashed by identity: never an EOS
+        ({"pad_token_id": None}, "pad_token_id=None must be a token id in 0..95"),
+        ({"pad_token_id": 96}, "pad_token_id=96 must be a token id in 0..95"),  # an IndexError in the embedding once rows were padded
+        ({"max_context": 0}, "max_context=0 must be a positive integer"),
+        ({"max_context": "256"}, "max_context='256' must be a positive integer"),
+    ],
+)
+def test_engine_arguments_of_the_wrong_kind_are_named(pair, swap, needle):
+    target, draft = pair
+    args = {"target": target, "policy": make_policy("chain", k=3), "rule": GreedyRule(), "source": ModelDraftSource(draft), "eos_token_ids": [EOS], "max_context": 256}
+    with pytest.raises(SpecDecError) as err:
+        SpeculativeEngine(**{**args, **swap})
+    assert needle in str(err.value)
+
+
+def test_a_bare_draft_model_as_source_says_to_wrap_it(pair):
+    target, draft = pair
+    with pytest.raises(SpecDecError, match=r"source is a model \(LlamaForCausalLM\), not a draft source; wrap it: specdec.sources.ModelDraftSource\(draft\)"):
+        SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), draft, eos_token_ids=[EOS])
+
+
+def test_eos_ids_given_as_a_tensor_stop_rows():
+    """A tensor of ids is read as its integers (a set of 0-d tensors never matched a token)."""
+    target, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1, layers=1)
+    first = SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), ModelDraftSource(draft)).generate([PROMPTS[0]], 6)[0].token_ids[0]
+    eng = SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), ModelDraftSource(draft), eos_token_ids=torch.tensor([first]))
+    out = eng.generate([PROMPTS[0]], 6)[0]
+    assert (out.token_ids, out.finish_reason) == ([first], "eos")
+
+
+@pytest.mark.parametrize(
+    ("prompts", "needle"),
+    [
+        ("def f():", "prompts is a string ('def f():'); the engine takes token ids: encode it first"),
+        (["def f():"], "prompt 0 is a string"),
+        ([[5.5, 6.0]], "prompt 0 holds 5.5, not an integer token id"),  # was truncated to 5 silently
+        ([[[5, 6]]], "prompt 0 holds [5, 6], not an integer token id"),
+        ((p for p in PROMPTS), "got generator; pass list(prompts)"),
+    ],
+)
+def test_prompts_must_be_lists_of_token_ids(pair, prompts, needle):
+    with pytest.raises(SpecDecError) as err:
+        engine(pair).generate(prompts, 4)
+    assert needle in str(err.value)
+
+
+def test_session_arguments_are_checked_before_any_work(pair):
+    eng = engine(pair, rule=SamplingRule())
+    with pytest.raises(SpecDecError, match=r"params must be a specdec.sampling.SamplingParams, got dict; pass SamplingParams\(\*\*params\)"):
+        eng.generate([PROMPTS[0]], 4, params={"temperature": 0.8})
+    with pytest.raises(SpecDecError, match="seed='1' must be an integer"):  # a RuntimeError from manual_seed
+        eng.generate([PROMPTS[0]], 4, params=SamplingParams(temperature=1.0), seed="1")
+    with pytest.raises(SpecDecError, match="seed=-1 must be at least 0"):  # silently the seed 2**64 - 1
+        eng.session(seed=-1)
+    with pytest.raises(SpecDecError, match="stream=5 must be a function"):
+        eng.generate([PROMPTS[0]], 4, stream=5)
+    session = eng.session()
+    with pytest.raises(SpecDecError, match="seed=1.5 must be an integer"):  # was raised at the step that admitted it
+        session.submit(PROMPTS[0], 4, seed=1.5)
+    with pytest.raises(SpecDecError, match="on_tokens='print' must be a function"):
+        session.submit(PROMPTS[0], 4, on_tokens="print")
+    assert session.idle  # nothing was queued
+    request = session.submit(PROMPTS[0], 4)
+    with pytest.raises(SpecDecError, match="reason=None must be a non-empty string"):  # the request had left the queue, never finishing
+        session.cancel(request, None)
+    assert list(session.waiting) == [request] and not request.done
+    with pytest.raises(SpecDecError, match="temperature=True must be a finite number"):
+        SamplingParams(temperature=True)
+    assert SamplingParams(temperature=np.float32(0.5)).temperature == 0.5  # a number, as top_p takes numpy's
+
+
+def test_a_session_whose_caches_another_session_took_says_so(pair):
+    """An engine holds one batch's caches: a session stepped after another session (here
+    engine.generate) used them had decoded on from the other's caches, a silently wrong output."""
+    alone = engine(pair).generate([PROMPTS[2]], 16)[0].token_ids
+    eng = engine(pair)
+    session = eng.session()
+    lost = session.submit(PROMPTS[2], 16)
+    session.step()
+    session.step()
+    eng.generate([PROMPTS[3]], 5)
+    with pytest.raises(SpecDecError, match="lost their KV caches: another session on the same engine"):
+        session.step()
+    session.cancel(lost)  # nothing left running: the session goes on with a fresh batch
+    assert session.step() is None and session.idle
+    again = session.submit(PROMPTS[2], 16)
+    while not session.idle:
+        session.step()
+    assert again.token_ids == alone
+
+    idle = eng.session()  # an idle session's release frees only caches it still holds
+    idle.submit(PROMPTS[1], 1)
+    idle.step()
+    assert idle.idle
+    busy = eng.session()
+    running = busy.submit(PROMPTS[2], 16)
+    busy.step()
+    idle.release()
+    while not busy.idle:
+        busy.step()
+    assert running.token_ids == alone
+
+
+def test_a_callback_that_raises_leaves_the_session_whole(pair):
+    """The error surfaces at the end of the step: raised mid-step it had left the caches advanced
+    but the roots and the draft source behind, and a session stepped on decoded wrong tokens."""
+    alone = engine(pair).generate([PROMPTS[2]], 20)[0].token_ids
+    calls = []
+
+    def on_tokens(request, tokens):
+        calls.append(tokens)
+        if len(calls) == 3:
+            raise RuntimeError("a bug in the caller's callback")
+
+    session = engine(pair).session()
+    request = session.submit(PROMPTS[2], 20, on_tokens=on_tokens)
+    raised = 0
+    while not session.idle:
+        try:
+            session.step()
+        except RuntimeError:
+            raised += 1
+    assert raised == 1 and request.token_ids == alone and sum(calls, []) == alone
+
+
+def test_the_greedy_rule_refuses_sampling_params(pair):
+    """Argmax verification of sampled roots and drafts had silently been neither greedy decoding
+    nor the target's distribution (SpeculativeDecoder refuses --verify greedy with a temperature)."""
+    with pytest.raises(SpecDecError, match=r"the greedy accept rule needs temperature 0 \(got temperature=0.8\); build the engine with make_rule\('sampling'\)"):
+        engine(pair).generate([PROMPTS[0]], 4, params=SamplingParams(temperature=0.8))
+    assert engine(pair, rule=SamplingRule()).generate([PROMPTS[0]], 4, params=SamplingParams(temperature=0.8), seed=0)[0].token_ids

@@ -559,6 +559,7 @@ def test_calibrated_history_predicts_with_calibrated_values():
         ({"rho_deep": "0.5"}, "rho_deep='0.5' must be a number"),
         ({"free_tokens": -1}, "free_tokens=-1"),
         ({"free_tokens": 1.5}, "free_tokens=1.5"),
+        ({"cost_profile": 3}, "cost_profile=3 must be a file path"),  # a TypeError inside pathlib at the first step
     ],
 )
 def test_validation_names_value_and_fix(options, needle):
@@ -566,6 +567,12 @@ def test_validation_names_value_and_fix(options, needle):
         make_policy("dynatree", **options)
     assert needle in str(err.value)
     assert " --" in str(err.value)  # names the flag to fix
+
+
+def test_cost_table_of_the_wrong_kind_is_named():
+    """It had been an AttributeError ('str' object has no attribute 'select') at the first step."""
+    with pytest.raises(SpecDecError, match="dynatree cost_table must be a specdec.cost.CostTable, got str; pass a file path as cost_profile"):
+        make_policy("dynatree", cost_table="cost_profile.json")
 
 
 def test_registered_with_every_field_as_option():

@@ -84,3 +84,24 @@ def test_which_methods_and_sources_need_a_draft_model():
     assert not lookup.lacks_draft_for("chain") and isinstance(lookup.make_source(), LookupDraftSource)
     plain = SpeculativeDecoder(target, tokenizer, None, method="ar")
     assert plain.lacks_draft_for("chain") and not plain.lacks_draft_for("ar")
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"vocab_size": "96"}, "lookup vocab_size='96' must be a positive integer"),
+        ({"vocab_size": 96, "max_ngram": 2.5}, "lookup max_ngram=2.5 must be a positive integer"),  # a TypeError in range() at the first step
+        ({"vocab_size": 96, "max_ngram": None}, "lookup max_ngram=None must be a positive integer"),
+    ],
+)
+def test_lookup_options_are_checked(options, needle):
+    with pytest.raises(SpecDecError) as err:
+        LookupDraftSource(**options)
+    assert needle in str(err.value)
+
+
+def test_lookup_sized_for_another_vocabulary_is_named():
+    """Its distributions must be as wide as the target's logits (the accept rules compare them id by id)."""
+    target = tiny_model("llama", seed=0)
+    with pytest.raises(SpecDecError, match=r"the lookup source's vocab_size=50, but the target's logits are 96 wide; build it with vocab_size=output_width\(target\)"):
+        SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), LookupDraftSource(50), eos_token_ids=[EOS])

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.api import SpeculativeDecoder
 from specdec.engine import SpeculativeEngine
+from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.models.vocab import VocabFit, fit_draft_inputs, fit_draft_logits, output_width
 from specdec.sampling import SamplingParams
@@ -92,6 +93,22 @@ def test_vocab_fit_for_pair():
     assert VocabFit.for_pair(draft, target, 100) == VocabFit(target_width=96, drafted=96, draft_width=104)
     assert VocabFit.for_pair(draft, draft, 96) is None  # same width, every id a token: nothing to do
     assert VocabFit.for_pair(draft, draft, 90) == VocabFit(target_width=96, drafted=90, draft_width=96)
+
+
+@pytest.mark.parametrize("draft_vocab", [88, 104])
+def test_an_engine_over_a_draft_of_another_width_needs_its_vocab_fit(draft_vocab):
+    """Without a VocabFit the engine had raised an IndexError inside an embedding at the first
+    id past the narrower model's rows; it names the widths and the fix before any work."""
+    from specdec.verification import GreedyRule
+
+    target, draft = tiny_model("qwen2", 0, vocab=96), tiny_model("qwen2", 1, vocab=draft_vocab)
+    with pytest.raises(SpecDecError, match=rf"the draft model's output layer has {draft_vocab} rows, but the target's logits are 96 wide; pass vocab=VocabFit.for_pair"):
+        SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), ModelDraftSource(draft), eos_token_ids=[2])
+    fit = VocabFit.for_pair(target, draft, 90)
+    out = SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), ModelDraftSource(draft, vocab=fit), eos_token_ids=[]).generate([[5, 6, 7]], 8)
+    assert len(out[0].token_ids) == 8
+    with pytest.raises(SpecDecError, match="vocab must be a specdec.models.vocab.VocabFit or None, got int"):
+        ModelDraftSource(draft, vocab=96)
 
 
 @pytest.mark.parametrize("pair", ["narrow-draft", "wide-draft"])

@@ -28,8 +28,9 @@ import bisect
 import hashlib
 import json
 import math
+import numbers
 import platform
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,8 @@ class CostTable:
             raise SpecDecError(f"cost table context_step L={self.context_step!r} must be a positive integer")
         if not isinstance(self.num_contexts, int) or self.num_contexts < 1:
             raise SpecDecError(f"cost table num_contexts M={self.num_contexts!r} must be a positive integer")
+        if isinstance(self.n_grid, (str, bytes)) or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in self.n_grid):
+            raise SpecDecError(f"cost table n grid {self.n_grid!r} must be a list of integers (new tokens per row), e.g. [1, 2, 4, 8]")
         grid = [int(n) for n in self.n_grid]
         if not grid or grid[0] < 1 or any(b <= a for a, b in zip(grid, grid[1:], strict=False)):
             raise SpecDecError(f"cost table n grid {self.n_grid!r} must be strictly increasing positive integers, e.g. 1,2,4,8")
@@ -221,6 +224,9 @@ class CostTable:
             raise SpecDecError(
                 f"cost table needs the same batch sizes for target and draft (target {sorted(self.target_ms)}, draft {sorted(self.draft_ms)})"
             )
+        bad = [b for b in self.target_ms if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1]
+        if bad:
+            raise SpecDecError(f"cost table batch size {bad[0]!r} must be a positive integer (rows per forward); re-run `specdec profile`")
         self.target_ms = {int(b): self._checked(rows, "target", int(b)) for b, rows in self.target_ms.items()}
         self.draft_ms = {int(b): self._checked(rows, "draft", int(b)) for b, rows in self.draft_ms.items()}
 
@@ -334,13 +340,27 @@ class CostTable:
         n_grid: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
     ) -> CostTable:
         """A table from cost functions f(B, c, n) -> ms (tests, what-if studies)."""
-        ctxs = [(k + 1) * context_step for k in range(num_contexts)]
+        for name, fn in (("target", target), ("draft", draft)):
+            if not callable(fn):
+                raise SpecDecError(f"CostTable.synthetic {name}={fn!r} must be a function f(batch, context, n) -> milliseconds")
+        for name, sizes in (("batch_sizes", batch_sizes), ("n_grid", n_grid)):
+            if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+                raise SpecDecError(f"CostTable.synthetic {name}={sizes!r} must be a list of integers, e.g. [1, 2, 4, 8]")
+
+        def ms(fn: Callable[[int, int, int], float], name: str, b: int, c: int, n: int) -> float:
+            value = fn(b, c, n)
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise SpecDecError(f"CostTable.synthetic {name}({b}, {c}, {n}) returned {value!r}, not a number of milliseconds") from None
+
+        ctxs = [(k + 1) * context_step for k in range(num_contexts)] if isinstance(context_step, int) and isinstance(num_contexts, int) else []  # (else refused below)
         return cls(
             context_step=context_step,
             num_contexts=num_contexts,
             n_grid=list(n_grid),
-            target_ms={b: [[float(target(b, c, n)) for n in n_grid] for c in ctxs] for b in batch_sizes},
-            draft_ms={b: [[float(draft(b, c, n)) for n in n_grid] for c in ctxs] for b in batch_sizes},
+            target_ms={b: [[ms(target, "target", b, c, n) for n in n_grid] for c in ctxs] for b in batch_sizes},
+            draft_ms={b: [[ms(draft, "draft", b, c, n) for n in n_grid] for c in ctxs] for b in batch_sizes},
             meta={"synthetic": True},
         )
 
@@ -385,6 +405,8 @@ class CostTable:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str = "cost profile") -> CostTable:
+        if not isinstance(data, Mapping):
+            raise SpecDecError(f"{source} holds a JSON {type(data).__name__}, not a specdec cost profile (a JSON object); create one with `specdec profile`")
         if data.get("format") != FORMAT:
             raise SpecDecError(f"{source} is not a specdec cost profile (no 'format': '{FORMAT}'); create one with `specdec profile`")
         if data.get("version") != VERSION:
@@ -412,20 +434,22 @@ class CostTable:
                 draft_ms={int(b): rows for b, rows in data["draft_ms"].items()},
                 meta={k: v for k, v in data.items() if k not in reserved},
             )
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
             if isinstance(err, SpecDecError):
                 raise
             raise SpecDecError(f"{source} is malformed ({type(err).__name__}: {err}); re-run `specdec profile`") from err
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
+        if not isinstance(path, (str, Path)):
+            raise SpecDecError(f"cost profile path={path!r} must be a file path (str or Path) of a JSON file from `specdec profile`")
         path = Path(path)
         check_cost_profile_path(str(path))
         if not path.is_file():
             raise SpecDecError(f"cost profile {str(path)!r} does not exist; create it with `specdec profile --out {path}`")
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise SpecDecError(f"cost profile {str(path)!r} is not readable JSON ({err}); re-run `specdec profile --out {path}`") from err
         return cls.from_json(data, source=f"cost profile {str(path)!r}")
 

@@ -48,6 +48,10 @@ class LookupDraftSource:
     """a row without a match is all -inf (`DraftSource.always_proposes`)"""
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_ngram", "min_ngram"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecDecError(f"lookup {name}={value!r} must be a positive integer")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise SpecDecError(f"lookup n-grams min={self.min_ngram}, max={self.max_ngram} need 1 <= min <= max")
         self.history: list[list[int]] = []

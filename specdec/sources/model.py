@@ -48,6 +48,16 @@ class ModelDraftSource:
         vision-language target); None = the target's own token ids and image inputs.
         vocab: brings the draft's logits to the target's width (`specdec.models.vocab`); None = same width.
         static_shapes, cuda_graphs: the draft runner's forward mode (`ModelRunner`)."""
+        if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+            raise SpecDecError(
+                f"the draft source's model must be a loaded causal LM (a transformers PreTrainedModel), got {type(model).__name__}; "
+                "load it with AutoModelForCausalLM.from_pretrained(...)"
+            )
+        if vocab is not None and not isinstance(vocab, VocabFit):
+            raise SpecDecError(f"vocab must be a specdec.models.vocab.VocabFit or None, got {type(vocab).__name__}; build it with VocabFit.for_pair(target, draft, len(tokenizer))")
+        if view is not None and (isinstance(view, (str, type)) or not callable(getattr(view, "encode", None))):
+            shown = f"the class {view.__name__} (pass an instance)" if isinstance(view, type) else repr(view)
+            raise SpecDecError(f"view must be a prompt view (specdec.multimodal.views, e.g. TextOnlyView(...)) or None, got {shown}")
         self.runner = ModelRunner(model, static_shapes=static_shapes, cuda_graphs=cuda_graphs)
         self.vocab = vocab
         self.view = view
