@@ -521,3 +521,17 @@ def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     i = bisect.bisect_right(xs, x)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def check_cost_options(cost_table: object, cost_profile: object, owner: str | None = None) -> None:
+    """A policy's cost options (CAST's, DynaTree's): a `CostTable` or None, a profile path or
+    None, not both; `owner` (e.g. "dynatree") names the policy in the messages."""
+    prefix = f"{owner} " if owner else ""
+    if cost_table is not None and not isinstance(cost_table, CostTable):
+        raise SpecDecError(f"{prefix}cost_table must be a specdec.cost.CostTable, got {type(cost_table).__name__}; pass a file path as cost_profile")
+    if cost_profile is not None and not isinstance(cost_profile, str):
+        raise SpecDecError(f"{prefix}cost_profile={cost_profile!r} must be a file path (a string); fix --cost-profile")
+    if cost_profile is not None:
+        check_cost_profile_path(cost_profile)
+    if cost_table is not None and cost_profile is not None:
+        raise SpecDecError(f"{owner + ': ' if owner else ''}give either cost_table or cost_profile, not both")

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from specdec import constants
-from specdec.cost.table import CostTable, check_cost_profile_path
+from specdec.cost.table import CostTable, check_cost_options
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling, root_only_draft
 from specdec.drafting.calibration import AcceptanceCalibrator, collision_log_mass
 from specdec.drafting.levels import CapturedLevels
@@ -979,16 +979,7 @@ class CastPolicy:
                 raise SpecDecError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.reads_while_drafting is not None and not isinstance(self.reads_while_drafting, bool):
             raise SpecDecError(f"reads_while_drafting={self.reads_while_drafting!r} must be True, False or None (None: False on CUDA devices)")
-        if self.cost_table is not None and not isinstance(self.cost_table, CostTable):
-            raise SpecDecError(
-                f"cost_table must be a specdec.cost.CostTable, got {type(self.cost_table).__name__}; pass a file path as cost_profile"
-            )
-        if self.cost_profile is not None and not isinstance(self.cost_profile, str):
-            raise SpecDecError(f"cost_profile={self.cost_profile!r} must be a file path")
-        if self.cost_profile is not None:
-            check_cost_profile_path(self.cost_profile)
-        if self.cost_table is not None and self.cost_profile is not None:
-            raise SpecDecError("give either cost_table or cost_profile, not both")
+        check_cost_options(self.cost_table, self.cost_profile)
         check_tree_sampling(self.tree_sampling)
         self._buffers = DepthBuffers(self.buffer)
         self._calibrators = {False: AcceptanceCalibrator.top_k(self.children_per_node), True: AcceptanceCalibrator.pooled()}

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from specdec import constants
-from specdec.cost.table import CostTable, check_cost_profile_path
+from specdec.cost.table import CostTable, check_cost_options
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling
 from specdec.drafting.calibration import AcceptanceCalibrator
 from specdec.drafting.levels import CapturedLevels
@@ -425,16 +425,7 @@ class DynaTreePolicy:
         check_tree_sampling(self.tree_sampling)
         if not isinstance(self.calibrate, bool):
             raise SpecDecError(f"dynatree calibrate={self.calibrate!r} must be true or false; fix --calibrate on|off")
-        if self.cost_table is not None and not isinstance(self.cost_table, CostTable):
-            raise SpecDecError(
-                f"dynatree cost_table must be a specdec.cost.CostTable, got {type(self.cost_table).__name__}; pass a file path as cost_profile"
-            )
-        if self.cost_profile is not None and not isinstance(self.cost_profile, str):
-            raise SpecDecError(f"dynatree cost_profile={self.cost_profile!r} must be a file path (a string); fix --cost-profile")
-        if self.cost_profile is not None:
-            check_cost_profile_path(self.cost_profile)
-        if self.cost_table is not None and self.cost_profile is not None:
-            raise SpecDecError("dynatree: give either cost_table or cost_profile, not both")
+        check_cost_options(self.cost_table, self.cost_profile, "dynatree")
         # the largest tree these options can size: the deepest limit, with and without a free width (at batch 1)
         deepest = self.d0 if self.phase < 2 else self.d_max
         free = min(self._free_bound() - 1, self.max_nodes) if self.phase > 0 else 0
