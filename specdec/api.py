@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.cost.profile import CostTableResolver, ProfileSource
 from specdec.drafting.base import CostAwarePolicy, TreePolicy
-from specdec.engine import EngineOutput, SpeculativeEngine, StopCallback, _embedding_rows
+from specdec.engine import EngineOutput, SpeculativeEngine, StopCallback, check_session_args, embedding_rows
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy, method_uses_draft
 from specdec.models.graphs import check_cuda_graphs, resolve_cuda_graphs
@@ -46,7 +46,7 @@ from specdec.multimodal.views import (
     TruncatedView,
     parse_views,
 )
-from specdec.parsing import check_max_draft_rows, check_seed
+from specdec.parsing import check_callback, check_max_draft_rows
 from specdec.sampling import SamplingParams
 from specdec.sources.base import DraftSource
 from specdec.sources.ensemble import EnsembleConfig, EnsembleDraftSource, EnsemblePrior
@@ -244,7 +244,7 @@ class SpeculativeDecoder:
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         # padding is masked out, so any id the target embeds will do: the tokenizer's, else EOS, else 0
         # (a pad token added to a tokenizer whose model's embedding was not resized is not one)
-        rows = _embedding_rows(target)
+        rows = embedding_rows(target)
         pad = next(
             (i for i in (getattr(tokenizer, "pad_token_id", None), *self.eos_token_ids) if isinstance(i, int) and i >= 0 and (rows is None or i < rows)), 0
         )
@@ -581,8 +581,8 @@ class SpeculativeDecoder:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         verify = resolve_verify(self.verify, temperature)
         stops = stop_strings(stop)
-        check_callback(stream, "stream", "(index, token_ids)")
-        check_callback(stream_text, "stream_text", "(index, text)")
+        check_callback(stream, "stream", "called with (index, token_ids)")
+        check_callback(stream_text, "stream_text", "called with (index, text)")
         ids: list[Sequence[int]]
         if messages is not None:
             if prompt is not None:
@@ -635,12 +635,8 @@ class SpeculativeDecoder:
     ) -> list[EngineOutput]:
         """Token-level entry point (benchmarks use it); `seed` as in `generate`; `stop(index,
         tokens)` returning True ends that prompt (`SpeculativeEngine.generate`); `params` None: greedy."""
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise SpecDecError(f"params={params!r} must be a SamplingParams (or None for greedy)")
-        check_seed(seed, "seed=")
-        check_callback(stream, "stream", "(index, token_ids)")
+        check_session_args(params, seed, None)  # (before `params.temperature` is read; the engine checks the rule and callbacks)
+        params = params or SamplingParams()
         verify = resolve_verify(verify or self.verify, params.temperature)
         return self.engine(verify).generate(
             prompt_ids, max_new_tokens, params, seed=seed, stream=stream, keep_steps=keep_steps, batch_size=batch_size, stop=stop
@@ -649,12 +645,6 @@ class SpeculativeDecoder:
     def _result(self, out: EngineOutput) -> GenerationResult:
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return GenerationResult(text=text, token_ids=out.token_ids, finish_reason=out.finish_reason, stats=out.stats)
-
-
-def check_callback(callback: object, name: str, arguments: str) -> None:
-    """A SpecDecError unless `callback` is None or callable."""
-    if callback is not None and not callable(callback):
-        raise SpecDecError(f"{name}={callback!r} must be a function called with {arguments}, or None")
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:

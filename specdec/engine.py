@@ -32,7 +32,7 @@ from specdec.models.static import WARM_UP_TOKENS
 from specdec.models.support import image_prompt_problem
 from specdec.models.vocab import output_width
 from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
-from specdec.parsing import check_max_draft_rows, check_seed
+from specdec.parsing import check_callback, check_max_draft_rows, check_seed
 from specdec.sampling import SamplingParams, choose_tokens
 from specdec.sources.base import DraftSource, TargetPath
 from specdec.sources.lookup import LookupDraftSource
@@ -228,7 +228,7 @@ def _check_eos_ids(value: object) -> set[int]:
     return {int(token) for token in ids}
 
 
-def _embedding_rows(model: PreTrainedModel) -> int | None:
+def embedding_rows(model: PreTrainedModel) -> int | None:
     """Rows of the model's input embedding (the token ids it can read), or None when it has none to ask."""
     try:
         embeddings = model.get_input_embeddings()
@@ -269,7 +269,7 @@ class SpeculativeEngine:
         self.max_draft_rows = check_max_draft_rows(max_draft_rows)
         if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1):
             raise SpecDecError(f"max_context={max_context!r} must be a positive integer (the most tokens a row may hold), or None for no limit")
-        vocab_size = _embedding_rows(target)
+        vocab_size = embedding_rows(target)
         if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral) or pad_token_id < 0 or (vocab_size is not None and pad_token_id >= vocab_size):
             span = f" in 0..{vocab_size - 1}" if vocab_size is not None else " >= 0"
             raise SpecDecError(
@@ -385,7 +385,7 @@ class SpeculativeEngine:
     ) -> DecodeSession:
         """A step-by-step decode loop over this engine (see `DecodeSession`). A cost-aware
         policy (cast) gets its cost table ready for `max_rows` rows here, before any step."""
-        _check_session_args(params, seed, self.rule)
+        check_session_args(params, seed, self.rule)
         prepare = getattr(self.policy, "prepare_costs", None)
         if callable(prepare) and max_rows is not None:
             prepare(max_rows)
@@ -421,8 +421,8 @@ class SpeculativeEngine:
         batch_size = len(prompts) if batch_size is None else batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise SpecDecError(f"batch_size={batch_size!r} must be a positive integer")
-        _check_callback(stream, "stream", "stream(prompt_index, new_token_ids)")
-        _check_callback(stop, "stop", "stop(prompt_index, new_token_ids) -> bool")
+        check_callback(stream, "stream", "stream(prompt_index, new_token_ids)")
+        check_callback(stop, "stop", "stop(prompt_index, new_token_ids) -> bool")
         session = self.session(params, seed=seed, max_rows=min(batch_size, len(prompts)), keep_steps=keep_steps)
         on_tokens: TokenCallback | None = None
         if stream is not None or stop is not None:
@@ -494,7 +494,7 @@ class SpeculativeEngine:
         return [context_length(m) for m in models]
 
 
-def _check_session_args(params: object, seed: object, rule: object) -> None:
+def check_session_args(params: object, seed: object, rule: object) -> None:
     """A SpecDecError for sampling params that are not a `SamplingParams` (or that sample, under
     the greedy accept rule: argmax verification of sampled drafts and roots is neither greedy nor
     the target's distribution), or a seed torch cannot take."""
@@ -507,11 +507,6 @@ def _check_session_args(params: object, seed: object, rule: object) -> None:
             "build the engine with make_rule('sampling') to sample losslessly, or pass SamplingParams() for greedy decoding"
         )
     check_seed(seed, "seed=")
-
-
-def _check_callback(callback: object, name: str, signature: str) -> None:
-    if callback is not None and not callable(callback):
-        raise SpecDecError(f"{name}={callback!r} must be a function {signature}, or None")
 
 
 class PhaseClock:
@@ -561,7 +556,7 @@ class DecodeSession:
     ) -> None:
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
             raise SpecDecError(f"max_rows={max_rows!r} must be a positive integer (or None for no limit)")
-        _check_session_args(params, seed, engine.rule)
+        check_session_args(params, seed, engine.rule)
         self.engine = engine
         self.params = params or SamplingParams()
         self.max_rows = max_rows
@@ -601,7 +596,7 @@ class DecodeSession:
         reproducible; rows that share a batch share the generator (best effort)."""
         self.engine.check_prompt(prompt, max_new_tokens)
         check_seed(seed, "seed=")
-        _check_callback(on_tokens, "on_tokens", "on_tokens(request, new_token_ids)")
+        check_callback(on_tokens, "on_tokens", "on_tokens(request, new_token_ids)")
         request = DecodeRequest(
             index=self._submitted,
             prompt=prompt,

@@ -65,6 +65,12 @@ def check_seed(seed: object, flag: str = "--seed") -> None:
         raise SpecDecError(f"{named} does not fit in 64 bits; give an integer from 0 to {SEED_MAX}")
 
 
+def check_callback(callback: object, name: str, signature: str) -> None:
+    """A SpecDecError unless `callback` is None or callable; `signature` shows how it is called."""
+    if callback is not None and not callable(callback):
+        raise SpecDecError(f"{name}={callback!r} must be a function {signature}, or None")
+
+
 def check_max_draft_rows(value: object) -> int | None:
     """`value` if it is None (no limit) or a positive integer, else a SpecDecError naming it.
 

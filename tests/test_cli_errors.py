@@ -576,7 +576,7 @@ def test_token_id_prompts_of_the_wrong_shape_are_named(tiny_pair_dir):
         dec.generate_ids([5, 6, 7], 3)
     with pytest.raises(SpecDecError, match=r"got int \(for token ids use generate_ids\)"):
         dec.generate([5, 6, 7], max_new_tokens=3)
-    with pytest.raises(SpecDecError, match="params=0.5 must be a SamplingParams"):
+    with pytest.raises(SpecDecError, match="params must be a specdec.sampling.SamplingParams, got float"):
         dec.generate_ids([[5, 6, 7]], 3, 0.5)
     assert dec.generate_ids([[5, 6, 7]], 3)[0].token_ids == dec.generate_ids([[5, 6, 7]], 3, SamplingParams())[0].token_ids
 
