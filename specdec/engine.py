@@ -213,9 +213,10 @@ def _check_source_width(target: PreTrainedModel, source: DraftSource | None) -> 
         raise SpecDecError(f"{what}, but the target's logits are {target_width} wide; {fix}")
 
 
-def _check_eos_ids(value: object) -> set[int]:
-    """The EOS ids as a set of ints; a SpecDecError for a lone id, a string or ids that are not
-    integers (a set of tensors or strings would never match a token: rows would never stop at EOS)."""
+def _check_eos_ids(value: object, vocab_size: int | None) -> set[int]:
+    """The EOS ids as a set of ints; a SpecDecError for a lone id, a string, ids that are not
+    integers (a set of tensors or strings would never match a token: rows would never stop at EOS)
+    or ids outside the target's vocabulary (`vocab_size` rows; it can never emit them)."""
     if isinstance(value, torch.Tensor):
         value = value.flatten().tolist()
     if isinstance(value, (int, str, bytes)) or value is None or not isinstance(value, Iterable):
@@ -225,6 +226,12 @@ def _check_eos_ids(value: object) -> set[int]:
     for token in ids:
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise SpecDecError(f"eos_token_ids holds {token!r}, not an integer token id; pass integer ids, e.g. [tokenizer.eos_token_id]")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            span = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
+            raise SpecDecError(
+                f"eos_token_ids holds {token}, outside the target's token ids ({span}): no row could ever stop on it; "
+                "pass the tokenizer's EOS ids (tokenizer.eos_token_id) of the tokenizer that goes with this target"
+            )
     return {int(token) for token in ids}
 
 
@@ -284,7 +291,7 @@ class SpeculativeEngine:
         self.policy = policy
         self.rule = rule
         self.source = source if policy.uses_draft else None
-        self.eos_token_ids = _check_eos_ids(eos_token_ids)
+        self.eos_token_ids = _check_eos_ids(eos_token_ids, vocab_size)
         self.pad_token_id = int(pad_token_id)
         self.max_context = max_context
         self.device = self.target.device

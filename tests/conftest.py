@@ -44,7 +44,7 @@ def tiny_config(arch: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB
     if arch == "gpt_neox":
         return GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=max_pos, **common)
     if arch == "gpt2":
-        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=max_pos, **common)
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=max_pos, tie_word_embeddings=False, **common)  # see tiny_any_config
     raise ValueError(arch)
 
 
@@ -77,6 +77,7 @@ def tiny_any_config(model_type: str, layers: int = 2, hidden: int = 64, vocab: i
         "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4, "max_position_embeddings": 256,
         "eos_token_id": EOS, "bos_token_id": 1, "pad_token_id": 0,
+        "tie_word_embeddings": False,  # tied, `sharpen`'s scaled output layer scales the input embeddings too: the model echoes its last token
     }
     if model_type == "falcon":
         fields.pop("head_dim")  # a property of Falcon's config

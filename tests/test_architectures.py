@@ -129,6 +129,8 @@ UNSUPPORTED = {
     "deepseek_v32": ({}, "other than plain keys and values"),  # the sparse-attention indexer's keys
     "openai-gpt": ({}, "takes no key/value cache"),
     "cpmant": ({}, "takes no position ids"),  # positions from the sequence: its engine run crashed mid-prefill
+    # local windows counted in cache slots: its tree runs gave other tokens than generate() (every real GPT-Neo has local layers)
+    "gpt_neo": ({"num_layers": 2, "attention_types": [[["global", "local"], 1]], "window_size": 6}, "last 6 slots of the cache"),
 }
 
 
@@ -141,7 +143,22 @@ def test_unsupported_architecture_is_named_before_loading(model_type):
     assert "'some/model'" in str(err.value) and "generate()" in str(err.value)
 
 
-@pytest.mark.parametrize("model_type", ["bloom", "mamba", "lfm2"])
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_gpt_neo_without_local_layers_decodes_exactly(static_shapes):
+    """GPT-Neo is refused only for its local layers (`test_unsupported_architecture_is_named_before_loading`):
+    with global layers alone its slot-indexed mask buffer is plain causal, which the tree mask refines."""
+    overrides = {"num_layers": 2, "attention_types": [[["global"], 2]], "window_size": 6, "max_position_embeddings": 512}
+    target, draft = tiny("gpt_neo", seed=0, **overrides), tiny("gpt_neo", seed=0, noise=0.02, **overrides)
+    check_causal_lm(target.config, "some/model", "target")
+    with torch.no_grad():
+        refs = [target.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist() for p in PROMPTS]
+    for method, options in METHODS.items():
+        source = ModelDraftSource(draft, static_shapes=static_shapes)
+        engine = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), source, eos_token_ids=[EOS], static_shapes=static_shapes)
+        assert [o.token_ids for o in engine.generate(PROMPTS, 24, batch_size=2)] == refs, method
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "mamba", "lfm2", "gpt_neo"])
 def test_unsupported_loaded_model_is_refused_by_the_runner(model_type):
     """A model object handed to the engine directly (no loading path) gets the same error."""
     overrides, reason = UNSUPPORTED[model_type]

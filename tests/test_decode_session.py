@@ -218,6 +218,8 @@ def test_steps_take_their_phase_spans_from_the_clock(pair, monkeypatch):
         ({"eos_token_ids": EOS}, f"eos_token_ids={EOS} must be a list of integer token ids (empty: no EOS); pass [{EOS}]"),
         ({"eos_token_ids": str(EOS)}, f"eos_token_ids='{EOS}' must be a list"),  # a set of characters: never an EOS
         ({"eos_token_ids": [torch.tensor(EOS)]}, "eos_token_ids holds tensor(2), not an integer token id"),  # hashed by identity: never an EOS
+        ({"eos_token_ids": [EOS, 96]}, "eos_token_ids holds 96, outside the target's token ids (0..95)"),  # never emitted: rows ran to their budget
+        ({"eos_token_ids": [-1]}, "eos_token_ids holds -1, outside the target's token ids"),
         ({"pad_token_id": None}, "pad_token_id=None must be a token id in 0..95"),
         ({"pad_token_id": 96}, "pad_token_id=96 must be a token id in 0..95"),  # an IndexError in the embedding once rows were padded
         ({"max_context": 0}, "max_context=0 must be a positive integer"),

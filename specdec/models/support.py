@@ -12,7 +12,8 @@ mid-generation or, worse, verify against wrong target logits:
   state that a rejected token cannot be taken back out of;
 - **ALiBi biases built from the key's index in the cache or from a 2-D padding mask** (BLOOM,
   MPT, Falcon with `alibi=True`): a tree node's bias would follow its slot, not its depth;
-- **attention types with other masks** (Llama 4's chunked attention): not built yet.
+- **attention types with other masks** (Llama 4's chunked attention), and **local windows counted
+  in cache slots** (GPT-Neo's local layers, a fixed mask buffer indexed by slot): not built yet.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ MASKED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """per-layer attention types whose masks specdec builds (`ModelRunner._sliding_masks`)"""
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 """architectures whose ALiBi bias comes from the cache index or the 2-D mask, never from position ids"""
+
+SLOT_WINDOW_MODEL_TYPES = frozenset({"gpt_neo"})
+"""architectures whose local attention layers mask keys by their distance in cache slots (a fixed
+`bias` buffer sliced by the key and query counts), never by position ids: a tree node in slot s
+at depth d < s would lose the s - d oldest keys of its window"""
 
 BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3", "paligemma", "shieldgemma2"})
 """vision-language models whose image tokens attend to each other both ways (a block built from
@@ -123,6 +129,12 @@ def tree_verification_problem(config: PretrainedConfig, model_class: type | None
         return (
             f"({model_type}) adds ALiBi position biases computed from each key's index in the cache or from a 2-D padding mask, "
             "not from position ids, so a draft tree's nodes would be biased by their slot instead of their depth"
+        )
+    local = [kind for kind in getattr(text, "attention_layers", None) or [] if kind != "global"]
+    if model_type in SLOT_WINDOW_MODEL_TYPES and local:
+        return (
+            f"({model_type}) limits its local attention layers to the last {getattr(text, 'window_size', '?')} slots of the cache "
+            "(a fixed mask buffer indexed by slot, not by position ids), so a draft tree's nodes would see a window shifted by their slot"
         )
     types = getattr(text, "layer_types", None) or []
     unknown = sorted(set(types) - MASKED_LAYER_TYPES)
