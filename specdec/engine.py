@@ -230,7 +230,7 @@ def _check_eos_ids(value: object, vocab_size: int | None) -> set[int]:
             span = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
             raise SpecDecError(
                 f"eos_token_ids holds {token}, outside the target's token ids ({span}): no row could ever stop on it; "
-                "pass the tokenizer's EOS ids (tokenizer.eos_token_id) of the tokenizer that goes with this target"
+                "pass the EOS ids of this target's tokenizer (tokenizer.eos_token_id), or [] for no EOS"
             )
     return {int(token) for token in ids}
 

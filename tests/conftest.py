@@ -65,6 +65,7 @@ WIDE_ARCHS = (
 sweep of every method over them (`SPECDEC_WIDE_ARCHS=1`, tests/test_architectures.py)"""
 
 
+
 LATENT_ATTENTION_ARCHS = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "sarvam_mla", "axk1")
 """architectures with DeepSeek's multi-head latent attention (a compressed cache), given its sizes by `tiny_any_config`"""
 

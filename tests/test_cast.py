@@ -544,7 +544,7 @@ def test_sampling_runs_with_cast_trees():
     policy = make_policy(
         "cast", cost_table=linear_table(), c1=0.1, c2=0.0, c3=0.1, prune_rule="threshold", rerank_rule="threshold", depth=4, top_k=3, total_tokens=12
     )
-    engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[-1])
+    engine = SpeculativeEngine(target, policy, SamplingRule(), ModelDraftSource(draft), eos_token_ids=[])
     outs = engine.generate(PROMPTS, 12, SamplingParams(temperature=1.0), seed=0)
     assert [len(o.token_ids) for o in outs] == [12, 12, 12]
 

@@ -505,11 +505,23 @@ def context_length(model: PreTrainedModel) -> int | None:
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
-    """EOS ids the way `generate()` sees them: generation_config first, then config, then tokenizer."""
+    """EOS ids the way `generate()` sees them: generation_config first, then config, then tokenizer;
+    ids the model could never emit (negative, or past its input embedding's rows) are dropped with a
+    warning (the engine refuses them when a caller passes them itself)."""
+    ids: list[int] = []
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         if value is not None:
-            return [value] if isinstance(value, int) else list(value)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return [tokenizer.eos_token_id]
-    return []
+            ids = [value] if isinstance(value, int) else list(value)
+            break
+    else:
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids = [tokenizer.eos_token_id]
+    try:
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):
+        rows = None
+    kept = [i for i in ids if isinstance(i, int) and i >= 0 and (not isinstance(rows, int) or i < rows)]
+    if len(kept) < len(ids):
+        logger.warning("EOS ids %s from the model's configs are outside its token ids and are ignored", [i for i in ids if i not in kept])
+    return kept

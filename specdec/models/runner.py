@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.graphs import CudaGraphRunner
+from specdec.models.rope import LongRopeSelector
 from specdec.models.static import BUCKETS, WARM_UP_TOKENS, SharedState, StaticInputs, StoragePool, cpu_pool, node_bucket, shared_state
 from specdec.models.support import FIX as UNSUPPORTED_FIX
 from specdec.models.support import cache_argument, logits_keep_argument, tree_verification_problem
@@ -323,6 +324,10 @@ class ModelRunner:
         self._level_committed: torch.Tensor | None = None  # [B, capacity] the committed slots' mask row (`begin_levels`)
         self._level_past: torch.Tensor | None = None  # [1] S_past of the step (`begin_levels`)
         self.num_layers, self.window = _cache_layout(model)
+        self._longrope = LongRopeSelector.for_model(model)
+        """LongRoPE models: their rotary modules pick frequencies per token in this runner's forwards (None: no LongRoPE)"""
+        self._prefilling = False
+        """a prefill forward is running (LongRoPE picks by each row's prompt length: `_rope_scope`)"""
         self.cache: SlotCache | None = None
         self.slot_valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S_past]
         self.step_len = 0  # step slots appended since the last commit/rollback
@@ -504,7 +509,7 @@ class ModelRunner:
             mask = torch.where(visible, *self._mask_values)[:, None]  # [B, 1, n, S] additive: 0 where visible, dtype min elsewhere
             if self.window is not None:
                 mask = self._sliding_masks(visible, mask, position_ids)
-        with uncounted(), _attention_backends(self.device):
+        with uncounted(), _attention_backends(self.device), self._rope_scope():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -677,16 +682,21 @@ class ModelRunner:
         mask: torch.Tensor | dict[str, torch.Tensor] = buf.mask
         if buf.sliding is not None:  # every layer slides (one mask), or {layer type: mask}
             mask = buf.sliding if self._layer_types is None else {"full_attention": buf.mask, "sliding_attention": buf.sliding}
-        out = self.model(
-            input_ids=buf.input_ids,
-            attention_mask=mask,
-            position_ids=buf.position_ids,
-            use_cache=True,
-            **{self._cache_arg: self._cache()},
-            **self._keep_kwargs(logits_to_keep),
-            **(model_inputs or {}),
-        )
+        with self._rope_scope():
+            out = self.model(
+                input_ids=buf.input_ids,
+                attention_mask=mask,
+                position_ids=buf.position_ids,
+                use_cache=True,
+                **{self._cache_arg: self._cache()},
+                **self._keep_kwargs(logits_to_keep),
+                **(model_inputs or {}),
+            )
         return _kept(out.logits, logits_to_keep)
+
+    def _rope_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Around the model's call: LongRoPE frequencies per token (`specdec.models.rope`), by row in a prefill."""
+        return self._longrope.scope(prefill=self._prefilling) if self._longrope is not None else contextlib.nullcontext()
 
     def _keep_kwargs(self, logits_to_keep: int) -> dict[str, int]:
         """logits_to_keep under the name the model's forward takes ({} when it takes none)."""
@@ -733,7 +743,11 @@ class ModelRunner:
         positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
         causal = torch.tril(torch.ones(input_ids.shape[1], input_ids.shape[1], dtype=torch.bool, device=self.device))
         visibility = causal[None] & real[:, None, :]  # [B, L, L]
-        logits = self.forward(input_ids, positions, visibility, logits_to_keep=1, model_inputs=model_inputs)[:, -1]
+        self._prefilling = True
+        try:
+            logits = self.forward(input_ids, positions, visibility, logits_to_keep=1, model_inputs=model_inputs)[:, -1]
+        finally:
+            self._prefilling = False
         self.commit_prefix(real)
         self.dense = dense and not model_inputs
         return logits
