@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.cost.profile import CostTableResolver, ProfileSource
 from specdec.drafting.base import CostAwarePolicy, TreePolicy
-from specdec.engine import EngineOutput, SpeculativeEngine, StopCallback, check_session_args, embedding_rows
+from specdec.engine import EngineOutput, SpeculativeEngine, StopCallback, check_session_args
 from specdec.errors import SpecDecError
 from specdec.methods import make_policy, method_uses_draft
 from specdec.models.graphs import check_cuda_graphs, resolve_cuda_graphs
@@ -25,6 +25,7 @@ from specdec.models.loading import (
     check_loaded_model,
     check_same_tokenizer,
     context_length,
+    embedding_rows,
     eos_token_ids,
     is_multimodal_source,
     load_model,

@@ -26,7 +26,7 @@ from specdec.drafting.base import TreePolicy
 from specdec.drafting.builder import DraftContext, root_only_draft
 from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
-from specdec.models.loading import context_length
+from specdec.models.loading import context_length, embedding_rows
 from specdec.models.runner import ModelRunner, hole_filling_order
 from specdec.models.static import WARM_UP_TOKENS
 from specdec.models.support import image_prompt_problem
@@ -233,16 +233,6 @@ def _check_eos_ids(value: object, vocab_size: int | None) -> set[int]:
                 "pass the EOS ids of this target's tokenizer (tokenizer.eos_token_id), or [] for no EOS"
             )
     return {int(token) for token in ids}
-
-
-def embedding_rows(model: PreTrainedModel) -> int | None:
-    """Rows of the model's input embedding (the token ids it can read), or None when it has none to ask."""
-    try:
-        embeddings = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    rows = getattr(embeddings, "num_embeddings", None)
-    return rows if isinstance(rows, int) else None
 
 
 class SpeculativeEngine:

@@ -41,7 +41,7 @@ from specdec import extras
 from specdec.api import SpeculativeDecoder
 from specdec.cli import main
 from specdec.errors import SpecDecError
-from specdec.models.loading import LoadOptions, load_model, load_tokenizer
+from specdec.models.loading import LoadOptions, eos_token_ids, load_model, load_tokenizer
 
 PROMPT = "def add(a, b):"
 
@@ -350,3 +350,16 @@ def test_a_regular_token_the_draft_re_adds_elsewhere_is_refused():
     with pytest.raises(SpecDecError, match="1 regular target tokens missing or mapped to other ids in the draft, 0 the other way, e.g. 'b' = 1"):
         check_same_tokenizer(target, Vocab({"a": 0, "<s>": 2, "b": 3}, {"<s>": 2, "b": 3}))
     check_same_tokenizer(target, Vocab({"a": 0, "b": 1, "<pad>": 2}, {"<pad>": 2}))  # only the added id 2 differs: accepted
+
+
+def test_eos_ids_the_model_cannot_emit_are_dropped_from_its_configs(caplog):
+    """A generation config naming an id past the embedding (or a negative one) would leave rows
+    running to their budget; the ids derived from the configs keep only the ones the model can emit."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))  # 96 token ids
+    model.generation_config.eos_token_id = [2, 96, -1]
+    with caplog.at_level("WARNING", logger="specdec.models.loading"):
+        assert eos_token_ids(model, None) == [2]
+    assert "[96, -1]" in caplog.text
+    model.generation_config.eos_token_id = 5
+    assert eos_token_ids(model, None) == [5]

@@ -82,3 +82,14 @@ def test_generate_on_the_same_model_keeps_transformers_rule():
     with torch.no_grad():
         after = model(IDS[:, :36]).logits
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize(("model_type", "warned"), [("phi3", True), ("llama", False)])
+def test_phi3s_reencoding_at_the_boundary_is_named(model_type, warned, caplog):
+    """Phi-3's generate() re-encodes the whole sequence once it passes the boundary, which specdec
+    does not: loading one says so; a LongRoPE model without that rule gets no warning."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_any_config(model_type, original_max_position_embeddings=BOUNDARY, **LONGROPE)).eval()
+    with caplog.at_level("WARNING", logger="specdec.models.rope"):
+        ModelRunner(model)
+    assert ("re-encodes the whole sequence" in caplog.text) is warned

@@ -504,6 +504,16 @@ def context_length(model: PreTrainedModel) -> int | None:
     return None
 
 
+def embedding_rows(model: PreTrainedModel) -> int | None:
+    """Rows of the model's input embedding (the token ids it can read), or None when it has none to ask."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
+
+
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
     """EOS ids the way `generate()` sees them: generation_config first, then config, then tokenizer;
     ids the model could never emit (negative, or past its input embedding's rows) are dropped with a
@@ -517,11 +527,8 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | N
     else:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             ids = [tokenizer.eos_token_id]
-    try:
-        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
-    except (AttributeError, NotImplementedError):
-        rows = None
-    kept = [i for i in ids if isinstance(i, int) and i >= 0 and (not isinstance(rows, int) or i < rows)]
+    rows = embedding_rows(model)
+    kept = [i for i in ids if isinstance(i, int) and i >= 0 and (rows is None or i < rows)]
     if len(kept) < len(ids):
         logger.warning("EOS ids %s from the model's configs are outside its token ids and are ignored", [i for i in ids if i not in kept])
     return kept
