@@ -668,6 +668,11 @@ class DecodeSession:
         if not self.rows:
             self._raise_callback_error()
             return None
+        self._reencode_rows()
+        if all(r.done for r in self.rows):  # the re-encoded rows' tokens finished them
+            self._retire_and_admit()
+            self._raise_callback_error()
+            return None
         record = self._decode_step()
         self._retire_and_admit()
         self._raise_callback_error()
@@ -871,6 +876,42 @@ class DecodeSession:
         for r in owed:
             self.rows[r].draft_prefill_owed = False
 
+    def _reencode_rows(self) -> None:
+        """Before a step: re-encode every running row whose sequence (prompt and tokens) has just
+        reached the target's `reencode_length`, as its own `generate()` does there (Phi-3 family
+        with LongRoPE, `specdec.models.rope`): the row's target and draft caches are prefilled
+        again from its whole sequence, with the long factors everywhere, and those last logits
+        choose its next token (the new root). `_append` keeps a step from committing tokens past
+        that length: they were verified against the cache as it was."""
+        engine = self.engine
+        length = engine.target.reencode_length
+        if length is None:
+            return
+        due = [r for r, request in enumerate(self.rows) if not request.done and self._reencodes(request) and len(request.prompt) + len(request.token_ids) == length]
+        if not due:
+            return
+        t0 = time.perf_counter()
+        with uncounted():  # a prefill, not a decoding step's own work (`specdec.hostwork`)
+            sequences = [[*self.rows[r].prompt, *self.rows[r].token_ids] for r in due]
+            ids, mask = engine._left_pad(sequences)  # [len(due), length]
+            logits = engine.target.replace_rows(due, ids, mask)  # [len(due), V]
+            drafted = [i for i, r in enumerate(due) if not self.rows[r].draft_prefill_owed]  # (an owed row catches up later)
+            if engine.source is not None and drafted:
+                keep = torch.tensor(drafted, dtype=torch.long, device=ids.device)
+                engine.source.prefill(ids[keep], mask[keep], [due[i] for i in drafted], prompts=[sequences[i] for i in drafted])
+            first = choose_tokens(logits, self.params, self.generator)  # [len(due)]
+            roots = self.roots.clone()
+            roots[torch.tensor(due, dtype=torch.long, device=roots.device)] = first.to(roots.device)
+            self.roots = roots
+            for r, token in zip(due, first.tolist(), strict=True):
+                self._append(self.rows[r], [token])
+        self._admit_s += time.perf_counter() - t0
+
+    def _reencodes(self, request: DecodeRequest) -> bool:
+        """Whether the request's row is re-encoded at the target's `reencode_length` (text prompts:
+        a prompt with images has the length the model gives it, not known here)."""
+        return self.engine.target.reencode_length is not None and not isinstance(request.prompt, MultimodalPrompt)
+
     def _fill_rows(self) -> None:
         """Admit waiting prompts while rows are free: a new batch when none runs, otherwise
         extra rows (the batch grows: new rows start as copies of row 0 and are overwritten
@@ -954,6 +995,11 @@ class DecodeSession:
         """Append `new` to a request's output, cutting at EOS and at its budget; returns the
         number kept. Finishes the request (and its wall time) when it stops."""
         room = request.max_new_tokens - len(request.token_ids)
+        reencode_length = self.engine.target.reencode_length
+        if reencode_length is not None and self._reencodes(request):  # no token past the length where the target re-encodes the row (`_reencode_rows`)
+            length = len(request.prompt) + len(request.token_ids)
+            if length < reencode_length:
+                room = min(room, reencode_length - length)
         kept = new[:room]
         finish = None
         for i, tok in enumerate(kept):

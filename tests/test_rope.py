@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_any_config
+from conftest import EOS, tiny_any_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import specdec.models.runner as runner_module
+from specdec.cost import CostTable
+from specdec.engine import SpeculativeEngine
+from specdec.methods import make_policy
 from specdec.models.runner import ModelRunner
+from specdec.sources import ModelDraftSource
+from specdec.verification import GreedyRule
 
 BOUNDARY = 32
 LONGROPE = {
@@ -84,12 +89,65 @@ def test_generate_on_the_same_model_keeps_transformers_rule():
     assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize(("model_type", "warned"), [("phi3", True), ("llama", False)])
-def test_phi3s_reencoding_at_the_boundary_is_named(model_type, warned, caplog):
-    """Phi-3's generate() re-encodes the whole sequence once it passes the boundary, which specdec
-    does not: loading one says so; a LongRoPE model without that rule gets no warning."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_any_config(model_type, original_max_position_embeddings=BOUNDARY, **LONGROPE)).eval()
-    with caplog.at_level("WARNING", logger="specdec.models.rope"):
-        ModelRunner(model)
-    assert ("re-encodes the whole sequence" in caplog.text) is warned
+def reencoding_phi3(noise: float = 0.0, seed: int = 0):
+    """A tiny Phi-3 with LongRoPE (boundary 32) whose attention is sharpened (query/key/value
+    weights x6) so that re-encoding the cache with the long factors changes its greedy tokens."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_any_config("phi3", original_max_position_embeddings=BOUNDARY, **LONGROPE)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)
+        for layer in model.model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(6.0)
+        for p in model.parameters():
+            p.add_(noise * torch.randn_like(p))
+    return model
+
+
+REENCODE_PROMPTS = [torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 28, 31, 32, 33, 10)]
+"""prompts below, at (32: re-encoded at once, after the first token) and past (33: long from the prefill on) the boundary"""
+
+
+def test_phi3_reencodes_where_its_generate_does():
+    """The model's generate() re-encodes the sequence when it reaches 33 tokens; so does the runner (`reencode_length`)."""
+    assert ModelRunner(reencoding_phi3()).reencode_length == BOUNDARY + 1
+    assert ModelRunner(longrope_model()).reencode_length is None  # a LongRoPE Llama's generate() does not re-encode
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_phi3_greedy_tokens_equal_generate_across_the_reencoding(static_shapes, monkeypatch):
+    """Every tree method, batch sizes 1 and 3 (rolling), rows crossing the boundary mid-step:
+    generate()'s greedy tokens, which follow its re-encoded cache. Without the re-encoding (each
+    token's own factors over the cache as it was encoded) they differ."""
+    target, draft = reencoding_phi3(), reencoding_phi3(noise=0.003)
+    with torch.no_grad():
+        refs = [
+            target.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist()
+            for p in REENCODE_PROMPTS
+        ]
+    table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)
+    methods = {"ar": {}, "chain": {"k": 4}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "dynatree": {}, "cast": {"cost_table": table}}
+
+    def decode(method: str, batch_size: int, max_draft_rows: int | None = None) -> tuple[list[list[int]], int]:
+        engine = SpeculativeEngine(
+            target, make_policy(method, **methods[method]), GreedyRule(), ModelDraftSource(draft, static_shapes=static_shapes),
+            eos_token_ids=[EOS], static_shapes=static_shapes, max_draft_rows=max_draft_rows,
+        )
+        outs = engine.generate(REENCODE_PROMPTS, 24, batch_size=batch_size)
+        return [o.token_ids for o in outs], sum(o.stats.accepted_tokens for o in outs)
+
+    accepted = 0
+    for method in methods:
+        for batch_size in (1, 3):
+            tokens, n = decode(method, batch_size)
+            assert tokens == refs, f"{method}/B={batch_size}"
+            accepted += n
+    assert accepted > 200, "the close draft should get tokens accepted, so that trees cross the boundary"
+    assert decode("eagle2", 3, max_draft_rows=2)[0] == refs  # rows whose draft prefill is owed when they are re-encoded
+    original_init = ModelRunner.__init__
+
+    def without_reencoding(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.reencode_length = None
+
+    monkeypatch.setattr(ModelRunner, "__init__", without_reencoding)
+    assert decode("eagle2", 1)[0] != refs

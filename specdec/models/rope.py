@@ -19,10 +19,12 @@ own `generate()` on the same model (the bench's Hugging Face peers) keeps its be
 selection is a few tensor ops on the device with no host read, so it replays inside CUDA graphs.
 
 Phi-3, Phi-3.5, Phi-4-mini and PhiMoE go further: their `generate()` (`prepare_inputs_for_generation`)
-drops the cache when the sequence first passes the boundary and re-encodes the whole sequence with
-the long factors. specdec keeps the cached tokens as they were encoded (positions below the
-boundary with the short factors), so past that length (4096 tokens for Phi-3.5-mini) its greedy
-tokens can differ from theirs; a warning says so when such a model is loaded (`REENCODING_MODEL_TYPES`).
+drops the cache when the sequence first reaches `config.original_max_position_embeddings + 1`
+tokens and re-encodes the whole sequence in one forward, so with the long factors everywhere
+(`REENCODING_MODEL_TYPES`). `reencode_length` is that length; the decode session does the same for
+each row (`DecodeSession._reencode_rows`): a step commits no token past it, and the row's target
+and draft caches are prefilled again from its whole sequence, whose last logits choose the next
+token. Rows whose prompts have images are not re-encoded (their length in tokens is the model's).
 
 Dynamic NTK scaling (`rope_type: dynamic`) is not covered: its frequencies follow the longest
 sequence the module has seen so far (state kept across calls, so even `generate()` gives a prompt
@@ -31,15 +33,12 @@ different logits after a longer one) and change at every position past the origi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 REENCODING_MODEL_TYPES = frozenset({"phi3", "phimoe", "phi4_multimodal"})
 """LongRoPE models whose `generate()` re-encodes the whole sequence with the long factors when it
@@ -49,9 +48,12 @@ first passes `original_max_position_embeddings` (their `prepare_inputs_for_gener
 class LongRopeSelector:
     """The LongRoPE rotary modules of one model, wrapped once (`for_model`)."""
 
-    def __init__(self, modules: list[tuple[nn.Module, int]]) -> None:
+    def __init__(self, modules: list[tuple[nn.Module, int]], reencode_length: int | None = None) -> None:
         self.modules = modules
         """(rotary module, original_max_position_embeddings) of each wrapped module"""
+        self.reencode_length = reencode_length
+        """the sequence length (prompt and generated tokens) at which the model's `generate()` drops its cache and
+        re-encodes the whole sequence with the long factors (`REENCODING_MODEL_TYPES`); None for other models"""
 
     @classmethod
     def for_model(cls, model: nn.Module) -> LongRopeSelector | None:
@@ -69,15 +71,11 @@ class LongRopeSelector:
             if isinstance(boundary, int) and boundary > 0:
                 _wrap(module, boundary)
                 found.append((module, boundary))
-        selector = cls(found)
+        config = getattr(model, "config", None)
+        boundary = getattr(config, "original_max_position_embeddings", None)  # the attribute their generate() reads
+        reencodes = found and getattr(config, "model_type", None) in REENCODING_MODEL_TYPES and isinstance(boundary, int) and boundary > 0
+        selector = cls(found, reencode_length=boundary + 1 if reencodes else None)
         model._specdec_longrope = selector  # type: ignore[assignment]
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if found and model_type in REENCODING_MODEL_TYPES:
-            logger.warning(
-                "%s: past %d tokens its generate() re-encodes the whole sequence with its long RoPE factors; specdec keeps "
-                "the earlier tokens as encoded, so greedy output past that length can differ from generate()'s",
-                type(model).__name__, found[0][1],
-            )
         return selector if found else None
 
     @contextmanager

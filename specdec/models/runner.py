@@ -326,6 +326,9 @@ class ModelRunner:
         self.num_layers, self.window = _cache_layout(model)
         self._longrope = LongRopeSelector.for_model(model)
         """LongRoPE models: their rotary modules pick frequencies per token in this runner's forwards (None: no LongRoPE)"""
+        self.reencode_length = self._longrope.reencode_length if self._longrope is not None else None
+        """the sequence length at which the model's own `generate()` re-encodes a sequence (Phi-3 family with LongRoPE;
+        `DecodeSession._reencode_rows` does the same), None for other models"""
         self._prefilling = False
         """a prefill forward is running (LongRoPE picks by each row's prompt length: `_rope_scope`)"""
         self.cache: SlotCache | None = None
