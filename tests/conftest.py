@@ -60,6 +60,13 @@ WIDE_ARCHS = (
     "olmo2", "olmoe", "mixtral", "deepseek_v2", "nemotron", "gemma", "persimmon", "codegen", "xglm", "biogpt",
     "ministral", "apertus", "arcee", "helium", "bitnet", "gpt_bigcode", "cohere", "phimoe", "granitemoe", "qwen2_moe",
     "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "sarvam_mla", "axk1",
+    # the architecture sweep's 48 (benchmarks/architecture-sweep/decoded.log)
+    "afmoe", "apertus1p5_text", "aria_text", "beam", "bert-generation", "cohere2_moe", "ctrl", "cwm", "diffllama", "doge",
+    "ernie4_5_moe", "exaone", "exaone_moe", "flex_olmo", "flint", "fuyu", "gemma4_text", "gemma4_unified_text", "git",
+    "glm4_moe", "gpt-sw3", "gpt_neox_japanese", "granite_swa", "granitemoe_swa", "granitemoeshared", "hrm_text",
+    "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2",
+    "mellum", "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text", "ministral3", "modernbert-decoder", "moshi", "nanochat",
+    "olmo", "sarvam_moe", "solar_open", "vaultgemma",
 )
 """every other transformers causal LM `tiny_any_config` builds and `generate()` runs; the opt-in
 sweep of every method over them (`SPECDEC_WIDE_ARCHS=1`, tests/test_architectures.py)"""
