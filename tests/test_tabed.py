@@ -273,6 +273,20 @@ def test_bench_tabed_small(lvlm, tmp_path):
     assert (tmp_path / "weights_over_steps.png").stat().st_size > 0
 
 
+def test_bench_tabed_names_a_prompt_past_the_context_before_any_run(lvlm, tmp_path):
+    """--max-new-tokens past a model's context is named (the scenario, the prompt, the most that
+    fits) before the first run starts (it was named by the first run's engine, after loading, and
+    for a later scenario only after the earlier scenarios' runs)."""
+    from specdec.bench.tabed import run_tabed_bench
+
+    root = lvlm["root"]
+    dec = SpeculativeDecoder.from_pretrained(str(root / "target"), str(root / "draft"), method="chain", device="cpu")
+    lines: list[str] = []
+    with pytest.raises(SpecDecError, match=r"scenes-first-turn prompt 0 \(\d+ tokens\) \+ max_new_tokens=\d+ exceeds .* context of \d+ tokens; lower max_new_tokens to at most \d+"):
+        run_tabed_bench(dec, tmp_path, ["scenes-first-turn", "scenes-ood"], gammas=(2,), widths=(2,), num_prompts=1, max_new_tokens=dec.max_context - 20, log=lines.append)
+    assert lines == []
+
+
 def test_bench_tabed_needs_a_scenario(capsys):
     from specdec.cli import main
 

@@ -197,8 +197,16 @@ def run_tabed_bench(
         prior = EnsemblePrior()  # one per configuration and scenario: evidence flows from prompt to prompt
         return lambda: EnsembleDraftSource(decoder.draft, views, EnsembleConfig(**cfg.ensemble), prior)
 
+    encoded = {scenario: encode_all(scenario) for scenario in scenarios}
+    checker = SpeculativeEngine(  # every prompt checked against both models' contexts before any run
+        decoder.target, make_policy("chain"), GreedyRule(), ModelDraftSource(decoder.draft),
+        eos_token_ids=eos, pad_token_id=decoder.pad_token_id, max_context=decoder.max_context,
+    )
+    for scenario, prompts in encoded.items():
+        for i, prompt in enumerate(prompts):
+            checker.check_prompt(prompt, max_new_tokens, f"{scenario} prompt {i}")
     for scenario in scenarios:
-        prompts = encode_all(scenario)
+        prompts = encoded[scenario]
         log(f"[{scenario}] {len(prompts)} prompts: AR")
         ar_out, _, ar_wall, ar_new, _ = run(prompts, "ar", {}, None)
         ar_runs[scenario] = (ar_out, ar_wall, ar_new)
