@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import random
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -126,6 +127,12 @@ def test_table_roundtrip_and_malformed(tmp_path):
     (tmp_path / "short.json").write_text(json.dumps(data))
     with pytest.raises(SpecDecError, match="re-run `specdec profile`"):
         CostTable.load(tmp_path / "short.json")
+    for odd in ("12.5", True, None):  # a hand-edited latency that is not a number is named, not read as 12.5 or 1.0
+        data = table.to_json()
+        data["draft_ms"]["2"][1][0] = odd
+        (tmp_path / "odd.json").write_text(json.dumps(data))
+        with pytest.raises(SpecDecError, match=rf"draft entry for batch 2 holds {re.escape(repr(odd))}, not a number of milliseconds"):
+            CostTable.load(tmp_path / "odd.json")
 
 
 TINY_GRID = ProfileGrid(batch_sizes=(1, 2), context_step=16, num_contexts=2, n_grid=(1, 4), warmup=0, repeats=1, min_time_ms=0.0)
