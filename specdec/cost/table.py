@@ -236,10 +236,10 @@ class CostTable:
                 f"cost table {which} entry for batch {batch} must be {self.num_contexts} contexts x {len(self.n_grid)} n values; "
                 "re-run `specdec profile`"
             )
-        odd = next((v for r in rows for v in r if isinstance(v, bool) or not isinstance(v, numbers.Real)), None)
-        if odd is not None:
+        odd = [v for r in rows for v in r if isinstance(v, bool) or not isinstance(v, numbers.Real)]
+        if odd:
             raise SpecDecError(
-                f"cost table {which} entry for batch {batch} holds {odd!r}, not a number of milliseconds; "
+                f"cost table {which} entry for batch {batch} holds {odd[0]!r}, not a number of milliseconds; "
                 "write numbers (12.5, not \"12.5\"), or re-run `specdec profile`"
             )
         # the closest non-decreasing rows in least squares: unlike a running maximum, one slow
