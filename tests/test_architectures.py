@@ -85,6 +85,36 @@ def test_static_shapes_on_more_architectures(model_type):
         assert set(sizes) == {2}, f"{model_type}/{method}: batch sizes {set(sizes)} (finished rows should ride along)"
 
 
+CROSS_PAIRS = [("llama", "gpt2"), ("gpt2", "gemma2"), ("gemma2", "deepseek_v3"), ("deepseek_v3", "gpt_neox")]
+"""(target, draft) of different architectures with one vocabulary: learned against rotary positions,
+sliding windows against full attention, latent attention's compressed cache beside plain keys and values"""
+
+
+@pytest.mark.parametrize(("target_type", "draft_type"), CROSS_PAIRS)
+def test_a_draft_of_another_architecture(target_type, draft_type):
+    """The draft runs its own cache layout beside the target's: every tree method, a rolling batch
+    of two rows over four prompts, dynamic and static shapes, greedy and sampled, completes and
+    gives the target's own greedy tokens. (An unrelated draft is rarely accepted, so this guards
+    the two runners' bookkeeping side by side, not acceptance.)"""
+    prompts = [*PROMPTS, [3, 4]]
+    target, draft = tiny(target_type, seed=0), tiny(draft_type, seed=1)
+    with torch.no_grad():
+        refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist() for p in prompts]
+    methods = {**METHODS, "cast": {"cost_table": GPU_LIKE_TABLE}}
+    for static_shapes in (False, True):
+        for method, options in methods.items():
+            engines = [
+                SpeculativeEngine(
+                    target, make_policy(method, **options), rule, ModelDraftSource(draft, static_shapes=static_shapes), eos_token_ids=[EOS], static_shapes=static_shapes
+                )
+                for rule in (GreedyRule(), make_rule("sampling"))
+            ]
+            outs = engines[0].generate(prompts, 16, batch_size=2)
+            assert [o.token_ids for o in outs] == refs, f"{target_type} <- {draft_type}/{method}/static={static_shapes}"
+            sampled = engines[1].generate(prompts, 16, params=SamplingParams(temperature=0.8, top_p=0.9), seed=1, batch_size=2)
+            assert all(o.token_ids for o in sampled)
+
+
 EVERY_METHOD = {
     "ar": {}, "chain": {"k": 4}, "static": {}, "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10}, "dynatree": {},
     "dynatree-free": {"free_tokens": 16}, "cast": {},
