@@ -31,7 +31,7 @@ from specdec.models.runner import ModelRunner, hole_filling_order
 from specdec.models.static import WARM_UP_TOKENS
 from specdec.models.support import image_prompt_problem
 from specdec.models.vocab import output_width
-from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
+from specdec.multimodal.inputs import MultimodalPrompt, is_multimodal, prefill_inputs
 from specdec.parsing import check_callback, check_max_draft_rows, check_seed
 from specdec.sampling import SamplingParams, choose_tokens
 from specdec.sources.base import DraftSource, TargetPath
@@ -310,9 +310,10 @@ class SpeculativeEngine:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise SpecDecError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
         if isinstance(prompt, MultimodalPrompt) and prompt.model_inputs and not self.multimodal:
+            model_type = getattr(self.target.model.config, "model_type", "?")
             raise SpecDecError(
-                f"{name} has {len(prompt.images)} image(s) but the target is a text-only model; "
-                "use a vision-language (LLaVA-family) target or drop the images"
+                f"{name} has {max(len(prompt.images), 1)} image(s) but the target ({model_type}) is a text-only model for specdec "
+                "(it reads images through a config's vision_config: LLaVA-family models); use a vision-language (LLaVA-family) target or drop the images"
             )
         if isinstance(prompt, MultimodalPrompt) and prompt.model_inputs and self.image_problem is not None:
             model_type = getattr(self.target.model.config, "model_type", "?")
@@ -812,7 +813,7 @@ class DecodeSession:
         t0 = time.perf_counter()
         forward_s0 = engine._forward_s()
         # target_logits: [B', V], the distribution of each admitted prompt's first new token
-        model_inputs = batch_model_inputs(prompts, engine.device)  # pixel values of multimodal prompts
+        model_inputs = prefill_inputs(prompts, engine.device, engine.target.model)  # pixel values of multimodal prompts (per row where a batch would not be exact)
         if batch_rows is None:
             self._holds_cache = True
             engine.cache_batches += 1

@@ -277,3 +277,83 @@ def test_inputs_of_different_ranks_are_named():
         batch_model_inputs([a, b])
     padded = batch_model_inputs([b, MultimodalPrompt([1], {"pixel_values": torch.ones(1, 3, 3, 4, 4)})])["pixel_values"]
     assert padded.shape == (2, 3, 3, 4, 4) and padded[0, 2].abs().sum() == 0 and padded[1].min() == 1  # zero-padded at the end
+
+
+def tiny_gemma4():
+    """A tiny Gemma 4 (its image tokens attend causally, as specdec's masks do), whose images are
+    patch rows with (x, y) positions: an image of 4x4 patches becomes 4 image tokens, 4x6 six."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = {
+        "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 512, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    }
+    vision = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+        "pooling_kernel_size": 2, "patch_size": 4, "position_embedding_size": 64,
+    }
+    config = AutoConfig.for_model("gemma4", text_config=text, vision_config=vision, image_token_id=300, boi_token_id=301, eoi_token_id=302, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(7.0)
+    return model
+
+
+def gemma4_image(h: int, w: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.rand(1, h * w, 48, generator=g), "image_position_ids": torch.tensor([[[x, y] for y in range(h) for x in range(w)]])}
+
+
+def test_images_of_a_model_outside_the_batched_list_are_prefilled_a_prompt_at_a_time(monkeypatch):
+    """Gemma 4 marks a batch's padded patches with position -1; concatenated and zero-padded
+    alike (as LLaVA-NeXT's are), two images of 16 and 24 patches crashed its vision tower. Outside
+    `BATCHED_IMAGE_MODEL_TYPES` each prompt with images is prefilled in a forward of its own (target
+    and draft), so every batch size gives each prompt's own generate() tokens."""
+    import specdec.multimodal.inputs as inputs_module
+
+    model = tiny_gemma4()
+    prompts = [
+        MultimodalPrompt([5, 6, 7, 301, *[300] * 4, 302, 8, 9], gemma4_image(4, 4, 1)),
+        MultimodalPrompt([11, 12, 301, *[300] * 6, 302, 15, 16, 17], gemma4_image(4, 6, 2)),
+        [20, 21, 22, 23],
+    ]
+    refs = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)])
+        extra = dict(prompt.model_inputs) if isinstance(prompt, MultimodalPrompt) else {}
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, max_new_tokens=10, do_sample=False, eos_token_id=2, pad_token_id=0)
+        refs.append(out[0, ids.shape[1] :].tolist())
+
+    def decode(method: str, batch_size: int) -> list[list[int]]:
+        options = {"depth": 3, "top_k": 2, "total_tokens": 6} if method == "eagle2" else {}
+        source = ModelDraftSource(model) if method != "ar" else None
+        engine = SpeculativeEngine(model, make_policy(method, **options), GreedyRule(), source, eos_token_ids=[2])
+        return [o.token_ids for o in engine.generate(prompts, 10, batch_size=batch_size)]
+
+    for method in ("ar", "eagle2"):
+        for batch_size in (3, 2):
+            assert decode(method, batch_size) == refs, (method, batch_size)
+    monkeypatch.setattr(inputs_module, "BATCHED_IMAGE_MODEL_TYPES", inputs_module.BATCHED_IMAGE_MODEL_TYPES | {"gemma4"})
+    try:  # the batched images, as before: transformers 5.24 raises inside the vision tower
+        batched: list[list[int]] | None = decode("ar", 3)
+    except RuntimeError:
+        batched = None
+    assert batched != refs
+
+
+def test_vision_language_models_specdec_cannot_decode_are_named():
+    """Found by the image sweep (benchmarks/architecture-sweep/images.md): they crashed or gave
+    other tokens than their own generate(); now refused with the reason."""
+    from transformers import AutoConfig
+
+    from specdec.models.support import image_prompt_problem, tree_verification_problem
+
+    assert "position ids" in (tree_verification_problem(AutoConfig.for_model("kosmos-2")) or "")
+    assert "position ids" in (tree_verification_problem(AutoConfig.for_model("kosmos-2.5")) or "")
+    assert "cross-attention" in (tree_verification_problem(AutoConfig.for_model("idefics")) or "")
+    assert "before the prompt's tokens" in (image_prompt_problem(AutoConfig.for_model("git")) or "")
+    assert tree_verification_problem(AutoConfig.for_model("git")) is None  # its text prompts decode exactly
+    assert "both ways" in (image_prompt_problem(AutoConfig.for_model("molmo2")) or "")
+    assert tree_verification_problem(AutoConfig.for_model("llava")) is None and image_prompt_problem(AutoConfig.for_model("llava")) is None

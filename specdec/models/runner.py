@@ -720,14 +720,27 @@ class ModelRunner:
         else:
             self._forward_s += time.perf_counter() - timer
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None = None, dense: bool = False) -> torch.Tensor:
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | list[dict[str, Any]] | None = None, dense: bool = False
+    ) -> torch.Tensor:
         """Run left-padded prompts and commit them; return the logits of the last position.
 
         input_ids: [B, L] int64 (left-padded); attention_mask: [B, L] (1 = real token);
-        model_inputs: the batch's other inputs (pixel_values of its images, in row order).
+        model_inputs: the batch's other inputs (pixel_values of its images, in row order), or one
+        dict per row (`prefill_inputs`, for models whose images do not batch exactly): then each
+        row is prefilled in a forward of its own, as its prompt alone would be.
         dense: the caller knows no row is padded (every attention_mask entry is 1).
         Returns [B, V] float32: the distribution of each row's first new token.
         """
+        if isinstance(model_inputs, list):
+            if len(model_inputs) != input_ids.shape[0]:
+                raise ValueError(f"prefill got {len(model_inputs)} rows of model inputs for {input_ids.shape[0]} prompts")
+            if input_ids.shape[0] == 1:
+                model_inputs = model_inputs[0] or None
+            else:
+                lengths = attention_mask.sum(dim=1).tolist()
+                order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
+                return self._prefill_grouped(input_ids, attention_mask, [[row] for row in order], lengths, row_inputs=model_inputs)
         # one host read of the rows' lengths (batches only): prompts of very different lengths are
         # prefilled a group of similar lengths at a time, each padded to its own longest
         grouping = not (model_inputs or dense) and input_ids.shape[0] > 1
@@ -756,12 +769,15 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def _prefill_grouped(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]], lengths: list[int]) -> torch.Tensor:
+    def _prefill_grouped(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]], lengths: list[int], row_inputs: list[dict[str, Any]] | None = None
+    ) -> torch.Tensor:
         """`prefill` one group of similar-length rows at a time (`prefill_groups`), each padded only
         to its own longest prompt, then copied right-aligned into one batch cache (one copy per
         group, no full-cache passes). Returns [B, V] float32 in row order. The committed slots are
         those of a padded prefill (left padding: invalid slots), so nothing after it can tell them apart.
-        lengths: each row's prompt length (already read by `prefill`)."""
+        lengths: each row's prompt length (already read by `prefill`). row_inputs: each row's own
+        model inputs (images), with groups of one row each."""
         b, width = input_ids.shape
         out: torch.Tensor | None = None
         valid = torch.zeros(b, width, dtype=torch.bool, device=self.device)
@@ -770,7 +786,8 @@ class ModelRunner:
             longest = max(lengths[row] for row in group)
             part = ModelRunner(self.model, time_forwards=self.time_forwards)
             ids, mask = input_ids[index, width - longest :], attention_mask[index, width - longest :]
-            logits = part._prefill_padded(ids, mask, None, dense=False, spare=0)  # [|g|, V]; its cache is copied below, never grown
+            inputs = (row_inputs[group[0]] or None) if row_inputs is not None else None  # (groups of one row when given)
+            logits = part._prefill_padded(ids, mask, inputs, dense=False, spare=0)  # [|g|, V]; its cache is copied below, never grown
             self._absorb_forward_stats(part)
             if out is None:  # the first (longest) group: the batch cache, shaped like its storage
                 out = logits.new_empty(b, logits.shape[-1])
@@ -882,7 +899,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def replace_rows(
-        self, rows: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | None = None
+        self, rows: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any] | list[dict[str, Any]] | None = None
     ) -> torch.Tensor:
         """Prefill new prompts into batch rows `rows` (their old contents are dropped).
 

@@ -39,10 +39,32 @@ SLOT_WINDOW_MODEL_TYPES = frozenset({"gpt_neo"})
 `bias` buffer sliced by the key and query counts), never by position ids: a tree node in slot s
 at depth d < s would lose the s - d oldest keys of its window"""
 
-BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3", "paligemma", "shieldgemma2"})
+BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3", "paligemma", "shieldgemma2", "molmo2"})
 """vision-language models whose image tokens attend to each other both ways (a block built from
-`token_type_ids`), which specdec's causal 4-D masks would not reproduce; Gemma 4 does so when its
-text config says `use_bidirectional_attention="vision"`"""
+`token_type_ids`, Molmo 2's `mm_token_type_ids`), which specdec's causal 4-D masks would not
+reproduce; Gemma 4 does so when its text config says `use_bidirectional_attention="vision"`"""
+
+PREFIX_IMAGE_MODEL_TYPES = frozenset({"git"})
+"""vision-language models that put their image embeddings before the prompt's tokens themselves
+(no image tokens in the ids) and join a 2-D image mask to the text mask: prompts with images
+would crash on specdec's 4-D masks and be positioned without the image (text prompts decode exactly)"""
+
+MODEL_TYPE_PROBLEMS = {
+    "kosmos-2": (
+        "derives its position ids from the token ids (counting past its padding id) and builds masks only from a 2-D padding "
+        "mask, so a draft tree's explicit positions and 4-D mask would be misread"
+    ),
+    "kosmos-2.5": (
+        "derives its position ids from the token ids (counting past its padding id) and reads explicit position ids as already "
+        "offset, so every token would be positioned wrong"
+    ),
+    "idefics": (
+        "reads its images through gated cross-attention layers at every forward (each step needs the images again), which "
+        "specdec's key/value cache does not hold"
+    ),
+}
+"""model types refused whole, with the reason (found in the image sweep of 2026-11-26,
+benchmarks/architecture-sweep/images.md: they crashed or gave other tokens than their generate())"""
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")
 """the names a model's forward takes its key/value cache by: `cache` since transformers 5.24,
@@ -97,11 +119,15 @@ def tree_verification_problem(config: PretrainedConfig, model_class: type | None
     (models whose forward takes no key/value cache, `CACHE_ARGUMENTS`, keep their own recurrent state)."""
     text = config.get_text_config()
     model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None) or "unknown"
+    outer_type = getattr(config, "model_type", None)
+    if outer_type in MODEL_TYPE_PROBLEMS:
+        return f"({outer_type}) {MODEL_TYPE_PROBLEMS[outer_type]}"
     parameters = forward_parameters(model_class)  # None: no class, or no signature to read (the cache layers decide)
     if parameters is not None and not any(name in parameters for name in CACHE_ARGUMENTS):
         return (
-            f"({model_type}) takes no key/value cache: it keeps a recurrent state instead (RWKV, xLSTM), which a rejected draft "
-            "token cannot be taken back out of, or recomputes the whole sequence every step"
+            f"({model_type}) takes no key/value cache argument in its forward: it keeps a recurrent state of its own (RWKV, xLSTM), "
+            "which a rejected draft token cannot be taken back out of, needs its images at every call (BLIP-2, InstructBLIP), "
+            "or recomputes the whole sequence every step"
         )
     try:
         layers = DynamicCache(config=text).layers
@@ -162,6 +188,8 @@ def image_prompt_problem(config: PretrainedConfig, model: object | None = None) 
         return "lets image tokens attend to each other both ways, which specdec's causal masks would not"
     if getattr(text, "cross_attention_layers", None) or getattr(config, "cross_attention_layers", None):
         return "reads images through cross-attention layers, which specdec's key/value cache does not hold"
+    if getattr(config, "model_type", None) in PREFIX_IMAGE_MODEL_TYPES:
+        return "puts its image embeddings before the prompt's tokens itself (no image tokens in the ids, a 2-D image mask), which specdec's positions and 4-D masks do not count"
     return None
 
 

@@ -117,6 +117,35 @@ def encode_multimodal(processor: Any, text: str, images: Sequence[str | Path | I
     return MultimodalPrompt(token_ids=ids, model_inputs=model_inputs, text=text, images=pil_images)
 
 
+BATCHED_IMAGE_MODEL_TYPES = frozenset({
+    "llava", "llava_next", "llava_onevision", "llava_next_video", "video_llava", "vipllava", "mistral3", "aya_vision", "internvl",
+    "idefics2", "idefics3", "smolvlm", "aria", "cohere2_vision", "deepseek_vl", "deepseek_vl_hybrid", "deepseek_ocr2", "got_ocr2",
+    "janus", "lfm2_vl", "lighton_ocr", "ovis2", "exaone4_5", "hyperclovax_vision_v2", "minimax_m3_vl", "muse_glimmer",
+    "pp_chart2table", "qianfan_ocr", "kimi_k25", "step3p7", "video_llama_3",
+})
+"""vision-language model types whose prefill takes a batch's images concatenated in row order
+(`batch_model_inputs`) and gives each row what its prompt alone gives: LLaVA and LLaVA-NeXT in
+tests/test_multimodal.py, the rest at batch size 2 in the image sweep of 2026-11-26
+(benchmarks/architecture-sweep/images.md). Other models get each prompt with images prefilled in
+a forward of its own (`prefill_inputs`): the sweep found batches that need other padding values
+(Gemma 4 marks padded patches with -1, not 0), index offsets (Molmo 2's pooling indices point
+into the whole batch's patches) or that read zero padding as image content (Emu3, Fuyu)."""
+
+
+def prefill_inputs(prompts: Sequence[Sequence[int]], device: torch.device | None, model: Any) -> dict[str, Any] | list[dict[str, Any]]:
+    """The extra prefill inputs of a batch of prompts for `model`: one dict for the whole batch
+    (`batch_model_inputs`) when the model batches images exactly (`BATCHED_IMAGE_MODEL_TYPES`)
+    or the batch is one prompt; otherwise one dict per row ({} for text rows), which
+    `ModelRunner.prefill` runs a row at a time. {} for an all-text batch."""
+    rows = [dict(p.model_inputs) if isinstance(p, MultimodalPrompt) else {} for p in prompts]
+    if not any(rows):
+        return {}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if len(rows) == 1 or model_type in BATCHED_IMAGE_MODEL_TYPES:
+        return batch_model_inputs(prompts, device)
+    return [{k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v for k, v in row.items()} for row in rows]
+
+
 def batch_model_inputs(prompts: Sequence[Sequence[int]], device: torch.device | None = None) -> dict[str, Any]:
     """The extra prefill inputs of a batch of prompts, in row order (images concatenated).
 

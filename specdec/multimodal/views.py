@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.errors import SpecDecError
-from specdec.multimodal.inputs import IMAGE_PLACEHOLDER, MultimodalPrompt, batch_model_inputs, encode_multimodal, image_token_id
+from specdec.multimodal.inputs import IMAGE_PLACEHOLDER, MultimodalPrompt, encode_multimodal, image_token_id, prefill_inputs
 from specdec.padding import pad_rows
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class PromptView(Protocol):
 
 def encode_batch(
     view: PromptView, prompts: Sequence[Sequence[int]], device: torch.device, model: PreTrainedModel | None = None
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any] | list[dict[str, Any]]]:
     """Left-padded ids [B, L], mask [B, L] and the batched prefill inputs of `prompts` seen through `view`."""
     encoded = [view.encode(p) for p in prompts]
     return left_pad([ids for ids, _ in encoded], device) + (merge_inputs([extra for _, extra in encoded], device, model),)
@@ -58,8 +58,9 @@ def left_pad(seqs: Sequence[Sequence[int]], device: torch.device, pad_id: int = 
     return ids.to(device), mask.to(device)
 
 
-def merge_inputs(per_prompt: Sequence[dict[str, Any]], device: torch.device, model: PreTrainedModel | None = None) -> dict[str, Any]:
-    """Batch per-prompt prefill inputs (row order).
+def merge_inputs(per_prompt: Sequence[dict[str, Any]], device: torch.device, model: PreTrainedModel | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+    """Batch per-prompt prefill inputs (row order); for a model whose images do not batch
+    exactly (`prefill_inputs`), one dict per row.
 
     Views that precompute image features (P) give `image_features`; they become the model's
     `mm_encoder_outputs`. A model takes either pixel values or precomputed features per
@@ -70,7 +71,7 @@ def merge_inputs(per_prompt: Sequence[dict[str, Any]], device: torch.device, mod
     has_pixels = any("pixel_values" in extra for extra in per_prompt)
     if not has_features:
         plain = [MultimodalPrompt(token_ids=[0], model_inputs=dict(extra)) for extra in per_prompt]
-        return batch_model_inputs(plain, device)
+        return prefill_inputs(plain, device, model)
     if has_pixels and model is None:
         raise SpecDecError("a batch mixing pooled-image rows and full-image rows needs the draft model to compute image features")
     features: list[torch.Tensor] = []

@@ -12,7 +12,7 @@ from specdec import constants
 from specdec.errors import SpecDecError
 from specdec.models.runner import ModelRunner
 from specdec.models.vocab import VocabFit, fit_draft_inputs, fit_draft_logits
-from specdec.multimodal.inputs import MultimodalPrompt, batch_model_inputs, is_multimodal
+from specdec.multimodal.inputs import MultimodalPrompt, is_multimodal, prefill_inputs
 from specdec.multimodal.views import PromptView, encode_batch
 from specdec.sampling import SamplingParams, logits_to_logprobs
 from specdec.sources.base import AcceptedPaths, NodeBatch
@@ -82,16 +82,18 @@ class ModelDraftSource:
     def prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None, prompts: Sequence[Sequence[int]] | None = None
     ) -> None:
-        model_inputs: dict[str, Any] = {}
+        model_inputs: dict[str, Any] | list[dict[str, Any]] = {}
         if prompts is not None and self.view is not None:
             input_ids, attention_mask, model_inputs = encode_batch(self.view, prompts, self.runner.device, self.runner.model)
         elif prompts is not None and any(isinstance(p, MultimodalPrompt) and p.model_inputs for p in prompts):
             if not self.multimodal:
                 raise SpecDecError("the draft is a text-only model but the prompts have images; give the draft source a view (e.g. TextOnlyView)")
-            model_inputs = batch_model_inputs(prompts, self.runner.device)
+            model_inputs = prefill_inputs(prompts, self.runner.device, self.runner.model)
         self.prefill_rows(input_ids, attention_mask, rows, model_inputs)
 
-    def prefill_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None, model_inputs: dict[str, Any] | None = None) -> None:
+    def prefill_rows(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None, model_inputs: dict[str, Any] | list[dict[str, Any]] | None = None
+    ) -> None:
         """Prefill already-encoded prompts: a new batch (rows None) or into batch rows `rows`."""
         dev = self.runner.device
         input_ids = fit_draft_inputs(input_ids, self.vocab)  # ids beyond a narrower draft's rows
