@@ -181,12 +181,19 @@ def main():
     mprompts = [MultimodalPrompt(list(ids), dict(extra)) if extra else list(ids) for ids, extra in prompts]
     runs = {}
     refused = crash = None
-    for method, opts in METHODS.items():
+    methods = METHODS
+    static_shapes = "--trees-static" in sys.argv  # DynaTree and CAST (a GPU-like cost table) with static shapes instead
+    if static_shapes:
+        from specdec.cost import CostTable
+
+        table = CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)
+        methods = {"eagle2": METHODS["eagle2"], "dynatree": {}, "cast": {"cost_table": table}}
+    for method, opts in methods.items():
         for bs in (1, 2):
             key = f"{method}/bs{bs}"
             try:
-                eng = SpeculativeEngine(model, make_policy(method, **opts), GreedyRule(), ModelDraftSource(model),
-                                        eos_token_ids=[spec.eos], pad_token_id=spec.pad)
+                eng = SpeculativeEngine(model, make_policy(method, **opts), GreedyRule(), ModelDraftSource(model, static_shapes=static_shapes),
+                                        eos_token_ids=[spec.eos], pad_token_id=spec.pad, static_shapes=static_shapes)
                 outs = eng.generate(mprompts, MAX_NEW, batch_size=bs)
                 toks = [o.token_ids for o in outs]
                 diffs = []
