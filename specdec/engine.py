@@ -383,11 +383,11 @@ class SpeculativeEngine:
     ) -> DecodeSession:
         """A step-by-step decode loop over this engine (see `DecodeSession`). A cost-aware
         policy (cast) gets its cost table ready for `max_rows` rows here, before any step."""
-        check_session_args(params, seed, self.rule)
+        session = DecodeSession(self, params, seed=seed, max_rows=max_rows, keep_steps=keep_steps)  # (checks its arguments before any cost is measured)
         prepare = getattr(self.policy, "prepare_costs", None)
         if callable(prepare) and max_rows is not None:
             prepare(max_rows)
-        return DecodeSession(self, params, seed=seed, max_rows=max_rows, keep_steps=keep_steps)
+        return session
 
     def generate(
         self,
