@@ -350,3 +350,17 @@ def test_the_greedy_rule_refuses_sampling_params(pair):
     with pytest.raises(SpecDecError, match=r"the greedy accept rule needs temperature 0 \(got temperature=0.8\); build the engine with make_rule\('sampling'\)"):
         engine(pair).generate([PROMPTS[0]], 4, params=SamplingParams(temperature=0.8))
     assert engine(pair, rule=SamplingRule()).generate([PROMPTS[0]], 4, params=SamplingParams(temperature=0.8), seed=0)[0].token_ids
+
+
+def test_session_arguments_are_checked_before_cast_prepares_its_costs(pair):
+    """Bad sampling params are named before a cost-aware policy measures anything for the batch."""
+    target, draft = pair
+    policy = make_policy("cast")
+    prepared: list[int] = []
+    policy.prepare_costs = prepared.append  # type: ignore[method-assign]
+    eng = SpeculativeEngine(target, policy, GreedyRule(), ModelDraftSource(draft), eos_token_ids=[EOS])
+    with pytest.raises(SpecDecError, match="params must be a specdec.sampling.SamplingParams"):
+        eng.session({"temperature": 0.5}, max_rows=2)  # type: ignore[arg-type]
+    assert prepared == []
+    eng.session(SamplingParams(), max_rows=2)
+    assert prepared == [2]
