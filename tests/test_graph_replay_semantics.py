@@ -243,14 +243,19 @@ SAMPLED_LEVEL_METHODS = ("chain", "dynatree", "eagle2", "static")
 
 def recorded_drafts(engine: SpeculativeEngine) -> list[Any]:
     """Record every step's draft from now on: the tree's tokens, parents, validity and ancestors,
-    and the builder nodes they came from (host lists)."""
+    and the builder's tokens at the builder nodes they came from (host lists). Not the builder
+    nodes themselves: captured levels of CAST and DynaTree sit at fixed builder columns
+    (`CapturedLevels.place`), so their numbering has holes where op by op has none; what they
+    must hold is the tree's tokens, and the commit of the draft cache (the output, the forward
+    counts) checks the rest."""
     drafts: list[Any] = []
     draft = engine.policy.draft
 
     def recording(*args: Any) -> Any:
         drafted = draft(*args)
         tree = drafted.tree
-        drafts.append([t.tolist() for t in (tree.tokens, tree.parents, tree.valid, tree.ancestor_mask(), drafted.builder_nodes)])
+        held = drafted.builder.tokens.gather(1, drafted.builder_nodes) if drafted.builder is not None else tree.tokens
+        drafts.append([t.tolist() for t in (tree.tokens, tree.parents, tree.valid, tree.ancestor_mask(), held)])
         return drafted
 
     engine.policy.draft = recording  # type: ignore[method-assign]
@@ -390,7 +395,8 @@ def recorded_sampled_drafts(engine: SpeculativeEngine) -> list[Any]:
     def recording(*args: Any) -> Any:
         drafted = draft(*args)
         tree = drafted.tree
-        fields = [t.tolist() for t in (tree.tokens, tree.parents, tree.valid, tree.sampled, drafted.builder_nodes)]
+        held = drafted.builder.tokens.gather(1, drafted.builder_nodes) if drafted.builder is not None else tree.tokens  # (`recorded_drafts`)
+        fields = [t.tolist() for t in (tree.tokens, tree.parents, tree.valid, tree.sampled, held)]
         drafts.append((fields, None if tree.draft_logprobs is None else tree.draft_logprobs.clone()))
         return drafted
 
@@ -398,11 +404,16 @@ def recorded_sampled_drafts(engine: SpeculativeEngine) -> list[Any]:
     return drafts
 
 
-def same_drafts(a: list[Any], b: list[Any]) -> bool:
-    """Equal trees step for step, with bit-equal kept draft distributions."""
-    return len(a) == len(b) and all(
-        fa == fb and (da is None) == (db is None) and (da is None or torch.equal(da, db)) for (fa, da), (fb, db) in zip(a, b, strict=True)
-    )
+def same_drafts(a: list[Any], b: list[Any], atol: float = 0.0) -> bool:
+    """Equal trees step for step, with kept draft distributions equal bit for bit (atol 0) or
+    within `atol`."""
+
+    def close(da: torch.Tensor | None, db: torch.Tensor | None) -> bool:
+        if da is None or db is None:
+            return da is None and db is None
+        return torch.equal(da, db) if atol == 0 else da.shape == db.shape and bool(torch.allclose(da, db, atol=atol, rtol=0))
+
+    return len(a) == len(b) and all(fa == fb and close(da, db) for (fa, da), (fb, db) in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("method", SAMPLED_LEVEL_METHODS)
@@ -411,8 +422,10 @@ def test_captured_sampled_levels_draw_what_op_by_op_draws(method, top_p):
     """Children drawn from the draft (the chain's tokens, the static tree's and EAGLE-2's sampled
     children) are captured too: each level's random numbers are drawn before its replay, from the
     step's generator, as op-by-op drafting draws them. So one seed gives the same trees, the same
-    kept draft distributions (bit for bit) and the same output, at T = 0.8 with rows finishing and
-    joining at batch size 3."""
+    kept draft distributions and the same output, at T = 0.8 with rows finishing and joining at
+    batch size 3. The distributions agree bit for bit, but DynaTree's to float rounding: its
+    captured levels sit at fixed step slots (`CapturedLevels.place`), so the draft's keys lie at
+    other cache columns than op by op and attention sums them in another order."""
     target, draft = close_pair("llama")
     params = SamplingParams(temperature=0.8, top_p=top_p)
     engine, levels = level_engine(target, draft, method, rule=SamplingRule(), **LEVEL_METHODS[method])
@@ -423,7 +436,7 @@ def test_captured_sampled_levels_draw_what_op_by_op_draws(method, top_p):
     eager_drafts = recorded_sampled_drafts(eager)
     assert replayed == [o.token_ids for o in eager.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)]
     assert any(sampled for (fields, _) in drafts for row in fields[3] for sampled in row), "the steps must draw their children"
-    assert same_drafts(drafts, eager_drafts)
+    assert same_drafts(drafts, eager_drafts, atol=1e-5 if method == "dynatree" else 0.0)
 
 
 def near_pair(arch: str, noise: float = 0.005) -> tuple[Any, Any]:
@@ -489,6 +502,77 @@ def test_captured_cast_layers_draft_what_op_by_op_drafts(reads_while_drafting):
     eager.generate(PROMPTS, 32, batch_size=3)
     assert widths == eager_widths
     assert drafts == eager_drafts
+
+
+@pytest.mark.parametrize("method", ["cast", "dynatree"])
+def test_a_captured_level_has_one_key_whatever_the_widths_before_it(method, monkeypatch):
+    """CAST's planned layer widths and DynaTree's growing counts change from step to step. Each
+    captured level sits at a builder column and a step slot fixed by its level alone
+    (`CapturedLevels.place`), so the builder and runner state in a level's graph key (what a replay
+    sets) is one per level name, whatever was drafted before it; a selection's, one per tree depth.
+    Laid out contiguously, a layer's state followed the sum of the widths before it, and each
+    sequence of widths was a key of its own: 457 captures in 10 calls of CAST on an H100. The run
+    must draft one level after different widths, or the check could not fail."""
+    from specdec.drafting import levels as levels_module
+
+    states: dict[tuple[Any, ...], set[tuple[Any, ...]]] = {}
+    key = levels_module.CapturedLevels.key
+    fields = len(levels_module._BUILDER_STATE) + 1  # the builder's fields and the runner's step slots
+
+    def recording(self: Any, name: tuple[Any, ...], reads: Any) -> tuple[Any, ...]:
+        out = key(self, name, reads)
+        state = out[2 : 2 + fields]
+        group = (name, state[2]) if name[0] == "selection" else name  # a selection: per tree depth (the builder's level count)
+        states.setdefault(group, set()).add(state)
+        return out
+
+    monkeypatch.setattr(levels_module.CapturedLevels, "key", recording)
+    if method == "cast":
+        target, draft = near_pair("llama")
+        options: dict[str, Any] = {**cast_level_options(), "reads_while_drafting": False}
+    else:  # phase 2: D_0 held at 2, from where the deep gate reads the growing count of each level
+        target, draft = near_pair("llama")
+        options = {"free_tokens": 24, "phase": 2, "d0": 2, "d_max": 6, "rho_stop": 0.001, "rho_deep": 0.01}
+        # this pair's growing counts barely change between steps: every other read keeps one growing node
+        from specdec.drafting.dynatree import DynaTreePolicy
+
+        cut, reads = DynaTreePolicy._growing_frontier, [0]
+
+        def alternating(frontier: torch.Tensor, frontier_valid: torch.Tensor) -> Any:
+            reads[0] += 1
+            out = cut(frontier, frontier_valid)
+            return out if out is None or reads[0] % 2 else (out[0][:, :1], out[1][:, :1])
+
+        monkeypatch.setattr(DynaTreePolicy, "_growing_frontier", staticmethod(alternating))
+    engine, levels = level_engine(target, draft, method, **options)
+    widths: list[tuple[int, ...]] = []
+    recorded_real_drafts(engine, widths) if method == "cast" else None
+    frontiers: dict[int, set[tuple[int, ...]]] = {}
+    if method == "dynatree":  # the frontier widths before each level (DynaTree's `level` names carry the level's own)
+        run_level = levels_module.CapturedLevels.run
+        seen: list[int] = []
+
+        def tracking(self: Any, name: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
+            if name[0] == "level":
+                if name[1] == 0:
+                    seen.clear()
+                frontiers.setdefault(name[1], set()).add(tuple(seen))
+                seen.append(name[2])
+            return run_level(self, name, *args, **kwargs)
+
+        monkeypatch.setattr(levels_module.CapturedLevels, "run", tracking)
+    engine.generate(PROMPTS, 32, batch_size=3)
+    assert levels.replays > 0
+    if method == "cast":
+        prefixes: dict[int, set[tuple[int, ...]]] = {}
+        for w in widths:
+            for level in range(2, len(w)):
+                prefixes.setdefault(level, set()).add(w[: level - 1])
+        assert any(len(p) > 1 for p in prefixes.values()), f"no layer drafted after different widths: {widths}"
+    else:
+        assert any(len(p) > 1 for p in frontiers.values()), f"no level drafted after different frontier widths: {frontiers}"
+    varied = {group: sorted(s) for group, s in states.items() if len(s) > 1}
+    assert not varied, f"levels whose key followed the widths before them: {varied}"
 
 
 def test_captured_cast_sampled_layers_draw_what_op_by_op_draws():

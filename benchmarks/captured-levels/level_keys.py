@@ -9,7 +9,7 @@ that kept changing would keep capturing. CAST runs deterministic on a GPU-like s
 (target flat up to 64 new tokens, draft cheap) unless `--options` gives its own; DynaTree's levels
 are captured inside a free width (`--options '{"free_tokens": 24}'`).
 
-    python benchmarks/captured-levels/level_keys.py METHOD B TOKENS [--prompts N] [--calls C] [--options JSON] [--temperature T]
+    python benchmarks/captured-levels/level_keys.py METHOD B TOKENS [--prompts N] [--calls C] [--options JSON] [--temperature T] [--cost-profile PATH]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--options", default="{}", help="the method's options, JSON")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--cost-profile", help="a `specdec profile` file whose table CAST uses instead of the GPU-like synthetic one (no identity check: another device's, e.g. ../gpu/2026-11-26/cost-profiles)")
     args = ap.parse_args()
     runs: collections.Counter[str] = collections.Counter()
     run = levels_module.CapturedLevels.run
@@ -72,7 +73,8 @@ def main() -> None:
     engine_module.SpeculativeEngine.__init__ = init  # type: ignore[method-assign]
     options = json.loads(args.options)
     if args.method == "cast" and "cost_table" not in options:
-        options = {"cost_table": GPU_LIKE_TABLE, "deterministic": True, **options}
+        table = CostTable.load(args.cost_profile) if args.cost_profile else GPU_LIKE_TABLE
+        options = {"cost_table": table, "deterministic": True, **options}
     decoder = SpeculativeDecoder.from_pretrained(method=args.method, static_shapes=True, **options)
     prompts = [json.loads(line)["prompt"] for line in launches.PROMPTS.read_text().splitlines()]
     count = args.prompts or 4 * args.batch_size

@@ -279,20 +279,32 @@ class TreeBuilder:
         new = max(total, 2 * cap)
         grow = new - cap
 
-        def pad(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        def pad(t: torch.Tensor, dims: tuple[int, ...], value: float = 0) -> torch.Tensor:
             for dim in dims:
                 shape = list(t.shape)
                 shape[dim] = grow
-                t = torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=dim)
+                t = torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=dim)
             return t
 
         self._ints = pad(self._ints, (2,))
-        self._floats = pad(self._floats, (2,))
+        self._floats = pad(self._floats, (2,), float("-inf"))
         self._flags = pad(self._flags, (2,))
         self._anc = pad(self._anc, (1, 2))
         torch.diagonal(self._anc, dim1=1, dim2=2)[:, cap:].fill_(True)
         if self._dist_slot is not None:
             self._dist_slot = pad(self._dist_slot, (1,))
+
+    def skip_to(self, column: int) -> None:
+        """Let the next `add` start at builder column `column` (>= `num_nodes`, within the
+        capacity): the columns passed over stay invalid nodes (score and log-probs -inf, their
+        own ancestors only), which every selection and count already ignores. No tensor op. A
+        captured level placed at a column fixed by its level alone, whatever the widths of the
+        levels before it, keeps one graph key per level shape (`CapturedLevels.place`). The
+        last add's columns are forgotten (`last_valid` is empty until the next add)."""
+        if column < self._n or column > self.capacity:
+            raise ValueError(f"skip_to({column}) needs num_nodes {self._n} <= column <= capacity {self.capacity}")
+        self._n = column
+        self._last = (column, column)
 
     def add(
         self,
@@ -648,8 +660,10 @@ def _initial_buffers(b: int, cap: int, chain: bool, device: torch.device) -> tup
     """A builder's buffers before its roots are written (`TreeBuilder`'s layout), made once per
     (B, capacity, chain, device) and shared read-only: each step copies them (one op each)
     instead of zero-filling and writing the fixed entries. The root's parent is -1, every
-    node its own ancestor and the root valid; in a chain, node i's parent is i - 1, its depth
-    i and its ancestors the nodes 0..i (the nodes not added yet are never read)."""
+    node its own ancestor and the root valid; the columns after the root are invalid with
+    log-probs and score -inf until a node is added there (so a column `skip_to` passes over
+    is an invalid node); in a chain, node i's parent is i - 1, its depth i and its ancestors
+    the nodes 0..i."""
     key = ("tree_builder", b, cap, chain, device)
     cached = _BUFFERS.get(key)
     if cached is not None:
@@ -664,7 +678,9 @@ def _initial_buffers(b: int, cap: int, chain: bool, device: torch.device) -> tup
         anc = torch.tril(torch.ones(cap, cap, dtype=torch.bool, device=device))
     flags = torch.zeros(b, 2, cap, dtype=torch.bool, device=device)
     flags[:, _VALID, 0] = True
-    cached = (ints, torch.zeros(b, 3, cap, device=device), flags, anc.expand(b, cap, cap))
+    floats = torch.full((b, 3, cap), float("-inf"), device=device)  # nodes not added yet: -inf, as invalid ones (a skipped column, `skip_to`, stays so)
+    floats[:, :, 0] = 0.0  # the root: logq, cum_logq and score 0
+    cached = (ints, floats, flags, anc.expand(b, cap, cap))
     if cap * cap > _MAX_CACHED_ANCESTORS:  # a huge tree: its [capacity, capacity] layout is not kept between steps
         return cached
     held = sum(layout[3].shape[-1] ** 2 for layout in _BUFFERS.values())  # bytes of the cached ancestor layouts (bool [cap, cap] each)

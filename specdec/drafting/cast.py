@@ -1084,8 +1084,10 @@ class CastPolicy:
         if self.prune_rule == "break-even" and depth > 1:
             levels = CapturedLevels.for_step(source, ("cast", self.children_per_node, self.calibrate, self._sampled), sampled=self._sampled, by_default=False)
         self._levels = levels
-        # capacity: the most nodes a step has needed so far, so the builder's buffers rarely grow mid-step
-        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=self._capacity, workspace=levels and levels.workspace)
+        # capacity: the most nodes a step has needed so far, so the builder's buffers rarely grow mid-step;
+        # captured layers sit at fixed columns (`_layer_place`): room for every layer at its widest
+        capacity = self._capacity if levels is None else max(self._capacity, self._layer_place(self.depth_for(b), self.children_per_node)[0])
+        builder = TreeBuilder(source, roots, ctx, keep_draft_probs=self._sampled, capacity=capacity, workspace=levels and levels.workspace)
         dev = roots.device
         rows = ctx.active.to(dev).bool()  # [B] rows whose utilities count
         active_rows = [r for r, a in enumerate(ctx.host_active) if a] if ctx.host_active is not None else rows.nonzero().flatten().tolist()
@@ -1121,7 +1123,7 @@ class CastPolicy:
         self._cells = [constants.full((b, 1), 0, torch.long, dev)]  # per add: calibration cells (calibrate only)
         root_value = builder.score[:, :1]  # [B, 1]
         if levels is not None:  # the root's children replay too, from its distribution copied to a level buffer
-            levels.begin(builder, step_slots=(depth - 1) * node_bucket(k))
+            levels.begin(builder, step_slots=(depth - 1) * node_bucket(k), fixed_layout=True)
             candidates, cand_value = self._captured_layer(levels, builder, None, root_value, 1, 1, k, 0)
         else:
             candidates, cand_value = self._add(builder, builder.root, root_value, builder.root_logprobs[:, None, :], builder.root_valid, k, 1)  # [B, k] best first
@@ -1134,7 +1136,7 @@ class CastPolicy:
         # every layer was captured: so is a greedy step's selection, at the node bucket of its width (at T > 0
         # the verifier's random numbers follow the tree's width, so a padded tree would change the sampled text)
         if self._levels is not None and ctx.params.greedy:
-            drafted = self._captured_selection(self._levels, builder, verified)
+            drafted = self._captured_selection(self._levels, builder, verified, k)
         else:
             keep = builder.top_by_score(None, count)  # by the nodes' values: the builder's score (`_add`)
             drafted = builder.finish(keep, width=verified)  # no read
@@ -1160,23 +1162,38 @@ class CastPolicy:
         levels = self._levels
         if levels is not None:
             bucket = min(node_bucket(width), candidates.shape[1])
-            if builder.num_nodes + bucket * st.k <= builder.capacity:
+            column = self._layer_place(level, st.k)[0]
+            if bucket <= node_bucket(st.k) and column + bucket * st.k <= builder.capacity:
                 return self._captured_layer(levels, builder, candidates, cand_value, width, bucket, st.k, level)
             # the builder outgrows its buffers: op by op for the rest of the step; the next step's have room
             self._levels = None
-            self._capacity = max(self._capacity, 2 * builder.capacity, builder.num_nodes + bucket * st.k)
+            self._capacity = max(self._capacity, 2 * builder.capacity, column + bucket * st.k)
         frontier = candidates[:, :width]  # [B, n_i]
         frontier_valid = builder.valid.gather(1, frontier)
         logprobs = builder.expand(frontier, frontier_valid, depth=level)  # [B, n_i, V]
         return self._add(builder, frontier, cand_value[:, :width], logprobs, frontier_valid, st.k, level + 1)
 
     @staticmethod
-    def _captured_selection(levels: CapturedLevels, builder: TreeBuilder, verified: int) -> Draft:
+    def _layer_place(level: int, k: int) -> tuple[int, int]:
+        """Where captured layer `level` (>= 1; the root's children are layer 0) adds its children
+        and forwards its frontier: (builder column, step slot from the step's first level slot).
+        Each layer has room for its widest frontier, node_bucket(k) nodes (a planned width is at
+        most k) and their k children each, so the place depends on the level alone and a layer's
+        graph key not on the widths drafted before it (`CapturedLevels.place`). Layer `level`'s
+        place is also the room the layers before it take: the capacity for a tree `level` deep."""
+        width = node_bucket(k)
+        return 1 + k + (level - 1) * width * k, (level - 1) * width
+
+    @classmethod
+    def _captured_selection(cls, levels: CapturedLevels, builder: TreeBuilder, verified: int, k: int) -> Draft:
         """The tree of the `verified` best nodes by value (the root first: `top_by_score`), replayed
         as one graph (`CapturedLevels.finish`): its width is the node bucket of `verified` (what a
         static-shape verification pads to anyway), and which sorted ranks are kept is a device mask
         filled before the replay, so one graph serves every count of a bucket. The kept nodes are
-        the op-by-op ones, in the same order; the columns past them are padding (invalid)."""
+        the op-by-op ones, in the same order; the columns past them are padding (invalid). It runs
+        placed at the end of the last layer's room (`_layer_place`), so its key depends on the
+        tree's depth and width, not on the last layer's width."""
+        levels.place(*cls._layer_place(builder.draft_forwards, k))  # layers drafted: draft_forwards - 1 (the root's forward is one)
         b, n, dev = builder.batch_size, builder.num_nodes, builder.device
         width = min(node_bucket(verified), n)
         kept_ranks = levels.buffer(("kept_ranks", width), constants.below(width, verified, dev))  # [width]: the first `verified`
@@ -1209,11 +1226,16 @@ class CastPolicy:
             root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
             if self._sampled:
                 builder._dist_chunks[0] = root
-        shape = (b, bucket * k)
-        nodes = levels.output(("candidates", level + 1, bucket), shape, torch.long)
-        values = levels.output(("values", level + 1, bucket), shape, cand_value.dtype)
+        else:  # at its fixed place, holes left by narrower layers before it
+            column, slot = self._layer_place(level, k)
+            levels.place(column, slot)
+        # outputs: the first bucket * k columns of one buffer per layer (the widest layer's), so the next
+        # layer reads them at one address whatever this layer's width
+        full = (b, node_bucket(k) * k)
+        nodes = levels.output(("candidates", level + 1), full, torch.long)[:, : bucket * k]
+        values = levels.output(("values", level + 1), full, cand_value.dtype)[:, : bucket * k]
         expanded = None if root is not None else levels.buffer(("expanded", level, bucket), constants.below(bucket, width, dev))  # [bucket]: the first `width`
-        cells = levels.output(("cells", level + 1, bucket), shape, torch.long) if self.calibrate else None
+        cells = levels.output(("cells", level + 1, bucket), (b, bucket * k), torch.long) if self.calibrate else None  # (kept whole: `run` tracks it)
         tables = self._calibrator.device_tables(dev) if self.calibrate else ()
         uniforms = dists = None
         if self._sampled:  # [B, bucket, V] each
@@ -1237,6 +1259,8 @@ class CastPolicy:
 
         reads = tuple(t for t in (candidates, cand_value, expanded, nodes, values, cells, *tables, uniforms, dists) if t is not None)
         levels.run(("layer", level, bucket), layer, reads=reads, lists=(self._cells,))
+        if self.calibrate and root is None and bucket < node_bucket(k):  # the cells line up with the builder's columns: the hole's too
+            self._cells.append(constants.full((b, (node_bucket(k) - bucket) * k), 0, torch.long, dev))
         return nodes, values
 
     def _draft_planned(self, builder: TreeBuilder, st: _Step, candidates: torch.Tensor, cand_value: torch.Tensor) -> int:

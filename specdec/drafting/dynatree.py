@@ -764,9 +764,19 @@ class DynaTreePolicy:
         order = torch.topk(builder.score[:, start:].masked_fill(~grow, float("-inf")), cap, dim=1).indices  # [B, cap]
         return order, grow.gather(1, order)
 
+    @staticmethod
+    def _level_place(depth: int, k: int, free: int) -> tuple[int, int]:
+        """Where the captured level of frontier depth `depth` (>= 1; the root's children are
+        level 0) adds its children and forwards its frontier: (builder column, step slot from the
+        step's first level slot). Each level has room for its widest frontier, `free` nodes with
+        k children each (the builder's capacity is that room for every level, `builder_capacity`),
+        so the place depends on the depth alone and a level's graph key not on the growing counts
+        read before it (`CapturedLevels.place`)."""
+        return 1 + k + (depth - 1) * free * k, (depth - 1) * node_bucket(free)
+
     def _captured_levels(
         self, levels: CapturedLevels, builder: TreeBuilder, limit: int, k: int, free: int, log_tau: float, sampled: bool
-    ) -> None:
+    ) -> int:
         """Every level inside the free width, from the root's children down, each replayed as one
         graph (`specdec.drafting.levels`): the forward of the frontier [B, m] (nodes at `depth`;
         the root's distribution, copied to a level buffer, for the first level), their top-k or
@@ -774,7 +784,8 @@ class DynaTreePolicy:
         growing count only where op by op reads it: where the deep-expansion gate decides it
         (`_growth_reads`), under the root's children only for drawn ones. Drawn children read their
         random numbers from a buffer filled before the level (as op by op draws them) and the
-        frontier's distributions, kept for verification, go to an output buffer."""
+        frontier's distributions, kept for verification, go to an output buffer. Each level sits
+        at its fixed place (`_level_place`). Returns the depth of the last level's frontier."""
         b = builder.batch_size
         vocab = builder.root_logprobs.shape[-1]
         root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
@@ -784,10 +795,13 @@ class DynaTreePolicy:
         while True:
             last = depth + 1 >= limit  # the children are at the depth limit: nothing grows under them
             m = frontier.shape[1]
+            if depth:
+                levels.place(*self._level_place(depth, k, free))
             threshold = None if last else self._growth_threshold(depth + 1, 0.0)
             cap = min(m * k, free)
-            next_frontier = levels.output(("frontier", depth + 1, m), (b, cap), torch.long)
-            next_valid = levels.output(("frontier_valid", depth + 1, m), (b, cap), torch.bool)
+            # the next frontier: the first `cap` columns of one buffer per depth, read by the next level at one address whatever m
+            next_frontier = levels.output(("frontier", depth + 1), (b, free), torch.long)[:, :cap]
+            next_valid = levels.output(("frontier_valid", depth + 1), (b, free), torch.bool)[:, :cap]
             cells = levels.output(("cells", depth + 1, m), (b, m * k), torch.long) if self._calibrating else None
             tables = self._calibrator.device_tables(builder.device) if self._calibrating else ()
             shape = (b, m, vocab)
@@ -798,13 +812,15 @@ class DynaTreePolicy:
             reads = (frontier, frontier_valid, next_frontier, next_valid, *((cells,) if cells is not None else ()), *tables)
             reads += tuple(t for t in (uniforms, dists) if t is not None)
             levels.run(("level", depth, m, threshold), body, reads=reads, lists=(self._cells,))
+            if cells is not None and depth and m < free:  # the cells line up with the builder's columns: the hole's too
+                self._cells.append(constants.full((b, (free - m) * k), 0, torch.long, builder.device))
             if last:
-                return
+                return depth
             frontier, frontier_valid, depth = next_frontier, next_valid, depth + 1
             if self._growth_reads(depth) and (depth > 1 or sampled):  # how many nodes grow: the level's one host read
                 cut = self._growing_frontier(frontier, frontier_valid)
                 if cut is None:
-                    return
+                    return depth - 1
                 frontier, frontier_valid = cut
 
     @staticmethod
@@ -954,8 +970,9 @@ class DynaTreePolicy:
         calibrating = self._calibrating
         self._cells = [constants.full((roots.shape[0], 1), 0, torch.long, dev)] if calibrating else []  # the root's cell (never observed)
         if levels is not None:  # every level, the root's children's included, replays as a captured graph
-            levels.begin(builder, step_slots=(limit - 1) * node_bucket(free))
-            self._captured_levels(levels, builder, limit, k, free, log_tau, sampled)
+            levels.begin(builder, step_slots=(limit - 1) * node_bucket(free), fixed_layout=True)
+            last = self._captured_levels(levels, builder, limit, k, free, log_tau, sampled)
+            levels.place(*self._level_place(last + 1, k, free))  # the selection after the last level's room: its key follows the depth alone
         for depth in range(limit if levels is None else 0):  # the frontier sits at `depth`, its children at depth + 1
             start = builder.num_nodes
             m = frontier.shape[1]

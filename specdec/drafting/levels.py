@@ -16,6 +16,11 @@ What makes a level replayable (`CapturedLevels.run`):
 - The graph's key names every host value that shapes the level (the policy and its options, the
   level, the batch size, the builder's nodes and the step slots before it, the capacity) and
   every address it reads.
+- Where a policy's level widths vary from step to step (CAST's planned layers, DynaTree's
+  growing counts), each level sits at a builder column and a step slot fixed by its level alone
+  (`place`, after `begin(fixed_layout=True)`), so the builder's nodes and the step slots before
+  it, in its key, do not follow the widths drafted before it: one key per level and width, not
+  one per sequence of widths.
 - The host-side state a level advances (the builder's node count and level counters, the
   runner's step slots and forward counters) is recorded when the level runs for real and set
   after each replay.
@@ -97,6 +102,8 @@ class CapturedLevels:
         self.tag = tag
         self.builder: TreeBuilder | None = None
         self._base: tuple[Any, ...] = ()
+        self._first_slot = 0
+        """the runner's step slots when the levels began (after the root's forward)"""
 
     @classmethod
     def for_step(cls, source: DraftSource | None, tag: tuple[Any, ...], *, sampled: bool, by_default: bool = True) -> CapturedLevels | None:
@@ -121,15 +128,38 @@ class CapturedLevels:
         """Where the builder's node buffers live across steps (`TreeBuilder(workspace=...)`)."""
         return self.runner.level_buffers
 
-    def begin(self, builder: TreeBuilder, step_slots: int) -> None:
+    def begin(self, builder: TreeBuilder, step_slots: int, fixed_layout: bool = False) -> None:
         """After the builder's root forward: room for `step_slots` more step slots and this step's
-        device-side offsets (`ModelRunner.begin_levels`)."""
+        device-side offsets (`ModelRunner.begin_levels`). fixed_layout: the policy places each
+        level (`place`), so those step slots are hidden first (one op): a slot no level of this
+        step writes must not show a node of an earlier step."""
         self.builder = builder
         runner = self.runner
+        self._first_slot = runner.step_len
         slots = self.source.reserve_step_slots(runner.step_len + step_slots)  # type: ignore[attr-defined]
+        if fixed_layout:
+            self.source.hide_step_slots(runner.step_len, step_slots)  # type: ignore[attr-defined]
         buffers = (builder._ints, builder._floats, builder._flags, builder._anc, *(() if builder._dist_slot is None else (builder._dist_slot,)))
         # the sampling params shape every level (the draft's distributions: temperature, top-p, top-k)
         self._base = (builder.ctx.params, *runner.begin_levels(step_slots), *slots, *(t.data_ptr() for t in buffers))
+
+    def place(self, column: int, slot: int) -> None:
+        """A fixed layout (`begin(fixed_layout=True)`): the next level adds its nodes from builder
+        column `column` and forwards its frontier from step slot `slot` (counted from the step's
+        first level slot), places that depend on the level alone, not on the widths of the
+        levels before it. The columns and slots passed over are left unused (invalid nodes, hidden
+        slots). What a level graph's key holds of the builder and the runner (`key`) is then the
+        same at a level whatever came before it, so a policy whose widths vary from step to step
+        (CAST's planned layers, DynaTree's growing counts) keeps one graph per level and width
+        instead of one per sequence of widths (on an H100, 457 captures in 10 calls of CAST with
+        the old layout, `benchmarks/gpu/2026-11-26`)."""
+        builder = self.builder
+        assert builder is not None, "begin() first"
+        first = self._first_slot + slot
+        if first < self.runner.step_len:
+            raise ValueError(f"place: step slot {slot} is before the {self.runner.step_len - self._first_slot} the step's levels have used")
+        builder.skip_to(column)
+        self.runner.step_len = first
 
     def buffer(self, name: tuple[Any, ...], like: torch.Tensor) -> torch.Tensor:
         """`output(name)` shaped as `like`, with `like` copied in: how the first level gets what

@@ -171,6 +171,12 @@ class ModelDraftSource:
         self._grow_slots(slots)
         return (self._slot_node.data_ptr(), self._slot_ok.data_ptr(), self._root_pos.data_ptr())
 
+    def hide_step_slots(self, start: int, count: int) -> None:
+        """Mark step slots start..start + count - 1 as holding no visible node (one op), before a
+        step whose levels leave some of them unwritten (`CapturedLevels.place`): what an earlier
+        step wrote there must not be seen, nor matched at commit. Reserved (`reserve_step_slots`)."""
+        self._slot_ok[:, start : start + count] = False
+
     def _grow_slots(self, slots: int) -> None:
         if slots > self._slot_ok.shape[1]:  # more step slots than ever before (rare): grow
             b = self._slot_ok.shape[0]
