@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call per stage, each well inside the 10-minute limit of one command:
 #
+#   bash benchmarks/gpu/run.sh next    # first call of a 15-minute lease (2026-12-01): pair, CAST and DynaTree levels on / off, the issue-18 bench
 #   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included)
 #   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
 #   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), chain, static, eagle2, dynatree (measured / 64-token free width), cast (break-even / paper rules) at B = 1-16
@@ -23,7 +24,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|unmeasured|unmeasured-t1|depth-t1|compile|pair|costs}
+stage=${1:?usage: run.sh next|tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|unmeasured|unmeasured-t1|depth-t1|compile|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -62,6 +63,23 @@ levels_t1() {  # captured levels on / off at T = 1, B = 1 (levels_ab.py, seeded)
 }
 
 case "$stage" in
+  next)  # one call of about 9 minutes for a lease of 15 minutes of device time (machine start included), the work
+         # that decides defaults first: the pair (about 2 minutes), captured levels on / off for CAST and DynaTree,
+         # greedy, B = 1 and 8 (their levels sit at fixed places since 2026-12-01, so a layer's key no longer follows
+         # the widths before it: is CAST's capture still the 16% loss of 2026-11-26?), then issue 18's bench at B = 1
+         # and 8 with the HF peers. Each part under a timeout, so a slow one leaves the next its time; what finished
+         # comes back (next.log, next.tar.gz)
+    pair
+    for b in 1 8; do
+      timeout "${NEXT_LEVELS_S:-120}" $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" \
+        --device "$DEVICE" --methods "${NEXT_LEVELS_METHODS:-cast,dynatree}" --batch-size "$b" --num-prompts $((b == 1 ? 8 : 32)) --rounds 2 \
+        --out "$OUT/next/levels-b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/next.log"
+    done
+    timeout "${NEXT_BENCH_S:-180}" specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
+      --methods "${NEXT_METHODS:-ar,hf,hf-assisted,chain,eagle2,dynatree,cast}" --batch-sizes "${BATCH_SIZES:-1,8}" --num-prompts 16 \
+      --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/next/bench" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/next.log"
+    tar -czf "$OUT/next.tar.gz" -C "$OUT" next && rm -rf "${OUT:?}/next"
+    ;;
   tests)
     # the synthetic pair is built beside the tests (the GPU is idle during most of them), so a
     # bench stage in the same call finds it; pytest-xdist (in the image) spreads the tests over
@@ -198,5 +216,5 @@ case "$stage" in
   costs)  # the cost profiles measured on this machine (CAST's tables, DynaTree's free width), for reading back
     tar -czf "$OUT/costs.tar.gz" -C "$SPECDEC_CACHE_DIR" cost-profiles
     ;;
-  *) echo "unknown stage $stage (tests, smoke, b1, sweep, sampling, profile, host, trace, ab, levels, levels-t1, unmeasured, unmeasured-t1, depth-t1, compile, pair, costs)"; exit 2 ;;
+  *) echo "unknown stage $stage (next, tests, smoke, b1, sweep, sampling, profile, host, trace, ab, levels, levels-t1, unmeasured, unmeasured-t1, depth-t1, compile, pair, costs)"; exit 2 ;;
 esac

@@ -718,7 +718,7 @@ class DynaTreePolicy:
         if depth >= limit:
             return None
         threshold = self._growth_threshold(depth, rho_stop)
-        if threshold is None:
+        if threshold is None or threshold == float("-inf"):  # every valid node (inside a free width above D_0): no op
             return node_valid
         if threshold > float("-inf"):  # invalid nodes have score -inf (the builder writes it): the comparison alone
             return score >= threshold
@@ -745,24 +745,37 @@ class DynaTreePolicy:
         dev = frontier.device
         m = frontier.shape[1]
         top = torch.topk(logprobs, k, dim=-1)  # [B, m, k]
+        # inside the free width every proposed child of a frontier node is a candidate (no branching cap,
+        # no pruning): its validity is the node's (frontier padding points at real, non-growing nodes)
+        every_child = self._free and log_tau == float("-inf")
         if self._calibrating:  # p(child) = p(u) x the child's calibrated local rate; c(u) = the best child's rate
             cells, gain = self._calibrator.child_rates(top.values, k)  # [B, m, k] each
             self._cells.append(cells.view(cells.shape[0], m * k))
             value = builder.score.gather(1, frontier)[:, :, None] + gain  # [B, m, k]
+            if every_child:
+                return builder.add_children(frontier, frontier_valid, top.indices, top.values, score=value, depth=depth)  # [B, m*k]
             allowed = self._allowed_children(gain[:, :, :1], k, dev) & (value >= log_tau)  # [B, m, k]
-            allowed &= frontier_valid[:, :, None]  # frontier padding points at real (non-growing) nodes
+            allowed &= frontier_valid[:, :, None]
             return builder.add_children(frontier, allowed, top.indices, top.values, score=value, depth=depth)  # [B, m*k]
-        allowed = frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # [B, m, k] rank < B(u)
+        allowed = frontier_valid if every_child else frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # rank < B(u)
         return builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau, depth=depth)  # [B, m*k]
 
-    @staticmethod
-    def _free_frontier(builder: TreeBuilder, grow: torch.Tensor, start: int, free: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _free_frontier(self, builder: TreeBuilder, grow: torch.Tensor, start: int, free: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inside the free width: the level's (builder columns start..) `free` best growing nodes by
-        p, growing ones first. grow: [B, w]. Returns their columns within the level and whether
-        each grows, [B, min(w, free)] each."""
+        p, growing ones first. grow: [B, w], which of the level's nodes (at `depth`) grow. Returns
+        their columns within the level and whether each grows, [B, min(w, free)] each."""
         cap = min(grow.shape[1], free)
-        order = torch.topk(builder.score[:, start:].masked_fill(~grow, float("-inf")), cap, dim=1).indices  # [B, cap]
+        score = builder.score[:, start:]
+        if not self._grows_every_valid_node(depth):  # the valid nodes that do not grow go last (invalid ones are -inf already)
+            score = score.masked_fill(~grow, float("-inf"))
+        order = torch.topk(score, cap, dim=1).indices  # [B, cap]
         return order, grow.gather(1, order)
+
+    def _grows_every_valid_node(self, depth: int) -> bool:
+        """Inside the free width (no early stop): whether every valid node at `depth` grows (the
+        growth gate has no threshold there: above D_0, or phases 0-1), so which grow is their validity."""
+        threshold = self._growth_threshold(depth, 0.0)
+        return threshold is None or threshold == float("-inf")
 
     @staticmethod
     def _level_place(depth: int, k: int, free: int) -> tuple[int, int]:
@@ -868,7 +881,7 @@ class DynaTreePolicy:
         grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit, 0.0)
         if grow is None:
             return builder.last_valid
-        order, grows = self._free_frontier(builder, grow, start, free)
+        order, grows = self._free_frontier(builder, grow, start, free, depth + 1)
         next_valid.copy_(grows)
         return torch.add(order, start, out=next_frontier)
 
@@ -912,11 +925,16 @@ class DynaTreePolicy:
                 cum = builder.score.gather(1, parents) + gain.view(b, m * k)
             else:
                 cum = builder.cum_logq.gather(1, parents) + logq  # [B, m*k] p(child) in log space
-        # rank < B(u), with c(u) the calibrated rate of u's best child or the draft's own confidence
-        log_conf = gain[:, :, :1] if cells is not None else logprobs.amax(dim=-1, keepdim=True)  # [B, m, 1] log c(u)
-        allowed = (self._allowed_children(log_conf, k, dev) & frontier_valid[:, :, None]).reshape(b, m * k)
-        valid = valid & allowed & (logq > float("-inf"))
-        valid = valid & (cum >= log_tau)  # probability-threshold pruning
+        if self._free and log_tau == float("-inf"):
+            # inside the free width every proposed child is a candidate (no branching cap, no pruning): its
+            # parent's validity (in `valid` already) and a token inside the draft's support
+            valid = valid & (logq > float("-inf"))
+        else:
+            # rank < B(u), with c(u) the calibrated rate of u's best child or the draft's own confidence
+            log_conf = gain[:, :, :1] if cells is not None else logprobs.amax(dim=-1, keepdim=True)  # [B, m, 1] log c(u)
+            allowed = (self._allowed_children(log_conf, k, dev) & frontier_valid[:, :, None]).reshape(b, m * k)
+            valid = valid & allowed & (logq > float("-inf"))
+            valid = valid & (cum >= log_tau)  # probability-threshold pruning
         if budget is not None:
             valid = keep_within_budget(cum, valid, budget)  # strict node budget
         # a static width, no read: path probabilities of a level sum to at most 1; Gumbel keys of
@@ -992,7 +1010,7 @@ class DynaTreePolicy:
             last = grow is None
             if not last and free:  # the level's `free` best growing nodes by p, growing ones first
                 assert grow is not None
-                order, frontier_valid = self._free_frontier(builder, grow, start, free)  # [B, cap] each
+                order, frontier_valid = self._free_frontier(builder, grow, start, free, depth + 1)  # [B, cap] each
             elif not last:
                 assert grow is not None
                 growing, order = torch.sort(grow, dim=1, descending=True, stable=True)  # growing nodes first, in creation order
