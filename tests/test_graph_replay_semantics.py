@@ -527,6 +527,17 @@ def test_a_captured_level_has_one_key_whatever_the_widths_before_it(method, monk
         return out
 
     monkeypatch.setattr(levels_module.CapturedLevels, "key", recording)
+    # a replay adds the nodes its level added (a counter, not a field of the key): whatever the nodes before it
+    added: list[tuple[int, int]] = []
+    run_level = levels_module.CapturedLevels.run
+
+    def counting(self: Any, name: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
+        builder = self.builder
+        n, count = builder.num_nodes, builder.nodes_added
+        run_level(self, name, *args, **kwargs)
+        added.append((builder.nodes_added - count, builder.num_nodes - n))
+
+    monkeypatch.setattr(levels_module.CapturedLevels, "run", counting)
     if method == "cast":
         target, draft = near_pair("llama")
         options: dict[str, Any] = {**cast_level_options(), "reads_while_drafting": False}
@@ -549,7 +560,6 @@ def test_a_captured_level_has_one_key_whatever_the_widths_before_it(method, monk
     recorded_real_drafts(engine, widths) if method == "cast" else None
     frontiers: dict[int, set[tuple[int, ...]]] = {}
     if method == "dynatree":  # the frontier widths before each level (DynaTree's `level` names carry the level's own)
-        run_level = levels_module.CapturedLevels.run
         seen: list[int] = []
 
         def tracking(self: Any, name: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
@@ -558,7 +568,7 @@ def test_a_captured_level_has_one_key_whatever_the_widths_before_it(method, monk
                     seen.clear()
                 frontiers.setdefault(name[1], set()).add(tuple(seen))
                 seen.append(name[2])
-            return run_level(self, name, *args, **kwargs)
+            return counting(self, name, *args, **kwargs)
 
         monkeypatch.setattr(levels_module.CapturedLevels, "run", tracking)
     engine.generate(PROMPTS, 32, batch_size=3)
@@ -573,6 +583,8 @@ def test_a_captured_level_has_one_key_whatever_the_widths_before_it(method, monk
         assert any(len(p) > 1 for p in frontiers.values()), f"no level drafted after different frontier widths: {frontiers}"
     varied = {group: sorted(s) for group, s in states.items() if len(s) > 1}
     assert not varied, f"levels whose key followed the widths before them: {varied}"
+    assert added and all(a == n for a, n in added), "a level adds the nodes it writes, replayed or not"
+    assert any(a > 0 for a, _ in added)
 
 
 def test_captured_cast_sampled_layers_draw_what_op_by_op_draws():

@@ -166,7 +166,8 @@ class TreeBuilder:
         b = roots.shape[0]
         cap = max(2, capacity)
         self.chain = chain
-        self._n = 1  # nodes so far (the root)
+        self._n = 1  # nodes so far (the root), columns skipped over included (`skip_to`)
+        self._added = 1  # nodes added so far (the root): `_n` less the skipped columns
         self._last = (0, 1)  # columns of the nodes the last `add` appended
         # each buffer is one copy of a shared initial layout (`_initial_buffers`), then the roots
         # the root's forward first: with a workspace, what the source still holds of the last
@@ -204,6 +205,12 @@ class TreeBuilder:
     @property
     def num_nodes(self) -> int:
         return self._n
+
+    @property
+    def nodes_added(self) -> int:
+        """nodes added so far, the root's and invalid ones included: `num_nodes` less the columns
+        `skip_to` passed over (the most nodes a selection can keep)"""
+        return self._added
 
     @property
     def capacity(self) -> int:
@@ -297,7 +304,8 @@ class TreeBuilder:
     def skip_to(self, column: int) -> None:
         """Let the next `add` start at builder column `column` (>= `num_nodes`, within the
         capacity): the columns passed over stay invalid nodes (score and log-probs -inf, their
-        own ancestors only), which every selection and count already ignores. No tensor op. A
+        own ancestors only), which every selection and count already ignores (`nodes_added` does
+        not count them). No tensor op. A
         captured level placed at a column fixed by its level alone, whatever the widths of the
         levels before it, keeps one graph key per level shape (`CapturedLevels.place`). The
         last add's columns are forgotten (`last_valid` is empty until the next add)."""
@@ -402,6 +410,7 @@ class TreeBuilder:
         parent_rows = self._anc.gather(1, nodes[:, :, None].expand(b, m, cap))  # [B, m, cap]
         self._anc[:, start:end].view(b, m, k, cap).logical_or_(parent_rows[:, :, None, :])
         self._n = end
+        self._added += m * k
         self._last = (start, end)
         self.levels += 1
         return constants.arange(end, self.device)[start:end].expand(b, m * k)
@@ -430,6 +439,7 @@ class TreeBuilder:
         self._ints[:, _TOKEN, node : node + 1] = tokens
         self.max_children = 1
         self._n = node + 1
+        self._added += 1
         self._last = (node, node + 1)
         self.levels += 1
         return constants.arange(node + 1, self.device)[node:].expand(tokens.shape[0], 1)

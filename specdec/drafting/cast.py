@@ -1132,7 +1132,7 @@ class CastPolicy:
         else:
             count = self._draft_layerwise(builder, st, candidates, cand_value)
         self._capacity = max(self._capacity, builder.capacity)
-        verified = 1 + min(count, builder.num_nodes - 1)  # the root + count nodes
+        verified = 1 + min(count, builder.nodes_added - 1)  # the root + count nodes
         # every layer was captured: so is a greedy step's selection, at the node bucket of its width (at T > 0
         # the verifier's random numbers follow the tree's width, so a padded tree would change the sampled text)
         if self._levels is not None and ctx.params.greedy:
@@ -1195,7 +1195,7 @@ class CastPolicy:
         tree's depth and width, not on the last layer's width."""
         levels.place(*cls._layer_place(builder.draft_forwards, k))  # layers drafted: draft_forwards - 1 (the root's forward is one)
         b, n, dev = builder.batch_size, builder.num_nodes, builder.device
-        width = min(node_bucket(verified), n)
+        width = min(node_bucket(verified), builder.nodes_added)
         kept_ranks = levels.buffer(("kept_ranks", width), constants.below(width, verified, dev))  # [width]: the first `verified`
 
         def select() -> Draft:

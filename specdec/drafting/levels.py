@@ -89,6 +89,10 @@ MAX_KEYS = 4096
 _BUILDER_STATE = ("_n", "_last", "levels", "max_children", "draft_forwards", "_dist_rows", "_any_sampled")
 """host-side fields of a `TreeBuilder` that a level advances (set after a replay)"""
 
+_BUILDER_COUNTERS = ("_added",)
+"""`TreeBuilder` counters a level advances (added after a replay: not in a level's key, since at
+a fixed place (`place`) the nodes added before a level follow the widths drafted before it)"""
+
 _RUNNER_COUNTERS = ("forward_calls", "forward_tokens")
 """`ModelRunner` counters a level advances (added after a replay)"""
 
@@ -324,13 +328,14 @@ def _tree_fields(b: int, m: int, vocab: int) -> tuple[tuple[str, tuple[int, ...]
 
 
 HostState = tuple[tuple[Any, ...], tuple[int, ...], tuple[tuple[torch.Tensor, ...], ...]]
-"""(builder fields and the runner's step slots, the runner's counters, the items of each tracked
-list: the builder's kept draft distributions, then the policy's lists)"""
+"""(builder fields and the runner's step slots, the runner's and then the builder's counters, the
+items of each tracked list: the builder's kept draft distributions, then the policy's lists)"""
 
 
 def _host_state(builder: TreeBuilder, runner: ModelRunner, tracked: Sequence[list[torch.Tensor]]) -> HostState:
     fields = (*(getattr(builder, f) for f in _BUILDER_STATE), runner.step_len)
-    return fields, tuple(getattr(runner, f) for f in _RUNNER_COUNTERS), tuple(tuple(items) for items in tracked)
+    counters = (*(getattr(runner, f) for f in _RUNNER_COUNTERS), *(getattr(builder, f) for f in _BUILDER_COUNTERS))
+    return fields, counters, tuple(tuple(items) for items in tracked)
 
 
 def _set_host_state(builder: TreeBuilder, runner: ModelRunner, tracked: Sequence[list[torch.Tensor]], state: HostState) -> None:
@@ -338,7 +343,7 @@ def _set_host_state(builder: TreeBuilder, runner: ModelRunner, tracked: Sequence
     for name, value in zip(_BUILDER_STATE, fields[:-1], strict=True):
         setattr(builder, name, value)
     runner.step_len = fields[-1]
-    for name, value in zip(_RUNNER_COUNTERS, counters, strict=True):
-        setattr(runner, name, value)
+    for name, value in zip((*_RUNNER_COUNTERS, *_BUILDER_COUNTERS), counters, strict=True):
+        setattr(runner if name in _RUNNER_COUNTERS else builder, name, value)
     for target, values in zip(tracked, items, strict=True):
         target[:] = values
