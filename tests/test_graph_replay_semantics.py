@@ -241,21 +241,32 @@ SAMPLED_LEVEL_METHODS = ("chain", "dynatree", "eagle2", "static")
 """policies whose sampled children are captured too"""
 
 
+FIXED_PLACES = ("cast", "dynatree")
+"""policies whose captured levels sit at fixed builder columns (`CapturedLevels.place`): their
+builder numbering has holes where op by op has none"""
+
+
+def checked_nodes(drafted: Any, by_tokens: bool) -> torch.Tensor:
+    """What a draft's builder nodes are compared by: the nodes themselves, or (by_tokens, a policy
+    of `FIXED_PLACES`, whose numbering differs from op by op's) the builder's tokens at them; the
+    commit of the draft cache (the output, the forward counts) checks the rest."""
+    if by_tokens and drafted.builder is not None:
+        return drafted.builder.tokens.gather(1, drafted.builder_nodes)
+    return drafted.builder_nodes
+
+
 def recorded_drafts(engine: SpeculativeEngine) -> list[Any]:
     """Record every step's draft from now on: the tree's tokens, parents, validity and ancestors,
-    and the builder's tokens at the builder nodes they came from (host lists). Not the builder
-    nodes themselves: captured levels of CAST and DynaTree sit at fixed builder columns
-    (`CapturedLevels.place`), so their numbering has holes where op by op has none; what they
-    must hold is the tree's tokens, and the commit of the draft cache (the output, the forward
-    counts) checks the rest."""
+    and the builder nodes they came from (`builder_nodes`; host lists)."""
     drafts: list[Any] = []
     draft = engine.policy.draft
+    by_tokens = engine.policy.name in FIXED_PLACES
 
     def recording(*args: Any) -> Any:
         drafted = draft(*args)
         tree = drafted.tree
-        held = drafted.builder.tokens.gather(1, drafted.builder_nodes) if drafted.builder is not None else tree.tokens
-        drafts.append([t.tolist() for t in (tree.tokens, tree.parents, tree.valid, tree.ancestor_mask(), held)])
+        nodes = checked_nodes(drafted, by_tokens)
+        drafts.append([t.tolist() for t in (tree.tokens, tree.parents, tree.valid, tree.ancestor_mask(), nodes)])
         return drafted
 
     engine.policy.draft = recording  # type: ignore[method-assign]
@@ -391,12 +402,13 @@ def recorded_sampled_drafts(engine: SpeculativeEngine) -> list[Any]:
     """`recorded_drafts`, with each tree's sampled flags and kept draft distributions."""
     drafts: list[Any] = []
     draft = engine.policy.draft
+    by_tokens = engine.policy.name in FIXED_PLACES
 
     def recording(*args: Any) -> Any:
         drafted = draft(*args)
         tree = drafted.tree
-        held = drafted.builder.tokens.gather(1, drafted.builder_nodes) if drafted.builder is not None else tree.tokens  # (`recorded_drafts`)
-        fields = [t.tolist() for t in (tree.tokens, tree.parents, tree.valid, tree.sampled, held)]
+        nodes = checked_nodes(drafted, by_tokens)
+        fields = [t.tolist() for t in (tree.tokens, tree.parents, tree.valid, tree.sampled, nodes)]
         drafts.append((fields, None if tree.draft_logprobs is None else tree.draft_logprobs.clone()))
         return drafted
 

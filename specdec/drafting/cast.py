@@ -53,7 +53,7 @@ from specdec import constants
 from specdec.cost.table import CostTable, check_cost_options
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling, root_only_draft
 from specdec.drafting.calibration import AcceptanceCalibrator, collision_log_mass
-from specdec.drafting.levels import CapturedLevels
+from specdec.drafting.levels import CapturedLevels, fixed_place
 from specdec.errors import SpecDecError
 from specdec.hostwork import HostCopy
 from specdec.models.static import node_bucket
@@ -1175,14 +1175,10 @@ class CastPolicy:
 
     @staticmethod
     def _layer_place(level: int, k: int) -> tuple[int, int]:
-        """Where captured layer `level` (>= 1; the root's children are layer 0) adds its children
-        and forwards its frontier: (builder column, step slot from the step's first level slot).
-        Each layer has room for its widest frontier, node_bucket(k) nodes (a planned width is at
-        most k) and their k children each, so the place depends on the level alone and a layer's
-        graph key not on the widths drafted before it (`CapturedLevels.place`). Layer `level`'s
-        place is also the room the layers before it take: the capacity for a tree `level` deep."""
-        width = node_bucket(k)
-        return 1 + k + (level - 1) * width * k, (level - 1) * width
+        """Where captured layer `level` (>= 1) sits (`levels.fixed_place`): room for its widest
+        frontier, node_bucket(k) nodes (a planned width is at most k), so a layer's graph key does
+        not follow the widths drafted before it."""
+        return fixed_place(level, k, node_bucket(k))
 
     @classmethod
     def _captured_selection(cls, levels: CapturedLevels, builder: TreeBuilder, verified: int, k: int) -> Draft:

@@ -34,7 +34,7 @@ from specdec import constants
 from specdec.cost.table import CostTable, check_cost_options
 from specdec.drafting.builder import Draft, DraftContext, TreeBuilder, check_tree_nodes, check_tree_sampling
 from specdec.drafting.calibration import AcceptanceCalibrator
-from specdec.drafting.levels import CapturedLevels
+from specdec.drafting.levels import CapturedLevels, fixed_place
 from specdec.errors import SpecDecError
 from specdec.models.static import node_bucket
 
@@ -720,9 +720,7 @@ class DynaTreePolicy:
         threshold = self._growth_threshold(depth, rho_stop)
         if threshold is None or threshold == float("-inf"):  # every valid node (inside a free width above D_0): no op
             return node_valid
-        if threshold > float("-inf"):  # invalid nodes have score -inf (the builder writes it): the comparison alone
-            return score >= threshold
-        return (score >= threshold).logical_and_(node_valid)
+        return score >= threshold  # invalid nodes have score -inf (the builder writes it): the comparison alone
 
     def _growth_threshold(self, depth: int, rho_stop: float) -> float | None:
         """The log p(u) a node at `depth` needs to grow (`_growing`): None in phases 0-1 (every valid node grows)."""
@@ -760,32 +758,18 @@ class DynaTreePolicy:
         allowed = frontier_valid if every_child else frontier_valid[:, :, None] & self._allowed_children(top.values[:, :, :1], k, dev)  # rank < B(u)
         return builder.add_children(frontier, allowed, top.indices, top.values, min_cum_logq=log_tau, depth=depth)  # [B, m*k]
 
-    def _free_frontier(self, builder: TreeBuilder, grow: torch.Tensor, start: int, free: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _free_frontier(builder: TreeBuilder, grow: torch.Tensor, start: int, free: int, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inside the free width: the level's (builder columns start..) `free` best growing nodes by
-        p, growing ones first. grow: [B, w], which of the level's nodes (at `depth`) grow. Returns
-        their columns within the level and whether each grows, [B, min(w, free)] each."""
+        p, growing ones first. grow: [B, w], which of the level's nodes grow (`_growing`), or
+        `valid` itself, their validity, when every valid one does. Returns their columns within the
+        level and whether each grows, [B, min(w, free)] each."""
         cap = min(grow.shape[1], free)
         score = builder.score[:, start:]
-        if not self._grows_every_valid_node(depth):  # the valid nodes that do not grow go last (invalid ones are -inf already)
+        if grow is not valid:  # the valid nodes that do not grow go last (invalid ones are -inf already)
             score = score.masked_fill(~grow, float("-inf"))
         order = torch.topk(score, cap, dim=1).indices  # [B, cap]
         return order, grow.gather(1, order)
-
-    def _grows_every_valid_node(self, depth: int) -> bool:
-        """Inside the free width (no early stop): whether every valid node at `depth` grows (the
-        growth gate has no threshold there: above D_0, or phases 0-1), so which grow is their validity."""
-        threshold = self._growth_threshold(depth, 0.0)
-        return threshold is None or threshold == float("-inf")
-
-    @staticmethod
-    def _level_place(depth: int, k: int, free: int) -> tuple[int, int]:
-        """Where the captured level of frontier depth `depth` (>= 1; the root's children are
-        level 0) adds its children and forwards its frontier: (builder column, step slot from the
-        step's first level slot). Each level has room for its widest frontier, `free` nodes with
-        k children each (the builder's capacity is that room for every level, `builder_capacity`),
-        so the place depends on the depth alone and a level's graph key not on the growing counts
-        read before it (`CapturedLevels.place`)."""
-        return 1 + k + (depth - 1) * free * k, (depth - 1) * node_bucket(free)
 
     def _captured_levels(
         self, levels: CapturedLevels, builder: TreeBuilder, limit: int, k: int, free: int, log_tau: float, sampled: bool
@@ -798,7 +782,7 @@ class DynaTreePolicy:
         (`_growth_reads`), under the root's children only for drawn ones. Drawn children read their
         random numbers from a buffer filled before the level (as op by op draws them) and the
         frontier's distributions, kept for verification, go to an output buffer. Each level sits
-        at its fixed place (`_level_place`). Returns the depth of the last level's frontier."""
+        at its fixed place (`levels.fixed_place`). Returns the depth of the last level's frontier."""
         b = builder.batch_size
         vocab = builder.root_logprobs.shape[-1]
         root = levels.buffer(("dist", 0), builder.root_logprobs[:, None, :])  # [B, 1, V]
@@ -809,7 +793,7 @@ class DynaTreePolicy:
             last = depth + 1 >= limit  # the children are at the depth limit: nothing grows under them
             m = frontier.shape[1]
             if depth:
-                levels.place(*self._level_place(depth, k, free))
+                levels.place(*fixed_place(depth, k, free))  # room for `free` nodes a level (`builder_capacity`)
             threshold = None if last else self._growth_threshold(depth + 1, 0.0)
             cap = min(m * k, free)
             # the next frontier: the first `cap` columns of one buffer per depth, read by the next level at one address whatever m
@@ -878,10 +862,11 @@ class DynaTreePolicy:
             self._add_top_level(builder, frontier, frontier_valid, logprobs, k, log_tau, depth + 1)
         if cells is not None:  # the level's cells at a fixed address, for feedback
             self._cells[-1] = cells.copy_(self._cells[-1])
-        grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit, 0.0)
+        valid = builder.last_valid
+        grow = self._growing(depth + 1, valid, builder.score[:, start:], limit, 0.0)
         if grow is None:
-            return builder.last_valid
-        order, grows = self._free_frontier(builder, grow, start, free, depth + 1)
+            return valid
+        order, grows = self._free_frontier(builder, grow, start, free, valid)
         next_valid.copy_(grows)
         return torch.add(order, start, out=next_frontier)
 
@@ -990,7 +975,7 @@ class DynaTreePolicy:
         if levels is not None:  # every level, the root's children's included, replays as a captured graph
             levels.begin(builder, step_slots=(limit - 1) * node_bucket(free), fixed_layout=True)
             last = self._captured_levels(levels, builder, limit, k, free, log_tau, sampled)
-            levels.place(*self._level_place(last + 1, k, free))  # the selection after the last level's room: its key follows the depth alone
+            levels.place(*fixed_place(last + 1, k, free))  # the selection after the last level's room: its key follows the depth alone
         for depth in range(limit if levels is None else 0):  # the frontier sits at `depth`, its children at depth + 1
             start = builder.num_nodes
             m = frontier.shape[1]
@@ -1004,13 +989,14 @@ class DynaTreePolicy:
                 nodes = self._add_top_level(builder, frontier, frontier_valid, logprobs, k, log_tau, depth + 1)
             tree_width += nodes.shape[1]  # an upper bound until the next read
             # p(u): cum_logq, or the node's score: its calibrated value, or for uncalibrated drawn nodes their Gumbel key
-            grow = self._growing(depth + 1, builder.last_valid, builder.score[:, start:], limit, rho_stop)  # [B, w] or None (no deeper level)
+            valid = builder.last_valid
+            grow = self._growing(depth + 1, valid, builder.score[:, start:], limit, rho_stop)  # [B, w] or None (no deeper level)
             if grow is not None and room is not None:
                 grow = grow & room[:, None]
             last = grow is None
             if not last and free:  # the level's `free` best growing nodes by p, growing ones first
                 assert grow is not None
-                order, frontier_valid = self._free_frontier(builder, grow, start, free, depth + 1)  # [B, cap] each
+                order, frontier_valid = self._free_frontier(builder, grow, start, free, valid)  # [B, cap] each
             elif not last:
                 assert grow is not None
                 growing, order = torch.sort(grow, dim=1, descending=True, stable=True)  # growing nodes first, in creation order

@@ -74,7 +74,7 @@ import torch
 
 from specdec.drafting.builder import Draft, TreeBuilder
 from specdec.models.runner import ModelRunner
-from specdec.models.static import LevelUses
+from specdec.models.static import LevelUses, node_bucket
 from specdec.sources.base import DraftSource
 from specdec.tree import TokenTree
 
@@ -291,6 +291,16 @@ class CapturedLevels:
         cache = runner.cache
         assert cache is not None
         cache.length = runner.past_len + runner.step_len
+
+
+def fixed_place(level: int, k: int, room: int) -> tuple[int, int]:
+    """Where a tree policy's captured level `level` (>= 1; the root's children are level 0, the
+    builder's columns 1..k) adds its children and forwards its frontier at a fixed layout
+    (`CapturedLevels.place`): (builder column, step slot counted from the step's first level slot).
+    Each level has room for a frontier of `room` nodes with k children each, and its forward for
+    `room` padded to its node bucket, so the place depends on the level alone. The place of level
+    L is also the room levels 1..L-1 take: a builder for levels up to L - 1 needs that many columns."""
+    return 1 + k + (level - 1) * room * k, (level - 1) * node_bucket(room)
 
 
 def _room_for(graphs: Any, key: tuple[Any, ...], uses: LevelUses) -> bool:
