@@ -337,9 +337,7 @@ def test_a_full_set_of_level_graphs_keeps_replaying(monkeypatch, stale_runs):
     2 graphs): the graphs held keep replaying and the other keys run op by op, so captures stay at
     the bound and the output is `generate`'s. With every graph stale at once (STALE_RUNS 0) the keys
     evict each other in turn and most runs are captures: what the bound on eviction prevents."""
-    from specdec.drafting import levels as levels_module
-
-    monkeypatch.setattr(levels_module, "STALE_RUNS", stale_runs)
+    monkeypatch.setattr(static, "STALE_RUNS", stale_runs)
     target, draft = close_pair("llama")
     refs = [reference(target, p, 12) for p in PROMPTS]
     engine, _ = level_engine(target, draft, "chain", k=4)
@@ -866,3 +864,63 @@ def test_interleaved_sessions_of_one_draft_model_draft_as_alone():
                 session.step()
     assert drafts == alone
     assert shared.replays > 0
+
+
+# ----- captured verification walks (specdec.verification.captured) -----------------------------
+WALK_METHODS = {
+    "eagle2": {"depth": 4, "top_k": 3, "total_tokens": 10},
+    "static": {"depth": 3, "branching": 2, "max_nodes": 12},
+    "dynatree": {"free_tokens": 24},
+    "cast": cast_level_options(),  # deterministic: its plans do not follow wall-clock times, so both runs plan alike
+}
+
+
+def walk_engine(target: Any, draft: Any, method: str, capture: bool) -> tuple[SpeculativeEngine, ReplayEmulator | None]:
+    """An emulated engine testing sampled trees on the device (traversal, `walk="device"`, CUDA's
+    default), its walks captured (emulated) when `capture`, else op by op."""
+    source = ModelDraftSource(draft, static_shapes=True)
+    engine = SpeculativeEngine(target, make_policy(method, **WALK_METHODS[method]), SamplingRule(walk="device"), source, eos_token_ids=[EOS], static_shapes=True)
+    engine.target.graphs, source.runner.graphs = ReplayEmulator(), ReplayEmulator()
+    walks = engine.target.walk_graphs = ReplayEmulator() if capture else None
+    return engine, walks
+
+
+@pytest.mark.parametrize("method", sorted(WALK_METHODS))
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+def test_captured_walks_verify_what_op_by_op_verifies(method, temperature, top_p):
+    """The traversal walk of sampled trees on the device, planned before the verify forward and
+    walked after it as (emulated) graph replays, with its random numbers drawn before it from the
+    step's generator: one seed gives the op-by-op output and steps, with rows finishing and
+    joining at batch size 3, and the plan and the walk replay their traces (each trace runs once
+    when it is made: a capture's run goes through the trace too)."""
+    target, draft = close_pair("llama")
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    runs = []
+    for capture in (True, False):
+        engine, walks = walk_engine(target, draft, method, capture)
+        outs = engine.generate(PROMPTS * 2, 48, params=params, seed=3, batch_size=3)  # (CAST's deep trees: 24 steps, enough for its keys to recur)
+        runs.append([(o.token_ids, o.stats.steps) for o in outs])
+        if walks is not None:
+            assert walks.captures >= 2 and walks.replays > walks.captures, (walks.captures, walks.replays)
+    assert runs[0] == runs[1]
+
+
+def test_a_walk_reading_outside_its_buffers_fails(monkeypatch):
+    """The check above can fail: target logits copied into a new tensor each step (outside the
+    walk's buffers) leave the replayed walk verifying the first capture's logits."""
+    from specdec.verification import captured
+
+    buffer = captured.CapturedWalks.buffer
+
+    def unsafe_buffer(self, name, like):
+        out = buffer(self, name, like)
+        return out.clone() if name == "logits" else out
+
+    monkeypatch.setattr(captured.CapturedWalks, "buffer", unsafe_buffer)
+    target, draft = close_pair("llama")
+    params = SamplingParams(temperature=1.0)
+    runs = []
+    for capture in (True, False):
+        engine, _ = walk_engine(target, draft, "eagle2", capture)
+        runs.append([o.token_ids for o in engine.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)])
+    assert runs[0] != runs[1]

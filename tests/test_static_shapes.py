@@ -452,6 +452,31 @@ def test_captured_sampled_levels_on_cuda_draw_as_op_by_op(method, monkeypatch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("method", ["static", "eagle2", "dynatree"])
+def test_captured_walks_on_cuda_verify_as_op_by_op(method, monkeypatch):
+    """Sampled trees tested on the device by traversal, their plan and walk replayed as CUDA
+    graphs (the default with graphs, `specdec.verification.captured`), against the walk op by op:
+    the same output and steps at T = 0.8, top-p 0.9, one seed (the walk's random numbers are drawn
+    outside its graph as op by op draws them), and no walk graph was given up."""
+    from specdec.sampling import SamplingParams
+    from specdec.verification.sampling import SamplingRule
+
+    target, draft = _level_capture_pair(monkeypatch)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    results = []
+    for capture in (True, False):
+        engine = SpeculativeEngine(target, make_policy(method, **_level_options(method)), SamplingRule(), ModelDraftSource(draft, cuda_graphs=True), eos_token_ids=[EOS], cuda_graphs=True)
+        if not capture:
+            engine.target.walk_graphs = None
+        calls = [engine.generate(PROMPTS * 2, 48, params=params, seed=7, batch_size=3) for _ in range(2)]  # the second replays
+        results.append([(o.token_ids, o.stats.steps) for o in calls[1]])
+        if capture:
+            walks = engine.target.walk_graphs
+            assert walks is not None and walks.failed is None and walks.captures > 0 and walks.replays > 0, walks and (walks.failed, walks.captures, walks.replays)
+    assert results[0] == results[1]
+
+
+@needs_cuda
 def test_capture_failure_falls_back_once(caplog):
     """A forward that reads a device value on the host cannot be captured: one warning naming
     the model class, then eager forwards with the same results."""

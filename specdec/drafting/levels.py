@@ -27,7 +27,7 @@ What makes a level replayable (`CapturedLevels.run`):
 - A level is captured at its second use: a key met once (the last steps of a shrinking batch,
   a shorter last step) runs op by op. When the model's level graphs are at their bound
   (`MAX_LEVEL_GRAPHS`), a new key is captured only in place of a graph that has not run for
-  `STALE_RUNS` level runs, else it runs op by op (`_room_for`): keys that outnumber the bound
+  `STALE_RUNS` level runs, else it runs op by op (`room_for`): keys that outnumber the bound
   would otherwise evict each other in turn, each run a capture. Capture runs the level twice (`CudaGraphRunner`: a
   warm-up, then the capture's first replay), so a level must be idempotent: it writes only new
   node columns and step slots, and its output buffer is not its input.
@@ -74,14 +74,9 @@ import torch
 
 from specdec.drafting.builder import Draft, TreeBuilder
 from specdec.models.runner import ModelRunner
-from specdec.models.static import LevelUses, node_bucket
+from specdec.models.static import node_bucket, room_for
 from specdec.sources.base import DraftSource
 from specdec.tree import TokenTree
-
-STALE_RUNS = 2048
-"""level runs of a draft model after which a level graph that was not replayed is stale: a full
-cache of level graphs (`MAX_LEVEL_GRAPHS`) makes room for a new key only by dropping a stale
-one (`_room_for`)"""
 
 MAX_KEYS = 4096
 """level keys counted per draft model before the counts start over"""
@@ -254,7 +249,7 @@ class CapturedLevels:
         assert graphs is not None
         key = self.key(name, reads)
         # a key met for the first time, or with no room among the level graphs: op by op
-        if not runner.level_uses.meet(key, MAX_KEYS) or not _room_for(graphs, key, runner.level_uses):
+        if not runner.level_uses.meet(key, MAX_KEYS) or not room_for(graphs, key, runner.level_uses):
             level()
             return
         if key not in runner.level_effects and len(runner.level_effects) >= MAX_KEYS:  # addresses moved many times: start over
@@ -301,21 +296,6 @@ def fixed_place(level: int, k: int, room: int) -> tuple[int, int]:
     `room` padded to its node bucket, so the place depends on the level alone. The place of level
     L is also the room levels 1..L-1 take: a builder for levels up to L - 1 needs that many columns."""
     return 1 + k + (level - 1) * room * k, (level - 1) * node_bucket(room)
-
-
-def _room_for(graphs: Any, key: tuple[Any, ...], uses: LevelUses) -> bool:
-    """Whether the level of `key` replays or may be captured now. With `graphs.max_graphs` graphs
-    held, a capture would drop the least recently used one: allowed only when that one has not run
-    for `STALE_RUNS` level runs. Where more keys recur than graphs fit, dropping in turn makes every
-    run a capture (a warm-up and a recording, slower than op by op: CAST's planned layers on an
-    H100, 457 captures in 10 calls, 16% slower, `benchmarks/gpu/2026-11-26`); this way the graphs
-    held keep replaying and the other keys run op by op until a graph goes stale (a server whose
-    batch size moved on). A runner with no bound (the CPU's emulators) always has room."""
-    limit = getattr(graphs, "max_graphs", None)
-    if limit is None or key in graphs or len(graphs) < limit:
-        return True
-    oldest = graphs.least_recent()
-    return oldest is None or uses.idle(oldest) >= STALE_RUNS
 
 
 def _tree_fields(b: int, m: int, vocab: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:

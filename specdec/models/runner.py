@@ -88,6 +88,22 @@ def capture_levels_default(environ: Mapping[str, str] | None = None) -> bool | N
     return _env_switch(CAPTURE_LEVELS_ENV, environ, "capture every drafting level as a CUDA graph")
 
 
+CAPTURE_WALKS_ENV = "SPECDEC_CAPTURE_WALKS"
+"""with CUDA graphs, 0 walks sampled trees' traversal verification op by op; unset or 1 replays
+it as graphs (`specdec.verification.captured`)"""
+
+
+def capture_walks_default(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a target runner with CUDA graphs captures the traversal walk of sampled trees
+    (SPECDEC_CAPTURE_WALKS, on unless 0). Counted on the CPU (emulated replay, bundled pair,
+    EAGLE-2 at T = 1, B = 1): 439 host-launched ops a step without, about 95 with; not timed on a GPU yet."""
+    return _env_switch(CAPTURE_WALKS_ENV, environ, "capture the verification walk of sampled trees as CUDA graphs") is not False
+
+
+MAX_WALK_GRAPHS = 64
+"""captured verification-walk graphs kept per target model (least recently used dropped first)"""
+
+
 CAPACITY_STEP = 256
 """cache capacity grows in multiples of this many slots"""
 
@@ -313,6 +329,14 @@ class ModelRunner:
         self.level_graphs: CudaGraphRunner | None = self._shared.level_graphs if capture_levels and self._shared is not None else None
         """graphs of whole drafting levels (`specdec.drafting.levels`), the model's (`SharedState`);
         None: levels run op by op"""
+        capture_walks = cuda_graphs and capture_walks_default() and self._shared is not None
+        if capture_walks and self._shared is not None and self._shared.walk_graphs is None:
+            self._shared.walk_graphs = CudaGraphRunner(model, self.device, max_graphs=MAX_WALK_GRAPHS, what="its verification walks (SPECDEC_CAPTURE_WALKS=0 turns them off)")
+        self.walk_graphs: CudaGraphRunner | None = self._shared.walk_graphs if capture_walks and self._shared is not None else None
+        """graphs of sampled trees' verification walks (`specdec.verification.captured`), the
+        model's (`SharedState`); None: walks run op by op"""
+        walks = self._shared if self._shared is not None else SharedState()
+        self.walk_uses, self.walk_buffers = walks.walk_uses, walks.walk_buffers
         self.capture_every_level = levels_mode is True
         """with `level_graphs`: every step's levels are captured (SPECDEC_CAPTURE_LEVELS=1); False:
         only sampled steps' levels, of policies that capture by default (`CapturedLevels.for_step`)"""
@@ -629,6 +653,11 @@ class ModelRunner:
                 cache.static = None
         return out[:, :n].float()
 
+    def claims_walks(self) -> bool:
+        """Whether this thread may verify with the model's captured walks (`claims_levels`' rule:
+        the first thread to ask owns the walk buffers while it lives; others walk op by op)."""
+        return self._claim("walk_thread")
+
     def claims_levels(self) -> bool:
         """Whether this thread may draft with the model's captured levels: the first thread to ask
         owns them while it lives (a restarted server's new decode thread, or a thread after the
@@ -638,16 +667,22 @@ class ModelRunner:
         one draft model at once would overwrite each other's trees. A server steps its sessions
         from one thread; `generate` calls from a pool of threads keep their forwards' graphs
         (those take `SharedState.lock` per forward) and lose only the levels' graphs."""
+        return self._claim("level_thread")
+
+    def _claim(self, field: str) -> bool:
+        """Whether this thread owns the model's `field` (`SharedState.level_thread` or
+        `walk_thread`), taking it when its owner is gone."""
         shared = self._shared
         if shared is None:
             return False
         me = threading.current_thread()
-        owner = shared.level_thread
+        owner = getattr(shared, field)
         if owner is not me and (owner is None or not owner.is_alive()):
             with shared.lock:
-                owner = shared.level_thread
+                owner = getattr(shared, field)
                 if owner is None or not owner.is_alive():
-                    shared.level_thread = owner = me
+                    setattr(shared, field, me)
+                    owner = me
         return owner is me
 
     def begin_levels(self, step_slots: int) -> tuple[Any, ...]:

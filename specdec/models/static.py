@@ -20,7 +20,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -239,6 +239,26 @@ class LevelUses:
         return self.clock - self.last.get(key, 0)
 
 
+STALE_RUNS = 2048
+"""runs (of a draft model's levels, of a target model's walks) after which a graph that was not
+replayed is stale: a full cache of graphs (`MAX_LEVEL_GRAPHS`, `MAX_WALK_GRAPHS`) makes room for a
+new key only by dropping a stale one (`room_for`)"""
+
+def room_for(graphs: Any, key: tuple[Any, ...], uses: LevelUses) -> bool:
+    """Whether the level (or walk) of `key` replays or may be captured now. With `graphs.max_graphs` graphs
+    held, a capture would drop the least recently used one: allowed only when that one has not run
+    for `STALE_RUNS` level runs. Where more keys recur than graphs fit, dropping in turn makes every
+    run a capture (a warm-up and a recording, slower than op by op: CAST's planned layers on an
+    H100, 457 captures in 10 calls, 16% slower, `benchmarks/gpu/2026-11-26`); this way the graphs
+    held keep replaying and the other keys run op by op until a graph goes stale (a server whose
+    batch size moved on). A runner with no bound (the CPU's emulators) always has room."""
+    limit = getattr(graphs, "max_graphs", None)
+    if limit is None or key in graphs or len(graphs) < limit:
+        return True
+    oldest = graphs.least_recent()
+    return oldest is None or uses.idle(oldest) >= STALE_RUNS
+
+
 @dataclass(eq=False)
 class SharedState:
     """Per-model static-shape state shared by every runner of the model."""
@@ -265,6 +285,14 @@ class SharedState:
     level_thread: threading.Thread | None = None
     """the thread whose drafting uses the captured levels (`ModelRunner.claims_levels`): the
     first to ask, while it lives; other threads draft op by op, since the level buffers are the model's"""
+    walk_graphs: CudaGraphRunner | None = None
+    """captured verification walks (`specdec.verification.captured`) of the model as a target"""
+    walk_uses: LevelUses = field(default_factory=LevelUses)
+    """when each walk-graph key was last met (a walk is captured at its second use)"""
+    walk_buffers: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+    """the tree, logits and random numbers a captured walk reads, at the same address every step"""
+    walk_thread: threading.Thread | None = None
+    """the thread whose verification uses the captured walks (`ModelRunner.claims_walks`)"""
 
     def inputs(self, b: int, m: int, capacity: int, dtype: torch.dtype, device: torch.device, sliding: bool = False) -> StaticInputs:
         key = (b, m, capacity)

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -977,12 +978,15 @@ class Wavefront:
     """[B, N] int64 the round of each node in `order` (N: never handled)"""
     position: torch.Tensor
     """[B, N] int64 each node's place in `order` among its round's"""
-    counts: HostCopy
-    """[N] int64 per round t, the most children a row handles in it, on its way to the host"""
+    round_widths: torch.Tensor
+    """[N] int64 per round t, the most children a row handles in it"""
+    counts: HostCopy | None
+    """`round_widths` on its way to the host (None: not copied, `of(host_counts=False)`)"""
 
     @classmethod
-    def of(cls, tree: TokenTree, table: ChildTable | None = None) -> Wavefront:
-        """table: `ChildTable.of(tree)` when already built."""
+    def of(cls, tree: TokenTree, table: ChildTable | None = None, host_counts: bool = True) -> Wavefront:
+        """table: `ChildTable.of(tree)` when already built. host_counts: start copying the
+        round widths to the host (not inside a graph: `specdec.verification.captured`)."""
         table = ChildTable.of(tree) if table is None else table
         b, n = tree.tokens.shape
         dev = tree.tokens.device
@@ -994,8 +998,8 @@ class Wavefront:
         order = (handled * n + cols).argsort(dim=1)  # [B, N] children by round, then by index
         round_of = handled.gather(1, order)  # [B, N] non-decreasing
         position = cols - (per_round.cumsum(dim=1) - per_round).gather(1, round_of)  # [B, N] minus where each one's round begins in `order`
-        counts = HostCopy(per_round[:, :n].amax(dim=0))  # [N]
-        return cls(table=table, order=order, round_of=round_of, position=position, counts=counts)
+        widest = per_round[:, :n].amax(dim=0)  # [N]
+        return cls(table=table, order=order, round_of=round_of, position=position, round_widths=widest, counts=HostCopy(widest) if host_counts else None)
 
     def slots(self, widths: list[int]) -> torch.Tensor:
         """[B, R, W] int64: [b, t, j] the j-th child row b handles in round t (N: none), R the
@@ -1008,13 +1012,19 @@ class Wavefront:
 
     def widths(self) -> list[int]:
         """Per round, the most children a row handles in it, up to the last round with any (waits for the copy `of` started)."""
-        counts = self.counts.wait().tolist()
-        rounds = next((t + 1 for t in range(len(counts) - 1, -1, -1) if counts[t] > 0), 0)
-        return counts[:rounds]
+        assert self.counts is not None, "Wavefront.of(host_counts=False) has no host copy of its widths"
+        return round_widths(self.counts)
 
     def rounds(self) -> int:
         """The round count."""
         return len(self.widths())
+
+
+def round_widths(counts: HostCopy) -> list[int]:
+    """`Wavefront.round_widths` on the host (waits for the copy), up to the last round with any child."""
+    values = counts.wait().tolist()
+    rounds = next((t + 1 for t in range(len(values) - 1, -1, -1) if values[t] > 0), 0)
+    return values[:rounds]
 
 
 def spare_row(rows: torch.Tensor, exp: bool = False) -> torch.Tensor:
@@ -1067,7 +1077,7 @@ class TraversalTreeTests(TreeTests):
         """`weighted_residual` (the distribution tests override this method to break it)."""
         return weighted_residual(target_probs, weight, draft_probs, token, sampled)
 
-    def states(self, tree: TokenTree, plan: Wavefront, target: torch.Tensor, draft_left: torch.Tensor | None) -> torch.Tensor:
+    def states(self, tree: TokenTree, plan: Wavefront, target: torch.Tensor, draft_left: torch.Tensor | None, widths: list[int] | None = None) -> torch.Tensor:
         """In place: target [B, N, V] becomes each node's P after all its children were rejected
         (the bonus's distribution when the path ends there; a leaf keeps its own), draft_left
         [B, N, V] (None: no node is sampled) loses each node's drawn children. Returns the weights
@@ -1080,20 +1090,22 @@ class TraversalTreeTests(TreeTests):
         and only those nodes' rows are gathered, updated and scattered back ([B, W, V], W the
         round's `widths`). A tree needs its longest chain of (rank + 1) steps (EAGLE-2's trees at
         T = 1: about 7 rounds, against 45 for depth x top-k), one wait for their widths (a copy
-        started before the forward when the plan is `SamplingRule.prepare`'s)."""
+        started before the forward when the plan is `SamplingRule.prepare`'s). widths: the rounds'
+        widths when known (no wait); wider ones than the plan's are padding, which changes no result
+        (a captured walk's are bucketed, `specdec.verification.captured`)."""
         b, n = tree.tokens.shape
         spare = [target.shape[1] == n + 1 and target.is_contiguous()]
         if draft_left is not None:
             spare.append(draft_left.shape[1] == n + 1 and draft_left.is_contiguous())
         if not all(spare):  # no spare rows: work on copies that have them
             spare_target, spare_draft = spare_row(target[:, :n]), None if draft_left is None else spare_row(draft_left[:, :n])
-            weight = self.states(tree, plan, spare_target, spare_draft)
+            weight = self.states(tree, plan, spare_target, spare_draft, widths)
             target[:, :n].copy_(spare_target[:, :n])
             if draft_left is not None and spare_draft is not None:
                 draft_left[:, :n].copy_(spare_draft[:, :n])
             return weight
         dev = target.device
-        widths = plan.widths()
+        widths = plan.widths() if widths is None else widths
         if not widths:  # no node has a child: every weight 1, every P its own
             return torch.ones(b, n, dtype=target.dtype, device=dev)
         vocab = target.shape[2]
@@ -1161,20 +1173,43 @@ class TraversalTreeTests(TreeTests):
     ) -> Verdict:
         if outright is not None:  # a relaxed rule's outright choices: child by child
             return super().verify(tree, target_logits, params, generator, outright, fallback)
+        plan = tree.verify_plan
+        if getattr(plan, "captured", False):  # prepared for a graph replay (`specdec.verification.captured`)
+            return plan.walks.verify(self, plan, target_logits, params, generator)
+        if not isinstance(plan, Wavefront):  # (prepared before the forward, or now)
+            plan = Wavefront.of(tree)
+        uniform, race = self.draws(tree, target_logits.shape[-1], generator)
+        path, accepted_len, bonus = self.walk(tree, plan, plan.widths(), target_logits, params, uniform, race)
+        zeros = constants.full((tree.batch_size,), 0, torch.long, target_logits.device)
+        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
+
+    @staticmethod
+    def draws(tree: TokenTree, vocab: int, generator: torch.Generator | None, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The walk's random numbers, drawn from `generator` before it (so a captured walk reads them
+        from buffers): one U(0, 1) per node's own test [B, N], then the bonus draw's [B, V] (its
+        exponential race, `sample_from_probs`). out: buffers to draw into."""
         b, n = tree.tokens.shape
-        dev = target_logits.device
+        dev = tree.tokens.device
+        if out is None:
+            return torch.rand(b, n, generator=generator, device=dev), torch.rand(b, vocab, generator=generator, device=dev)
+        return torch.rand(b, n, generator=generator, device=dev, out=out[0]), torch.rand(b, vocab, generator=generator, device=dev, out=out[1])
+
+    def walk(
+        self, tree: TokenTree, plan: Wavefront, widths: list[int], target_logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor, race: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tensor work of `verify`, no host read and no random draw (a graph captures it):
+        (path [B, D], accepted_len [B], bonus [B]). widths: the plan's round widths, or wider
+        (padding); uniform [B, N], race [B, V]: `draws`."""
+        b, n = tree.tokens.shape
         target = spare_row(logits_to_logprobs(target_logits, params), exp=True)  # [B, N + 1, V] (a spare row: `states`)
         draft_left = None if tree.draft_logprobs is None else spare_row(tree.draft_logprobs, exp=True)  # [B, N + 1, V]
-        plan = tree.verify_plan if isinstance(tree.verify_plan, Wavefront) else Wavefront.of(tree)  # (prepared before the forward, or now)
-        weight = self.states(tree, plan, target, draft_left)
-        uniform = torch.rand(b, n, generator=generator, device=dev)  # [B, N] one per node's own test
+        weight = self.states(tree, plan, target, draft_left, widths)
         at = self.accepted_node(tree, plan.table, weight, uniform)
         on_path = tree.ancestor_mask().gather(1, at[:, None, None].expand(b, 1, n)).squeeze(1)  # [B, N] root..at
         _, _, path, accepted_len = deepest_path(tree, on_path)
         probs = target.gather(1, at[:, None, None].expand(b, 1, target.shape[2])).squeeze(1)  # [B, V] the node's final P
-        bonus = sample_from_probs(probs, generator)  # a draw from probs (exponential race)
-        zeros = constants.full((b,), 0, torch.long, dev)
-        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
+        bonus = sample_from_probs(probs, None, uniforms=race)  # a draw from probs (exponential race)
+        return path, accepted_len, bonus
 
     def accepted_node(self, tree: TokenTree, table: ChildTable, weight: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         """[B] the first node in post-order whose test passes (uniform < weight, both [B, N]); the
@@ -1263,13 +1298,14 @@ class SamplingRule:
         self.chain_tests = chain_tests if chain_tests is not None else (BLOCK_CHAIN if chains == "block" else TOKEN_CHAIN)
         self.tree_tests = tree_tests if tree_tests is not None else DEVICE_SEGMENT_TESTS[segments]
 
-    def prepare(self, tree: TokenTree, params: SamplingParams) -> None:
+    def prepare(self, tree: TokenTree, params: SamplingParams, walks: Any = None) -> None:
         """Before the verify forward is launched: for traversal on the device, start copying the
         tree's round widths to the host (`Wavefront`), so `verify` reads it without waiting for the
-        forward."""
+        forward. walks: the target model's `specdec.verification.captured.CapturedWalks` (CUDA
+        graphs), which then plans and later walks the tree as graph replays."""
         if params.greedy or tree.chain or not isinstance(self.tree_tests, TraversalTreeTests) or not self.walks_on_device(tree.tokens.device):
             return
-        tree.verify_plan = Wavefront.of(tree)
+        tree.verify_plan = Wavefront.of(tree) if walks is None else walks.plan(tree)
 
     def walks_on_device(self, device: torch.device) -> bool:
         """Whether trees on `device` are tested there (`TreeTests`) rather than walked on the host."""
