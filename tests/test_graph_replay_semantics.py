@@ -924,3 +924,23 @@ def test_a_walk_reading_outside_its_buffers_fails(monkeypatch):
         engine, _ = walk_engine(target, draft, "eagle2", capture)
         runs.append([o.token_ids for o in engine.generate(PROMPTS, 24, params=params, seed=3, batch_size=3)])
     assert runs[0] != runs[1]
+
+
+def test_walk_buffers_share_one_tensor_and_growing_drops_the_walk_graphs():
+    """A captured walk's buffers of every shape are the front of one flat tensor per name (no copy
+    per batch size held), and a larger shape replaces that tensor and drops every walk graph,
+    which read the old one."""
+    from specdec.verification.captured import CapturedWalks
+
+    runner = ModelRunner(tiny_model("llama", seed=0), static_shapes=True)
+    runner.walk_graphs = graphs = ReplayEmulator()
+    walks = CapturedWalks.for_step(runner)
+    assert walks is not None
+    first = walks.empty("logits", (2, 3, 5), torch.float32)
+    graphs.run(("walk",), lambda: first.sum(dim=2), keepalive=())
+    smaller = walks.buffer("logits", torch.ones(1, 4, 5))
+    assert smaller.data_ptr() == first.data_ptr() and smaller.shape == (1, 4, 5) and graphs.traces
+    larger = walks.empty("logits", (4, 4, 5), torch.float32)
+    assert larger.data_ptr() != first.data_ptr() and not graphs.traces
+    runner.walk_graphs = None
+    assert CapturedWalks.for_step(runner) is None

@@ -12,6 +12,11 @@ captured every graph. The drafts must match: τ is printed for both modes.
     python benchmarks/captured-levels/launches.py chain 1 --levels
     python benchmarks/captured-levels/launches.py eagle2 1 --levels --temperature 1   # sampled children
     python benchmarks/captured-levels/launches.py dynatree 1 --levels --options '{"free_tokens": 13}'
+    python benchmarks/captured-levels/launches.py eagle2 1 --levels --temperature 1 --walk device --walks   # a GPU's sampled step
+
+--walk device tests sampled trees on the device, as on a GPU (traversal verification, `TraversalTreeTests`;
+the CPU's default is the host walk); --walks replays that walk's plan and tests as graphs too
+(`specdec.verification.captured`, emulated like the rest).
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--options", default="{}", help="the method's options, JSON (DynaTree's levels are captured inside a free width: free_tokens)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (chain tokens, trees' sampled children)")
+    ap.add_argument("--walk", default="auto", choices=("auto", "device", "host"), help="where sampled trees are tested (`SamplingRule(walk=...)`; auto: the host on a CPU)")
+    ap.add_argument("--walks", action="store_true", help="with --walk device: the walk replayed as graphs (emulated)")
     args = ap.parse_args()
     emulators: dict[str, Emulator] = {}
     make = engine_module.SpeculativeEngine.__init__
@@ -72,10 +79,12 @@ def main() -> None:
         runner.level_graphs = emulators.setdefault("levels", Emulator()) if args.levels else None
         runner.capture_every_level = True  # --levels: every step's levels (SPECDEC_CAPTURE_LEVELS=1), greedy ones too
         self.target.time_forwards = runner.time_forwards = False
+        self.target.walk_graphs = emulators.setdefault("walks", Emulator()) if args.walks else None
 
     engine_module.SpeculativeEngine.__init__ = init  # type: ignore[method-assign]
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][: 2 * args.batch_size]
-    decoder = SpeculativeDecoder.from_pretrained(method=args.method, static_shapes=True, **json.loads(args.options))
+    rule = {} if args.temperature == 0 or args.walk == "auto" else {"verify": "sampling", "verify_options": {"walk": args.walk}}
+    decoder = SpeculativeDecoder.from_pretrained(method=args.method, static_shapes=True, **rule, **json.loads(args.options))
     decoder.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0, batch_size=args.batch_size)
     replays_before = sum(e.replays for e in emulators.values())
     with HostWorkCounter() as counter:
@@ -84,7 +93,8 @@ def main() -> None:
     tau = sum(r.stats.new_tokens for r in results) / max(1, sum(r.stats.steps for r in results))
     replays = sum(e.replays for e in emulators.values()) - replays_before
     print(
-        f"| {args.method}{' ' + args.options if args.options != '{}' else ''} | {args.batch_size} | {args.temperature:g} | {'on' if args.levels else 'off'} | {tau:.2f} | {counter.ops / steps:.1f} | "
+        f"| {args.method}{' ' + args.options if args.options != '{}' else ''} | {args.batch_size} | {args.temperature:g} | {'on' if args.levels else 'off'} | "
+        f"{args.walk}{' captured' if args.walks else ''} | {tau:.2f} | {counter.ops / steps:.1f} | "
         f"{replays / steps:.1f} | {counter.host_reads / steps:.2f} |"
     )
 

@@ -12,6 +12,10 @@ Whether an H100 step gets faster is what this script measures.
         --prompts PAIR/prompts.jsonl --methods chain,eagle2,static --device cuda --out OUT/levels \
         [--temperature 1]
 
+With `--switch walks` the same A/B for captured verification walks (SPECDEC_CAPTURE_WALKS,
+`specdec.verification.captured`: sampled trees' traversal tests on the device as graph replays;
+use it with --temperature above 0), drafting levels left at their default.
+
 Writes `summary.md` and `summary.json` under --out.
 """
 
@@ -38,19 +42,21 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, every call seeded alike")
+    ap.add_argument("--switch", default="levels", choices=("levels", "walks"), help="what is captured or not: drafting levels (SPECDEC_CAPTURE_LEVELS) or verification walks (SPECDEC_CAPTURE_WALKS)")
     args = ap.parse_args()
+    env = runner_module.CAPTURE_LEVELS_ENV if args.switch == "levels" else runner_module.CAPTURE_WALKS_ENV
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = read_prompts(args.prompts, args.num_prompts)
     device = torch.device(args.device)
     sampling = {"temperature": args.temperature, "seed": 0}
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "batch_size": args.batch_size, "temperature": args.temperature, "methods": {}}
-    lines = ["| method | levels | τ | tok/s | ms/step | draft ms/step | level graphs (captures, replays) | same tokens and steps |", "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = [f"| method | {args.switch} | τ | tok/s | ms/step | draft ms/step | {args.switch[:-1]} graphs (captures, replays) | same tokens and steps |", "| --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
     for spec, method, opts, _ in method_items(args.methods):
         dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, method=method, device=args.device, **opts)
         reference: dict[str, Any] = {}
         for mode in ("on", "off"):  # warm: graphs (level graphs too), costs
-            os.environ[runner_module.CAPTURE_LEVELS_ENV] = "1" if mode == "on" else "0"
+            os.environ[env] = "1" if mode == "on" else "0"
             for _ in range(2):
                 dec.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, **sampling)
         per_mode: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
@@ -58,19 +64,20 @@ def main() -> None:
         learned = copy.deepcopy(dec.policy, dict(models))  # adaptive policies learn across calls: every timed call starts from this state
         for r in range(args.rounds):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                os.environ[runner_module.CAPTURE_LEVELS_ENV] = "1" if mode == "on" else "0"  # read as each call makes its engine
+                os.environ[env] = "1" if mode == "on" else "0"  # read as each call makes its engine
                 dec.policy = copy.deepcopy(learned, dict(models))
                 results, metrics = timed_generate(dec, prompts, args.max_new_tokens, args.batch_size, device, **sampling)
                 fingerprint = ([x.token_ids for x in results], [x.stats.steps for x in results])
                 reference.setdefault("fingerprint", fingerprint)
-                shared = runner_module.shared_state(dec.draft) if dec.draft is not None else None
-                graphs = shared.level_graphs if shared is not None else None
+                model = dec.draft if args.switch == "levels" else dec.target
+                shared = runner_module.shared_state(model) if model is not None else None
+                graphs = None if shared is None else shared.level_graphs if args.switch == "levels" else shared.walk_graphs
                 per_mode[mode].append(
                     {
                         **metrics,
-                        "level_captures": graphs.captures if graphs is not None else 0,
-                        "level_replays": graphs.replays if graphs is not None else 0,
-                        "level_graphs_failed": graphs.failed if graphs is not None else None,
+                        "graph_captures": graphs.captures if graphs is not None else 0,
+                        "graph_replays": graphs.replays if graphs is not None else 0,
+                        "graphs_failed": graphs.failed if graphs is not None else None,
                         "same": fingerprint == reference["fingerprint"],
                     }
                 )
@@ -82,14 +89,14 @@ def main() -> None:
             same = all(row["same"] for row in rows)
             lines.append(
                 f"| {spec} | {mode} | {med['tau']:.2f} | {med['tok_per_s']:.1f} | {med['ms_per_step']:.2f} | {med['draft_ms_per_step']:.2f} | "
-                f"{last['level_captures']}, {last['level_replays']}{' (failed: ' + str(last['level_graphs_failed']) + ')' if last['level_graphs_failed'] else ''} | {'yes' if same else 'NO'} |"
+                f"{last['graph_captures']}, {last['graph_replays']}{' (failed: ' + str(last['graphs_failed']) + ')' if last['graphs_failed'] else ''} | {'yes' if same else 'NO'} |"
             )
         result["methods"][spec] = summary
         print(lines[-2], lines[-1], sep="\n", flush=True)
         del dec
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    os.environ.pop(runner_module.CAPTURE_LEVELS_ENV, None)
+    os.environ.pop(env, None)
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     (out / "summary.md").write_text(f"{result['device']}, B = {args.batch_size}, T = {args.temperature:g}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.rounds} alternating rounds\n\n" + "\n".join(lines) + "\n")
 

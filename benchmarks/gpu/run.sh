@@ -64,21 +64,32 @@ levels_t1() {  # captured levels on / off at T = 1, B = 1 (levels_ab.py, seeded)
 
 case "$stage" in
   next)  # one call of about 9 minutes for a lease of 15 minutes of device time (machine start included), the work
-         # that decides defaults first: the pair (about 2 minutes), captured levels on / off for CAST and DynaTree,
-         # greedy, B = 1 and 8 (their levels sit at fixed places since 2026-12-01, so a layer's key no longer follows
-         # the widths before it: is CAST's capture still the 16% loss of 2026-11-26?), then issue 18's bench at B = 1
-         # and 8 with the HF peers. Each part under a timeout, so a slow one leaves the next its time; what finished
-         # comes back (next.log, next.tar.gz)
+         # that decides defaults first: the pair (about 2 minutes); captured levels on / off for CAST and DynaTree,
+         # greedy, B = 1 (their levels sit at fixed places since 2026-12-01, so a layer's key no longer follows the
+         # widths before it: is CAST's capture still the 16% loss of 2026-11-26?); captured verification walks on /
+         # off at T = 1, B = 1, with the chain beside them (issue 19: does EAGLE-2 at T = 1 now pass the chain's
+         # tok/s?); then issue 18's bench at B = 1 and 8 with the HF peers. Each part under a timeout, so a slow one
+         # leaves the next its time; what finished comes back (next.log, next.tar.gz)
     pair
-    for b in 1 8; do
-      timeout "${NEXT_LEVELS_S:-120}" $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" \
-        --device "$DEVICE" --methods "${NEXT_LEVELS_METHODS:-cast,dynatree}" --batch-size "$b" --num-prompts $((b == 1 ? 8 : 32)) --rounds 2 \
-        --out "$OUT/next/levels-b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/next.log"
-    done
+    timeout "${NEXT_LEVELS_S:-110}" $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" \
+      --device "$DEVICE" --methods "${NEXT_LEVELS_METHODS:-cast,dynatree}" --batch-size 1 --num-prompts 8 --rounds 2 \
+      --out "$OUT/next/levels-b1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/next.log"
+    timeout "${NEXT_WALKS_S:-100}" $PY benchmarks/gpu/levels_ab.py --switch walks --temperature 1 --target "$PAIR/target" --draft "$PAIR/draft" \
+      --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" --methods "${NEXT_WALKS_METHODS:-chain,eagle2,dynatree}" --batch-size 1 --num-prompts 8 \
+      --rounds 2 --out "$OUT/next/walks-t1-b1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/next.log"
     timeout "${NEXT_BENCH_S:-180}" specdec bench --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
       --methods "${NEXT_METHODS:-ar,hf,hf-assisted,chain,eagle2,dynatree,cast}" --batch-sizes "${BATCH_SIZES:-1,8}" --num-prompts 16 \
       --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/next/bench" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/next.log"
     tar -czf "$OUT/next.tar.gz" -C "$OUT" next && rm -rf "${OUT:?}/next"
+    ;;
+  walks)  # captured verification walks (SPECDEC_CAPTURE_WALKS) on / off at T = 1, B = 1 and 8, with the chain beside them
+    pair
+    for b in 1 8; do
+      timeout "${WALKS_S:-200}" $PY benchmarks/gpu/levels_ab.py --switch walks --temperature 1 --target "$PAIR/target" --draft "$PAIR/draft" \
+        --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" --methods "${WALKS_METHODS:-chain,eagle2,dynatree,static}" --batch-size "$b" \
+        --num-prompts $((b == 1 ? 8 : 32)) --rounds 3 --out "$OUT/walks/t1-b$b" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/walks.log"
+    done
+    tar -czf "$OUT/walks.tar.gz" -C "$OUT" walks && rm -rf "${OUT:?}/walks"
     ;;
   tests)
     # the synthetic pair is built beside the tests (the GPU is idle during most of them), so a

@@ -9,7 +9,8 @@ levels captured, most of them this walk. Here the plan and the walk are each one
 
 - **Inputs at fixed addresses.** `plan` copies the tree's fields (tokens, parents, depths,
   validity, which nodes were drawn, the ancestor mask, the kept draft distributions) into buffers
-  of the target model, before the verify forward; `verify` copies the target's logits into one
+  of the target model (one flat tensor per field, shared by every shape: `empty`), before the
+  verify forward; `verify` copies the target's logits into one
   after it, and draws the walk's random numbers into two more (`TraversalTreeTests.draws`: the
   same numbers, from the step's generator in the same order, as op by op).
 - **A host key.** The plan's graph is keyed by the shapes and the host bounds the tree carries
@@ -36,6 +37,7 @@ choices run op by op. SPECDEC_CAPTURE_WALKS=0 turns it off.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,19 +89,24 @@ class CapturedWalks:
 
     def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The model's buffer `name` shaped as `like`, with `like` copied in (one op)."""
-        key = (name, tuple(like.shape), like.dtype)
-        buf = self.buffers.get(key)
-        if buf is None:
-            buf = self.buffers[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        return buf.copy_(like)
+        return self.empty(name, tuple(like.shape), like.dtype).copy_(like)
 
     def empty(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The model's buffer `name` of `shape` (contents unspecified)."""
-        key = (name, shape, dtype)
-        buf = self.buffers.get(key)
-        if buf is None:
-            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, device=self.runner.device)
-        return buf
+        """The model's buffer `name` of `shape` (contents unspecified): the front of one flat
+        tensor per name and dtype, whatever the shape, so the buffers of every batch size and
+        tree size share its memory (a walk's logits at B = 16, 64 nodes and a 128k vocabulary
+        alone take 268 MB) and the graph keys need no address. Walks run one at a time (one
+        thread, `ModelRunner.claims_walks`), each filling its inputs first. When a larger shape
+        comes, the flat tensor is replaced, and every walk graph, which may read the old one, is
+        dropped (captured again at its key's next use): a few times while a batch's sizes grow."""
+        numel = math.prod(shape)
+        key = (name, dtype)
+        flat = self.buffers.get(key)
+        if flat is None or flat.numel() < numel:
+            if flat is not None:
+                self.graphs.clear()
+            flat = self.buffers[key] = torch.empty(max(numel, 1), dtype=dtype, device=self.runner.device)
+        return flat[:numel].view(shape)
 
     def _replays(self, key: tuple[Any, ...]) -> bool:
         """Whether the run of `key` goes through the graphs (met before, and room for it)."""
