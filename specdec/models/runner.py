@@ -96,7 +96,8 @@ it as graphs (`specdec.verification.captured`)"""
 def capture_walks_default(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a target runner with CUDA graphs captures the traversal walk of sampled trees
     (SPECDEC_CAPTURE_WALKS, on unless 0). Counted on the CPU (emulated replay, bundled pair,
-    EAGLE-2 at T = 1, B = 1): 439 host-launched ops a step without, about 95 with; not timed on a GPU yet."""
+    EAGLE-2 at T = 1, B = 1, 160 tokens, `benchmarks/captured-levels/walks.md`): 437 host-launched
+    ops a step without, 127 with; not timed on a GPU yet."""
     return _env_switch(CAPTURE_WALKS_ENV, environ, "capture the verification walk of sampled trees as CUDA graphs") is not False
 
 

@@ -244,6 +244,7 @@ STALE_RUNS = 2048
 replayed is stale: a full cache of graphs (`MAX_LEVEL_GRAPHS`, `MAX_WALK_GRAPHS`) makes room for a
 new key only by dropping a stale one (`room_for`)"""
 
+
 def room_for(graphs: Any, key: tuple[Any, ...], uses: LevelUses) -> bool:
     """Whether the level (or walk) of `key` replays or may be captured now. With `graphs.max_graphs` graphs
     held, a capture would drop the least recently used one: allowed only when that one has not run

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -70,6 +70,9 @@ from specdec.hostwork import HostCopy, read_together
 from specdec.sampling import SamplingParams, logits_to_logprobs, sample_from_probs
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict, deepest_path
+
+if TYPE_CHECKING:
+    from specdec.verification.captured import CapturedWalks
 
 _EPS = 1e-12
 
@@ -1298,7 +1301,7 @@ class SamplingRule:
         self.chain_tests = chain_tests if chain_tests is not None else (BLOCK_CHAIN if chains == "block" else TOKEN_CHAIN)
         self.tree_tests = tree_tests if tree_tests is not None else DEVICE_SEGMENT_TESTS[segments]
 
-    def prepare(self, tree: TokenTree, params: SamplingParams, walks: Any = None) -> None:
+    def prepare(self, tree: TokenTree, params: SamplingParams, walks: CapturedWalks | None = None) -> None:
         """Before the verify forward is launched: for traversal on the device, start copying the
         tree's round widths to the host (`Wavefront`), so `verify` reads it without waiting for the
         forward. walks: the target model's `specdec.verification.captured.CapturedWalks` (CUDA
