@@ -139,10 +139,10 @@ case "$stage" in
       --max-new-tokens 64 --repeats 1 --no-progress --out "$OUT/sampling" 2>&1 | tee "$OUT/sampling.log"
     tar -czf "$OUT/sampling.tar.gz" -C "$OUT" sampling && rm -rf "$OUT/sampling"
     ;;
-  profile)  # where a step's time goes (GPU busy or idle, kernels and host syncs a step): profile_step.py
+  profile)  # where a step's time goes (GPU busy or idle, kernels, host syncs and real waits a step, where the waits are): profile_step.py
     pair
     $PY benchmarks/gpu/profile_step.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
-      --methods "${PROFILE_METHODS:-chain,eagle2,cast,dynatree}" --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log"
+      --methods "${PROFILE_METHODS:-chain,eagle2,cast,dynatree}" --stacks --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log"
     tar -czf "$OUT/profile.tar.gz" -C "$OUT" profile && rm -rf "$OUT/profile"
     ;;
   host)  # where the host's time goes in a step, by function (host_profile.py; pyinstrument from a carried wheel folder, WHEELS)
