@@ -41,6 +41,7 @@ from specdec.stats import GenerationStats, StepRecord
 from specdec.tree import TokenTree
 from specdec.verification.base import AcceptRule, Verdict
 from specdec.verification.captured import CapturedWalks
+from specdec.verification.mars import MarsRule
 from specdec.verification.sampling import SamplingRule
 
 StreamCallback = Callable[[int, list[int]], None]
@@ -717,10 +718,10 @@ class DecodeSession:
         clock.mark(1)
         prepare = getattr(engine.rule, "prepare", None)
         if prepare is not None:  # (what a rule reads of the tree on the host, on its way before the forward)
-            walks = CapturedWalks.for_step(engine.target) if isinstance(engine.rule, SamplingRule) and not params.greedy else None
+            walks = CapturedWalks.for_step(engine.target) if isinstance(engine.rule, (SamplingRule, MarsRule)) and not params.greedy else None
             if walks is None:
                 prepare(tree, params)
-            else:  # (sampled trees tested on the device by traversal: planned and walked as graph replays)
+            else:  # (sampled trees tested on the device: planned and tested as graph replays)
                 prepare(tree, params, walks=walks)
         logits = engine.target.forward(tree.tokens, context_len[:, None] + tree.depths, tree.ancestor_mask())  # [B, N, V]
         verdict = engine.rule.verify(tree, logits, params, self.generator)

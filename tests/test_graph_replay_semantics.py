@@ -875,11 +875,12 @@ WALK_METHODS = {
 }
 
 
-def walk_engine(target: Any, draft: Any, method: str, capture: bool) -> tuple[SpeculativeEngine, ReplayEmulator | None]:
+def walk_engine(target: Any, draft: Any, method: str, capture: bool, rule: Any = None) -> tuple[SpeculativeEngine, ReplayEmulator | None]:
     """An emulated engine testing sampled trees on the device (traversal, `walk="device"`, CUDA's
-    default), its walks captured (emulated) when `capture`, else op by op."""
+    default; or `rule`'s device tests), its walks captured (emulated) when `capture`, else op by op."""
     source = ModelDraftSource(draft, static_shapes=True)
-    engine = SpeculativeEngine(target, make_policy(method, **WALK_METHODS[method]), SamplingRule(walk="device"), source, eos_token_ids=[EOS], static_shapes=True)
+    rule = SamplingRule(walk="device") if rule is None else rule
+    engine = SpeculativeEngine(target, make_policy(method, **WALK_METHODS[method]), rule, source, eos_token_ids=[EOS], static_shapes=True)
     engine.target.graphs, source.runner.graphs = ReplayEmulator(), ReplayEmulator()
     walks = engine.target.walk_graphs = ReplayEmulator() if capture else None
     return engine, walks
@@ -903,6 +904,28 @@ def test_captured_walks_verify_what_op_by_op_verifies(method, temperature, top_p
         if walks is not None:
             assert walks.captures >= 2 and walks.replays > walks.captures, (walks.captures, walks.replays)
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("method", ["eagle2", "dynatree", "static"])
+@pytest.mark.parametrize("theta", [0.9, 1.0])
+def test_captured_mars_tests_verify_what_op_by_op_verifies(method, theta):
+    """MARS at T = 1 on the device: its margins, outright choices and child-by-child tests replayed
+    as one (emulated) graph (theta 1: the lossless rule's captured traversal) give the op-by-op
+    output, steps and relaxed counts for a seed."""
+    from specdec.verification.mars import MarsRule
+
+    target, draft = close_pair("llama")
+    params = SamplingParams(temperature=1.0)
+    runs = []
+    for capture in (True, False):
+        engine, walks = walk_engine(target, draft, method, capture, rule=MarsRule(theta=theta, walk="device"))
+        outs = engine.generate(PROMPTS * 2, 48, params=params, seed=5, batch_size=3)
+        runs.append([(o.token_ids, o.stats.steps, o.stats.relaxed_tokens) for o in outs])
+        if walks is not None:
+            assert walks.captures >= 1 and walks.replays > walks.captures, (walks.captures, walks.replays)
+    assert runs[0] == runs[1]
+    if theta < 1:
+        assert sum(relaxed for _, _, relaxed in runs[0]) > 0, "the relaxation must fire"
 
 
 def test_a_walk_reading_outside_its_buffers_fails(monkeypatch):

@@ -477,6 +477,28 @@ def test_captured_walks_on_cuda_verify_as_op_by_op(method, monkeypatch):
 
 
 @needs_cuda
+def test_captured_mars_tests_on_cuda_verify_as_op_by_op(monkeypatch):
+    """MARS at T = 1 (theta 0.9) tested on the device as one CUDA graph replay a step against op
+    by op: the same output, steps and relaxed counts for a seed, no graph given up."""
+    from specdec.sampling import SamplingParams
+    from specdec.verification.mars import MarsRule
+
+    target, draft = _level_capture_pair(monkeypatch)
+    params = SamplingParams(temperature=1.0)
+    results = []
+    for capture in (True, False):
+        engine = SpeculativeEngine(target, make_policy("eagle2", **_level_options("eagle2")), MarsRule(theta=0.9), ModelDraftSource(draft, cuda_graphs=True), eos_token_ids=[EOS], cuda_graphs=True)
+        if not capture:
+            engine.target.walk_graphs = None
+        calls = [engine.generate(PROMPTS * 2, 48, params=params, seed=7, batch_size=3) for _ in range(2)]
+        results.append([(o.token_ids, o.stats.steps, o.stats.relaxed_tokens) for o in calls[1]])
+        if capture:
+            walks = engine.target.walk_graphs
+            assert walks is not None and walks.failed is None and walks.captures > 0 and walks.replays > 0, walks and (walks.failed, walks.captures, walks.replays)
+    assert results[0] == results[1]
+
+
+@needs_cuda
 def test_capture_failure_falls_back_once(caplog):
     """A forward that reads a device value on the host cannot be captured: one warning naming
     the model class, then eager forwards with the same results."""

@@ -13,6 +13,7 @@ captured every graph. The drafts must match: τ is printed for both modes.
     python benchmarks/captured-levels/launches.py eagle2 1 --levels --temperature 1   # sampled children
     python benchmarks/captured-levels/launches.py dynatree 1 --levels --options '{"free_tokens": 13}'
     python benchmarks/captured-levels/launches.py eagle2 1 --levels --temperature 1 --walk device --walks   # a GPU's sampled step
+    python benchmarks/captured-levels/launches.py eagle2 1 --levels --temperature 1 --walk device --walks --mars 0.9
 
 --walk device tests sampled trees on the device, as on a GPU (traversal verification, `TraversalTreeTests`;
 the CPU's default is the host walk); --walks replays that walk's plan and tests as graphs too
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (chain tokens, trees' sampled children)")
     ap.add_argument("--walk", default="auto", choices=("auto", "device", "host"), help="where sampled trees are tested (`SamplingRule(walk=...)`; auto: the host on a CPU)")
     ap.add_argument("--walks", action="store_true", help="with --walk device: the walk replayed as graphs (emulated)")
+    ap.add_argument("--mars", type=float, default=None, help="MARS at this theta instead of lossless sampling (its device tests are captured with --walks too)")
     args = ap.parse_args()
     emulators: dict[str, Emulator] = {}
     make = engine_module.SpeculativeEngine.__init__
@@ -84,6 +86,8 @@ def main() -> None:
     engine_module.SpeculativeEngine.__init__ = init  # type: ignore[method-assign]
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][: 2 * args.batch_size]
     rule = {} if args.temperature == 0 or args.walk == "auto" else {"verify": "sampling", "verify_options": {"walk": args.walk}}
+    if args.mars is not None:
+        rule = {"verify": "mars", "verify_options": {"walk": args.walk}, "mars_theta": args.mars}
     decoder = SpeculativeDecoder.from_pretrained(method=args.method, static_shapes=True, **rule, **json.loads(args.options))
     decoder.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0, batch_size=args.batch_size)
     replays_before = sum(e.replays for e in emulators.values())
@@ -94,7 +98,7 @@ def main() -> None:
     replays = sum(e.replays for e in emulators.values()) - replays_before
     print(
         f"| {args.method}{' ' + args.options if args.options != '{}' else ''} | {args.batch_size} | {args.temperature:g} | {'on' if args.levels else 'off'} | "
-        f"{args.walk}{' captured' if args.walks else ''} | {tau:.2f} | {counter.ops / steps:.1f} | "
+        f"{args.walk}{' captured' if args.walks else ''}{f' (MARS {args.mars:g})' if args.mars is not None else ''} | {tau:.2f} | {counter.ops / steps:.1f} | "
         f"{replays / steps:.1f} | {counter.host_reads / steps:.2f} |"
     )
 

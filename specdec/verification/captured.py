@@ -29,10 +29,14 @@ levels captured, most of them this walk. Here the plan and the walk are each one
   forward graphs are); the first thread to verify with them owns them while it lives and others
   walk op by op (`ModelRunner.claims_walks`).
 
+MARS at T > 0 on the device (`MarsRule`, `relaxed`) is captured the same way: its margins, its
+outright choices and the child-by-child tests it relaxes (`TreeTests.tests`, K rounds of about 30
+ops) as one replay after the forward, its tree staged before it (`plan(wavefront=False)`).
+
 Same verdicts as op by op, bit for bit on the CPU's emulated replay
-(`tests/test_graph_replay_semantics.py`). Only traversal verification (the default) on the
-device walk is captured; child-by-child and block tests, the host walk and MARS's relaxed
-choices run op by op. SPECDEC_CAPTURE_WALKS=0 turns it off.
+(`tests/test_graph_replay_semantics.py`). Captured: traversal verification (the default) and
+MARS on the device; the lossless rule's child-by-child and block tests and the host walk run op
+by op. SPECDEC_CAPTURE_WALKS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ from specdec.models.static import LevelUses, node_bucket, room_for
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict
-from specdec.verification.sampling import TraversalTreeTests, Wavefront, round_widths
+from specdec.verification.mars import margins, outright_children
+from specdec.verification.sampling import ChildTable, TraversalTreeTests, TreeTests, Wavefront, round_widths
 
 MAX_WALK_KEYS = 1024
 """walk keys counted per target model before the counts start over"""
@@ -63,8 +68,8 @@ class CapturedPlan:
     walks: CapturedWalks
     tree: TokenTree
     """the step's tree on the target model's buffers (what the graphs read)"""
-    counts: HostCopy
-    """the plan's round widths on their way to the host"""
+    counts: HostCopy | None
+    """the plan's round widths on their way to the host (None: child-by-child tests need none)"""
     captured = True
     """(what `TraversalTreeTests.verify` looks for)"""
 
@@ -112,9 +117,10 @@ class CapturedWalks:
         """Whether the run of `key` goes through the graphs (met before, and room for it)."""
         return self.uses.meet(key, MAX_WALK_KEYS) and room_for(self.graphs, key, self.uses)
 
-    def plan(self, tree: TokenTree) -> CapturedPlan:
+    def plan(self, tree: TokenTree, wavefront: bool = True) -> CapturedPlan:
         """Before the verify forward: the tree copied to the model's buffers, its `Wavefront`
-        round widths computed there (a replay) and sent to the host."""
+        round widths computed there (a replay) and sent to the host. wavefront: False for child-by-child
+        tests (`relaxed`), which need no rounds."""
         b, n = tree.tokens.shape
         fields = {name: self.buffer(name, getattr(tree, name)) for name in ("tokens", "parents", "depths", "valid", "sampled")}
         zeros = constants.full((b, n), 0.0, torch.float32, tree.tokens.device)  # (logq, cum_logq: not read by the walk)
@@ -127,6 +133,8 @@ class CapturedWalks:
             depth_bound=tree.depth_limit(),  # (host bounds: nothing inside a graph reads the device)
             max_children=tree.children_bound(),
         )
+        if not wavefront:
+            return CapturedPlan(walks=self, tree=static, counts=None)
         key = ("plan", b, n, static.max_children, static.depth_bound, str(tree.tokens.device))
         if self._replays(key):
             widths = self.graphs.run(key, lambda: Wavefront.of(static, host_counts=False).round_widths, keepalive=())
@@ -140,9 +148,10 @@ class CapturedWalks:
         tree = plan.tree
         b, n = tree.tokens.shape
         vocab = target_logits.shape[-1]
+        assert plan.counts is not None, "plan(wavefront=True) first"
         widths = round_widths(plan.counts)
         padded = [node_bucket(max(widths))] * len(widths) if widths else []
-        uniform, race = tests.draws(tree, vocab, generator, out=(self.empty("uniform", (b, n), torch.float32), self.empty("race", (b, vocab), torch.float32)))
+        uniform, race = tests.draws(tree, 1, vocab, generator, out=(self.empty("uniform", (b, n), torch.float32), self.empty("race", (b, vocab), torch.float32)))
         logits = self.buffer("logits", target_logits)
         draft = tree.draft_logprobs
 
@@ -158,3 +167,31 @@ class CapturedWalks:
         d = packed.shape[1] - 2
         zeros = constants.full((b,), 0, torch.long, logits.device)
         return Verdict(path=packed[:, :d], accepted_len=packed[:, d], bonus_tokens=packed[:, d + 1], relaxed_count=zeros, fallback_count=zeros)
+
+    def relaxed(
+        self, tests: TreeTests, plan: CapturedPlan, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, theta: float
+    ) -> Verdict:
+        """MARS at T > 0 on the device (`MarsRule`): its margins, its outright choices and the
+        child-by-child tests (`TreeTests.tests`) of the planned tree as one replay (or op by op at
+        a key's first use), the tests' random numbers drawn into buffers first."""
+        tree = plan.tree
+        b, n = tree.tokens.shape
+        vocab = target_logits.shape[-1]
+        k = tree.children_bound()
+        uniform, race = tests.draws(tree, k, vocab, generator, out=(self.empty("uniform", (b, n * k), torch.float32), self.empty("race", (b, vocab), torch.float32)))
+        logits = self.buffer("logits", target_logits)
+        draft = tree.draft_logprobs
+
+        def run() -> torch.Tensor:
+            m = margins(logits, theta)
+            fields = tests.tests(tree, ChildTable.of(tree), logits, params, uniform, race, outright=outright_children(tree, m), fallback=m.fallback)
+            path, rest = fields[0], [f[:, None] for f in fields[1:]]
+            return torch.cat([path, *rest], dim=1)  # [B, D + 4]
+
+        key = (
+            "relaxed", type(tests), theta, b, n, vocab, logits.dtype, None if draft is None else draft.dtype, k, tree.depth_bound, params,
+            str(logits.device),
+        )  # fmt: skip
+        packed = (self.graphs.run(key, run, keepalive=()) if self._replays(key) else run()).clone()  # [B, D + 4]
+        d = packed.shape[1] - 4
+        return Verdict(path=packed[:, :d], accepted_len=packed[:, d], bonus_tokens=packed[:, d + 1], relaxed_count=packed[:, d + 2], fallback_count=packed[:, d + 3])

@@ -50,6 +50,7 @@ that node (taken only for this count) would not have accepted the same child.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,6 +60,9 @@ from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification.base import Verdict, deepest_path
 from specdec.verification.sampling import EXACT_TREE, HostBatch, RelaxHook, SamplingRule, check_walk, verdict_of, walks_on_device
+
+if TYPE_CHECKING:
+    from specdec.verification.captured import CapturedWalks
 
 DEFAULT_THETA = 0.9
 """the paper's default logit-ratio threshold"""
@@ -153,9 +157,23 @@ class MarsRule:
         self.walk = check_walk(walk, "mars")
         self._lossless = SamplingRule(walk=self.walk)
 
+    def prepare(self, tree: TokenTree, params: SamplingParams, walks: CapturedWalks | None = None) -> None:
+        """Before the verify forward: with the target's captured walks (CUDA graphs) and T > 0 on
+        the device, the tree is copied to the walks' buffers, so `verify` tests it as one graph
+        replay (`CapturedWalks.relaxed`); without relaxation (theta >= 1), the lossless rule's own."""
+        if params.greedy or walks is None:
+            return
+        if self.theta >= 1:
+            self._lossless.prepare(tree, params, walks)
+        elif walks_on_device(self.walk, tree.tokens.device):
+            tree.verify_plan = walks.plan(tree, wavefront=False)
+
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
         if not params.greedy and self.theta >= 1:  # no relaxation: exactly the lossless rule (and its tensor-only chain path)
             return self._lossless.verify(tree, target_logits, params, generator)
+        plan = tree.verify_plan
+        if not params.greedy and getattr(plan, "captured", False):  # prepared for a graph replay (`prepare`)
+            return plan.walks.relaxed(EXACT_TREE, plan, target_logits, params, generator, self.theta)
         m = margins(target_logits, self.theta)
         if params.greedy:
             return self._verify_greedy(tree, m)

@@ -740,15 +740,46 @@ class TreeTests:
         `relaxed_count` when they would not have accepted it (the strict rule's counterfactual).
         fallback: [B, N] bool, nodes a relaxed rule verified strictly: counted in `fallback_count`
         where they are on the walk (the accepted path and its last node) and have children."""
+        table = ChildTable.of(tree)
+        uniform, race = self.draws(tree, table.k, target_logits.shape[-1], generator)
+        return Verdict(*self.tests(tree, table, target_logits, params, uniform, race, outright, fallback))
+
+    @staticmethod
+    def draws(
+        tree: TokenTree, k: int, vocab: int, generator: torch.Generator | None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tests' random numbers, drawn from `generator` before them (so a captured run reads them
+        from buffers): one U(0, 1) per test [B, N * k] (k: `ChildTable.k` child by child, 1 for
+        traversal, whose tests are the nodes' own), then the bonus draw's [B, V] (its exponential
+        race, `sample_from_probs`). out: buffers to draw into."""
+        b, n = tree.tokens.shape
+        dev = tree.tokens.device
+        if out is None:
+            return torch.rand(b, n * k, generator=generator, device=dev), torch.rand(b, vocab, generator=generator, device=dev)
+        return torch.rand(b, n * k, generator=generator, device=dev, out=out[0]), torch.rand(b, vocab, generator=generator, device=dev, out=out[1])
+
+    def tests(
+        self,
+        tree: TokenTree,
+        table: ChildTable,
+        target_logits: torch.Tensor,
+        params: SamplingParams,
+        uniform: torch.Tensor,
+        race: torch.Tensor,
+        outright: torch.Tensor | None = None,
+        fallback: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tensor work of `verify`, no host read and no random draw (a graph captures it):
+        (path, accepted_len, bonus, relaxed_count, fallback_count), `Verdict`'s fields. uniform
+        [B, N * K], race [B, V]: `draws`."""
         b, n = tree.tokens.shape
         dev = target_logits.device
         target = logits_to_logprobs(target_logits, params).exp()  # [B, N, V]: each node's target, then its residual
         draft_left = None if tree.draft_logprobs is None else tree.draft_logprobs.exp()  # [B, N, V] q, earlier sampled children removed
-        table = ChildTable.of(tree)
         k, kid_nodes, tokens, drawn, has = table.k, table.nodes, table.tokens, table.drawn, table.has
         point = ~drawn  # [B, N, K]: a point-mass proposal (a deterministic child)
         one, zero = constants.full((), 1.0, target.dtype, dev), constants.full((), 0.0, target.dtype, dev)
-        uniform = torch.rand(b, n * k, generator=generator, device=dev).view(b, n, k)  # one per test
+        uniform = uniform.view(b, n, k)  # one per test
         chosen = torch.zeros(b, n + 1, dtype=torch.bool, device=dev)  # [B, N + 1] by node (column n: none): its parent's first accepted child
         undecided = torch.ones(b, n, dtype=torch.bool, device=dev)  # [B, N]: no child of this node accepted yet
         for i in range(k):
@@ -778,11 +809,11 @@ class TreeTests:
         ok_nodes[:, 0] = True
         deepest, on_path, path, accepted_len = deepest_path(tree, ok_nodes)
         probs = self.final_residual(target, draft_left, table, deepest, zero)  # [B, V]
-        bonus = sample_from_probs(probs, generator)  # a draw from probs (exponential race)
+        bonus = sample_from_probs(probs, None, uniforms=race)  # a draw from probs (exponential race)
         zeros = constants.full((b,), 0, torch.long, dev)
         relaxed_count = zeros if relaxed is None else (relaxed & on_path).sum(dim=1)
         fallback_count = zeros if fallback is None or k == 0 else (fallback & has[:, :, 0] & on_path).sum(dim=1)
-        return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=relaxed_count, fallback_count=fallback_count)
+        return path, accepted_len, bonus, relaxed_count, fallback_count
 
     def final_residual(self, target: torch.Tensor, draft_left: torch.Tensor | None, table: ChildTable, at: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         """[B, V] the bonus's distribution at node `at` [B] when every child of it was rejected (or
@@ -1181,28 +1212,17 @@ class TraversalTreeTests(TreeTests):
             return plan.walks.verify(self, plan, target_logits, params, generator)
         if not isinstance(plan, Wavefront):  # (prepared before the forward, or now)
             plan = Wavefront.of(tree)
-        uniform, race = self.draws(tree, target_logits.shape[-1], generator)
+        uniform, race = self.draws(tree, 1, target_logits.shape[-1], generator)  # one uniform per node's own test
         path, accepted_len, bonus = self.walk(tree, plan, plan.widths(), target_logits, params, uniform, race)
         zeros = constants.full((tree.batch_size,), 0, torch.long, target_logits.device)
         return Verdict(path=path, accepted_len=accepted_len, bonus_tokens=bonus, relaxed_count=zeros, fallback_count=zeros)
-
-    @staticmethod
-    def draws(tree: TokenTree, vocab: int, generator: torch.Generator | None, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The walk's random numbers, drawn from `generator` before it (so a captured walk reads them
-        from buffers): one U(0, 1) per node's own test [B, N], then the bonus draw's [B, V] (its
-        exponential race, `sample_from_probs`). out: buffers to draw into."""
-        b, n = tree.tokens.shape
-        dev = tree.tokens.device
-        if out is None:
-            return torch.rand(b, n, generator=generator, device=dev), torch.rand(b, vocab, generator=generator, device=dev)
-        return torch.rand(b, n, generator=generator, device=dev, out=out[0]), torch.rand(b, vocab, generator=generator, device=dev, out=out[1])
 
     def walk(
         self, tree: TokenTree, plan: Wavefront, widths: list[int], target_logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor, race: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tensor work of `verify`, no host read and no random draw (a graph captures it):
         (path [B, D], accepted_len [B], bonus [B]). widths: the plan's round widths, or wider
-        (padding); uniform [B, N], race [B, V]: `draws`."""
+        (padding); uniform [B, N], race [B, V]: `draws` with k = 1."""
         b, n = tree.tokens.shape
         target = spare_row(logits_to_logprobs(target_logits, params), exp=True)  # [B, N + 1, V] (a spare row: `states`)
         draft_left = None if tree.draft_logprobs is None else spare_row(tree.draft_logprobs, exp=True)  # [B, N + 1, V]
