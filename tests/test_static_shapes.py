@@ -451,6 +451,23 @@ def test_captured_sampled_levels_on_cuda_draw_as_op_by_op(method, monkeypatch):
     assert captured == op_by_op
 
 
+def _walks_captured_and_op_by_op(target: Any, draft: Any, method: str, rule: Callable[[], Any], params: Any) -> list[Any]:
+    """The second of two calls (the first captures) with the target's walks captured, then op by
+    op: [(tokens, steps, relaxed tokens) per prompt] each. Checks that walk graphs were captured
+    and replayed and none was given up."""
+    results = []
+    for capture in (True, False):
+        engine = SpeculativeEngine(target, make_policy(method, **_level_options(method)), rule(), ModelDraftSource(draft, cuda_graphs=True), eos_token_ids=[EOS], cuda_graphs=True)
+        if not capture:
+            engine.target.walk_graphs = None
+        calls = [engine.generate(PROMPTS * 2, 48, params=params, seed=7, batch_size=3) for _ in range(2)]  # the second replays
+        results.append([(o.token_ids, o.stats.steps, o.stats.relaxed_tokens) for o in calls[1]])
+        if capture:
+            walks = engine.target.walk_graphs
+            assert walks is not None and walks.failed is None and walks.captures > 0 and walks.replays > 0, walks and (walks.failed, walks.captures, walks.replays)
+    return results
+
+
 @needs_cuda
 @pytest.mark.parametrize("method", ["static", "eagle2", "dynatree"])
 def test_captured_walks_on_cuda_verify_as_op_by_op(method, monkeypatch):
@@ -462,18 +479,8 @@ def test_captured_walks_on_cuda_verify_as_op_by_op(method, monkeypatch):
     from specdec.verification.sampling import SamplingRule
 
     target, draft = _level_capture_pair(monkeypatch)
-    params = SamplingParams(temperature=0.8, top_p=0.9)
-    results = []
-    for capture in (True, False):
-        engine = SpeculativeEngine(target, make_policy(method, **_level_options(method)), SamplingRule(), ModelDraftSource(draft, cuda_graphs=True), eos_token_ids=[EOS], cuda_graphs=True)
-        if not capture:
-            engine.target.walk_graphs = None
-        calls = [engine.generate(PROMPTS * 2, 48, params=params, seed=7, batch_size=3) for _ in range(2)]  # the second replays
-        results.append([(o.token_ids, o.stats.steps) for o in calls[1]])
-        if capture:
-            walks = engine.target.walk_graphs
-            assert walks is not None and walks.failed is None and walks.captures > 0 and walks.replays > 0, walks and (walks.failed, walks.captures, walks.replays)
-    assert results[0] == results[1]
+    captured, op_by_op = _walks_captured_and_op_by_op(target, draft, method, SamplingRule, SamplingParams(temperature=0.8, top_p=0.9))
+    assert captured == op_by_op
 
 
 @needs_cuda
@@ -484,18 +491,8 @@ def test_captured_mars_tests_on_cuda_verify_as_op_by_op(monkeypatch):
     from specdec.verification.mars import MarsRule
 
     target, draft = _level_capture_pair(monkeypatch)
-    params = SamplingParams(temperature=1.0)
-    results = []
-    for capture in (True, False):
-        engine = SpeculativeEngine(target, make_policy("eagle2", **_level_options("eagle2")), MarsRule(theta=0.9), ModelDraftSource(draft, cuda_graphs=True), eos_token_ids=[EOS], cuda_graphs=True)
-        if not capture:
-            engine.target.walk_graphs = None
-        calls = [engine.generate(PROMPTS * 2, 48, params=params, seed=7, batch_size=3) for _ in range(2)]
-        results.append([(o.token_ids, o.stats.steps, o.stats.relaxed_tokens) for o in calls[1]])
-        if capture:
-            walks = engine.target.walk_graphs
-            assert walks is not None and walks.failed is None and walks.captures > 0 and walks.replays > 0, walks and (walks.failed, walks.captures, walks.replays)
-    assert results[0] == results[1]
+    captured, op_by_op = _walks_captured_and_op_by_op(target, draft, "eagle2", lambda: MarsRule(theta=0.9), SamplingParams(temperature=1.0))
+    assert captured == op_by_op
 
 
 @needs_cuda
