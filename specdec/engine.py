@@ -446,6 +446,7 @@ class SpeculativeEngine:
             results.append(EngineOutput(token_ids=request.token_ids, finish_reason=request.finish_reason, stats=request.stats, steps=session.records))
         return results
 
+    @torch.inference_mode()
     def warm_up(self, batch_sizes: Sequence[int], context: int = 0, max_tokens: int = WARM_UP_TOKENS) -> int:
         """Run (with CUDA graphs: capture) the static-shape forwards of the target and the draft
         model for every node-count bucket up to `max_tokens` at each batch size, over caches with
@@ -632,6 +633,7 @@ class DecodeSession:
         """Nothing runs (no rows, finished or not) and nothing waits."""
         return not self.rows and not self.waiting
 
+    @torch.inference_mode()
     def release(self) -> None:
         """Free the KV caches of an idle session (its next prompt starts a fresh batch anyway);
         does nothing while rows run."""
@@ -656,9 +658,17 @@ class DecodeSession:
         return len(self.waiting) + self.running
 
     # ----- the loop ------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> StepRecord | None:
         """One step boundary (retire, admit) and, when rows run, one draft/verify/commit step.
-        Returns the step's record, or None when no row ran."""
+        Returns the step's record, or None when no row ran.
+
+        Runs under `torch.inference_mode()` whatever the caller's mode: the state that lives
+        from one step and one call to the next (KV caches, the policies' calibration tables, the
+        draft source's slot bookkeeping, captured buffers) is then made and updated in one mode.
+        Without it, a first call inside `with torch.inference_mode():` made inference tensors
+        that a later call outside it could not update in place (DynaTree's and CAST's calibration
+        raised "Inplace update to inference tensor outside InferenceMode")."""
         if self.rows and not self._holds_engine_caches() and all(r.done for r in self.rows):
             self.rows, self.roots, self._holds_cache = [], self.roots[:0], False  # nothing left to decode in the lost caches
         if self.rows and not self._holds_engine_caches():

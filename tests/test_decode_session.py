@@ -364,3 +364,24 @@ def test_session_arguments_are_checked_before_cast_prepares_its_costs(pair):
     assert prepared == []
     eng.session(SamplingParams(), max_rows=2)
     assert prepared == [2]
+
+
+@pytest.mark.parametrize("method", ["dynatree", "cast", "eagle2"])
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_calls_inside_and_outside_inference_mode_mix(pair, method, static_shapes):
+    """One engine called inside `torch.inference_mode()`, then outside it, then inside again, as
+    a notebook or a serving framework may: every call decodes the target's own greedy text. The
+    state kept from call to call (calibration tables, KV caches, slot bookkeeping) was made as
+    inference tensors in the first call, and the second call's in-place updates of it raised
+    before steps ran under inference mode themselves (DynaTree's and CAST's calibration)."""
+    from specdec.cost import CostTable
+
+    target, draft = pair
+    options = {"cost_table": CostTable.synthetic(lambda b, c, n: 10.0 + 0.01 * b * n, lambda b, c, n: 1.0 + 0.01 * b * n)} if method == "cast" else {}
+    eng = SpeculativeEngine(target, make_policy(method, **options), GreedyRule(), ModelDraftSource(draft, static_shapes=static_shapes), eos_token_ids=[EOS], static_shapes=static_shapes)
+    with torch.no_grad():
+        refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=EOS, pad_token_id=0)[0, len(p) :].tolist() for p in PROMPTS[:3]]
+    for inside in (True, False, True):
+        with torch.inference_mode(inside):
+            outs = eng.generate(PROMPTS[:3], 16, batch_size=2)
+        assert [o.token_ids for o in outs] == refs, inside

@@ -117,6 +117,7 @@ class CapturedWalks:
         """Whether the run of `key` goes through the graphs (met before, and room for it)."""
         return self.uses.meet(key, MAX_WALK_KEYS) and room_for(self.graphs, key, self.uses)
 
+    @torch.inference_mode()  # (the buffers are inference tensors, written whatever mode the caller is in)
     def plan(self, tree: TokenTree, wavefront: bool = True) -> CapturedPlan:
         """Before the verify forward: the tree copied to the model's buffers, its `Wavefront`
         round widths computed there (a replay) and sent to the host. wavefront: False for child-by-child
@@ -142,6 +143,7 @@ class CapturedWalks:
             widths = Wavefront.of(static, host_counts=False).round_widths
         return CapturedPlan(walks=self, tree=static, counts=HostCopy(widths))
 
+    @torch.inference_mode()  # (the buffers are inference tensors, written whatever mode the caller is in)
     def verify(self, tests: TraversalTreeTests, plan: CapturedPlan, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
         """`TraversalTreeTests.verify` of the planned tree: its draws into buffers, then the walk
         replayed (or op by op at a key's first use)."""
@@ -168,6 +170,7 @@ class CapturedWalks:
         zeros = constants.full((b,), 0, torch.long, logits.device)
         return Verdict(path=packed[:, :d], accepted_len=packed[:, d], bonus_tokens=packed[:, d + 1], relaxed_count=zeros, fallback_count=zeros)
 
+    @torch.inference_mode()  # (the buffers are inference tensors, written whatever mode the caller is in)
     def relaxed(
         self, tests: TreeTests, plan: CapturedPlan, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, theta: float
     ) -> Verdict:
