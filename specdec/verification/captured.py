@@ -42,6 +42,7 @@ by op. SPECDEC_CAPTURE_WALKS=0 turns it off.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,9 +114,13 @@ class CapturedWalks:
             flat = self.buffers[key] = torch.empty(max(numel, 1), dtype=dtype, device=self.runner.device)
         return flat[:numel].view(shape)
 
-    def _replays(self, key: tuple[Any, ...]) -> bool:
-        """Whether the run of `key` goes through the graphs (met before, and room for it)."""
-        return self.uses.meet(key, MAX_WALK_KEYS) and room_for(self.graphs, key, self.uses)
+    def run(self, key: tuple[Any, ...], call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`call()` (tensor work on the buffers), replayed from its graph when `key` was met
+        before and there is room for it (captured at its second use), else op by op. A replay's
+        output is the graph's, overwritten by its next replay."""
+        if self.uses.meet(key, MAX_WALK_KEYS) and room_for(self.graphs, key, self.uses):
+            return self.graphs.run(key, call, keepalive=())
+        return call()
 
     @torch.inference_mode()  # (the buffers are inference tensors, written whatever mode the caller is in)
     def plan(self, tree: TokenTree, wavefront: bool = True) -> CapturedPlan:
@@ -137,10 +142,7 @@ class CapturedWalks:
         if not wavefront:
             return CapturedPlan(walks=self, tree=static, counts=None)
         key = ("plan", b, n, static.max_children, static.depth_bound, str(tree.tokens.device))
-        if self._replays(key):
-            widths = self.graphs.run(key, lambda: Wavefront.of(static, host_counts=False).round_widths, keepalive=())
-        else:
-            widths = Wavefront.of(static, host_counts=False).round_widths
+        widths = self.run(key, lambda: Wavefront.of(static, host_counts=False).round_widths)  # [N]
         return CapturedPlan(walks=self, tree=static, counts=HostCopy(widths))
 
     @torch.inference_mode()  # (the buffers are inference tensors, written whatever mode the caller is in)
@@ -165,7 +167,7 @@ class CapturedWalks:
             "walk", type(tests), b, n, vocab, logits.dtype, None if draft is None else draft.dtype, tree.max_children, tree.depth_bound,
             tuple(padded), params, str(logits.device),
         )  # fmt: skip
-        packed = (self.graphs.run(key, walk, keepalive=()) if self._replays(key) else walk()).clone()  # [B, D + 2]: out of the graph's output
+        packed = self.run(key, walk).clone()  # [B, D + 2], out of the graph's output
         d = packed.shape[1] - 2
         zeros = constants.full((b,), 0, torch.long, logits.device)
         return Verdict(path=packed[:, :d], accepted_len=packed[:, d], bonus_tokens=packed[:, d + 1], relaxed_count=zeros, fallback_count=zeros)
@@ -185,7 +187,7 @@ class CapturedWalks:
         logits = self.buffer("logits", target_logits)
         draft = tree.draft_logprobs
 
-        def run() -> torch.Tensor:
+        def tested() -> torch.Tensor:
             m = margins(logits, theta)
             fields = tests.tests(tree, ChildTable.of(tree), logits, params, uniform, race, outright=outright_children(tree, m), fallback=m.fallback)
             path, rest = fields[0], [f[:, None] for f in fields[1:]]
@@ -195,6 +197,6 @@ class CapturedWalks:
             "relaxed", type(tests), theta, b, n, vocab, logits.dtype, None if draft is None else draft.dtype, k, tree.depth_bound, params,
             str(logits.device),
         )  # fmt: skip
-        packed = (self.graphs.run(key, run, keepalive=()) if self._replays(key) else run()).clone()  # [B, D + 4]
+        packed = self.run(key, tested).clone()  # [B, D + 4], out of the graph's output
         d = packed.shape[1] - 4
         return Verdict(path=packed[:, :d], accepted_len=packed[:, d], bonus_tokens=packed[:, d + 1], relaxed_count=packed[:, d + 2], fallback_count=packed[:, d + 3])
