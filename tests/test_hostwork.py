@@ -229,6 +229,17 @@ def test_level_capture_setting_reads_all_none_or_the_default():
     assert ModelRunner(sharpen(tiny_model("llama", seed=0)), static_shapes=True).level_graphs is None
 
 
+def test_walk_capture_setting_reads_on_unless_zero():
+    from specdec.models.runner import CAPTURE_WALKS_ENV, capture_walks_default
+
+    assert capture_walks_default({}) and capture_walks_default({CAPTURE_WALKS_ENV: "1"})  # on with CUDA graphs unless turned off
+    assert not capture_walks_default({CAPTURE_WALKS_ENV: "0"}) and not capture_walks_default({CAPTURE_WALKS_ENV: "off"})
+    with pytest.raises(SpecDecError, match=f"{CAPTURE_WALKS_ENV}='maybe' is not understood; set it to 1 \\(capture the verification walk"):
+        capture_walks_default({CAPTURE_WALKS_ENV: "maybe"})
+    # a CPU runner never has walk graphs (they need CUDA graphs), whatever the environment
+    assert ModelRunner(sharpen(tiny_model("llama", seed=0)), static_shapes=True).walk_graphs is None
+
+
 def test_untimed_forwards_leave_engine_efficiency_unmeasured_and_output_unchanged(monkeypatch):
     target, draft = sharpen(tiny_model("llama", seed=0)), sharpen(tiny_model("llama", seed=1))
     prompts = [[5, 6, 7, 8, 9], [3, 4]]
