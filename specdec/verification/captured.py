@@ -18,7 +18,8 @@ levels captured, most of them this walk. Here the plan and the walk are each one
   for the plan's round widths, which `plan` sends to the host before the forward, as op by op).
   The rounds keep their number, and every round takes the widest one's node bucket: padding slots
   change no result (`TraversalTreeTests.states`), and the keys stay few (EAGLE-2 at T = 1 on the
-  bundled pair: 7 keys over 257 steps at B = 1, DynaTree 15; per-round buckets would give 15 and 38).
+  bundled pair: 7 keys over 257 steps at B = 1, DynaTree 15; per-round buckets would give 15 and 38,
+  `benchmarks/captured-levels/walk_keys.py`).
 - **Second use.** A key met for the first time runs op by op (on the same buffers); its second
   use captures it, later ones replay. Beyond `MAX_WALK_GRAPHS` a key is captured only in place
   of a stale graph (`room_for`), as captured drafting levels do.
