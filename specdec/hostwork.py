@@ -115,6 +115,7 @@ _DATA_DEPENDENT_OPS = frozenset(
 _METADATA_OPS = frozenset(
     {
         torch.ops.aten.detach.default,
+        torch.ops.aten.detach_.default,  # (in place: a tensor's autograd metadata, no kernel; inference-mode steps issue it)
         torch.ops.aten.lift_fresh.default,
         torch.ops.aten._local_scalar_dense.default,  # counted as a host read instead
         torch.ops.aten.is_nonzero.default,

@@ -37,6 +37,17 @@ def test_counter_counts_ops_and_reads_outside_uncounted_regions():
     assert counter.host_bytes == 4 + 6 * 4  # a float32 scalar, then six floats
 
 
+def test_metadata_only_ops_are_not_counted():
+    """`detach_` (issued by inference-mode steps) changes a tensor's autograd metadata and
+    launches no kernel: not a working op, as a view is not."""
+    with torch.inference_mode():
+        x = torch.arange(6.0)
+        with HostWorkCounter(keep_names=True) as counter:
+            x.detach_()  # (outside inference mode it never reaches the dispatcher)
+            _ = x + 1
+    assert counter.ops == 1 and counter.op_names == {"add": 1}
+
+
 def test_counter_is_inactive_outside_its_block():
     with HostWorkCounter() as counter:
         pass
