@@ -26,6 +26,8 @@ levels captured, most of them this walk. Here the plan and the walk are each one
 - **Outputs copied out.** The walk's path, accepted length and bonus come out of the graph as
   one packed tensor, copied once (one op), so nothing of the step's verdict is overwritten by
   the next replay.
+- **Inference mode.** They run inside `DecodeSession.step`, which runs under `torch.inference_mode()`, so
+  the buffers are made and written in one mode.
 - **One thread.** The buffers are the target model's (shared by every engine over it, as its
   forward graphs are); the first thread to verify with them owns them while it lives and others
   walk op by op (`ModelRunner.claims_walks`).
@@ -123,7 +125,6 @@ class CapturedWalks:
             return self.graphs.run(key, call, keepalive=())
         return call()
 
-    @torch.inference_mode()  # (the buffers are inference tensors, written whatever mode the caller is in)
     def plan(self, tree: TokenTree, wavefront: bool = True) -> CapturedPlan:
         """Before the verify forward: the tree copied to the model's buffers, its `Wavefront`
         round widths computed there (a replay) and sent to the host. wavefront: False for child-by-child
@@ -146,7 +147,6 @@ class CapturedWalks:
         widths = self.run(key, lambda: Wavefront.of(static, host_counts=False).round_widths)  # [N]
         return CapturedPlan(walks=self, tree=static, counts=HostCopy(widths))
 
-    @torch.inference_mode()  # (the buffers are inference tensors, written whatever mode the caller is in)
     def verify(self, tests: TraversalTreeTests, plan: CapturedPlan, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
         """`TraversalTreeTests.verify` of the planned tree: its draws into buffers, then the walk
         replayed (or op by op at a key's first use)."""
@@ -173,7 +173,6 @@ class CapturedWalks:
         zeros = constants.full((b,), 0, torch.long, logits.device)
         return Verdict(path=packed[:, :d], accepted_len=packed[:, d], bonus_tokens=packed[:, d + 1], relaxed_count=zeros, fallback_count=zeros)
 
-    @torch.inference_mode()  # (the buffers are inference tensors, written whatever mode the caller is in)
     def relaxed(
         self, tests: TreeTests, plan: CapturedPlan, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, theta: float
     ) -> Verdict:
