@@ -838,6 +838,18 @@ class DecodeSession:
             target_logits = engine.target.prefill(ids, mask, model_inputs, dense=len({len(p) for p in prompts}) == 1)
         else:
             target_logits = engine.target.replace_rows(batch_rows, ids, mask, model_inputs)
+        first = choose_tokens(target_logits, self.params, self.generator)  # [B']
+        first_ids = first.tolist()  # one read; on a GPU the target's prefill is done only here, so time to first token ends after it
+        t1 = time.perf_counter()
+        for r, request in enumerate(incoming):
+            stats = request.stats
+            stats.queue_s = t0 - request.submitted_at
+            stats.ttft_s = t1 - t0
+            request.admitted_at = t0
+            request.forward_s_at_admission = forward_s0
+            self._append(request, [first_ids[r]])  # (a streaming caller has its first token now)
+        # the draft's prefill after the first tokens: it does not choose them, so it does not
+        # delay them (on a GPU its kernels queue behind the read above); it counts as prefill
         if engine.source is not None and self._defers_draft_prefill(incoming, new_batch=batch_rows is None):
             if batch_rows is None:  # a new batch: the draft's cache gets its rows now, each holding its prompt's last token
                 # (replaced by the row's whole prefill in `_prefill_owed_drafts`; a row that finishes first never needs more)
@@ -846,17 +858,10 @@ class DecodeSession:
                 request.draft_prefill_owed = True
         elif engine.source is not None:
             engine.source.prefill(ids, mask, batch_rows, prompts=prompts)
-        first = choose_tokens(target_logits, self.params, self.generator)  # [B']
-        first_ids = first.tolist()  # one read; on a GPU the prefill is done only here, so time to first token ends after it
-        t1 = time.perf_counter()
-        self._admit_s += t1 - t0
-        for r, request in enumerate(incoming):
-            stats = request.stats
-            stats.queue_s = t0 - request.submitted_at
-            stats.prefill_s = stats.ttft_s = t1 - t0
-            request.admitted_at = t0
-            request.forward_s_at_admission = forward_s0
-            self._append(request, [first_ids[r]])
+        t2 = time.perf_counter()
+        self._admit_s += t2 - t0
+        for request in incoming:  # (one that finished at its first token ended before the draft's prefill)
+            request.stats.prefill_s = (t1 if request.done else t2) - t0
         return first
 
     def _defers_draft_prefill(self, incoming: list[DecodeRequest], new_batch: bool = False) -> bool:

@@ -385,3 +385,36 @@ def test_calls_inside_and_outside_inference_mode_mix(pair, method, static_shapes
         with torch.inference_mode(inside):
             outs = eng.generate(PROMPTS[:3], 16, batch_size=2)
         assert [o.token_ids for o in outs] == refs, inside
+
+
+def test_first_tokens_stream_before_the_drafts_prefill(pair):
+    """Admission hands each prompt's first token (chosen by the target alone) to its callback
+    before the draft's prefill runs, for a new batch and for a prompt joining a running one;
+    the draft's prefill counts in prefill time, not in time to first token, and the text is the
+    one decoded alone."""
+    alone = [engine(pair).generate([p], 12)[0].token_ids for p in PROMPTS[:3]]
+    eng = engine(pair)
+    events: list[tuple[str, object]] = []
+    prefill = eng.source.prefill
+
+    def logged_prefill(input_ids, attention_mask, rows=None, prompts=None):
+        events.append(("draft prefill", None if rows is None else tuple(rows)))
+        return prefill(input_ids, attention_mask, rows, prompts=prompts)
+
+    eng.source.prefill = logged_prefill
+    session = eng.session(max_rows=3)
+
+    def on_tokens(request, tokens):
+        if len(request.token_ids) == len(tokens):  # the first call: the first token
+            events.append(("first token", request.index))
+
+    requests = [session.submit(p, 12, on_tokens=on_tokens) for p in PROMPTS[:2]]
+    session.step()
+    requests.append(session.submit(PROMPTS[2], 12, on_tokens=on_tokens))
+    while not session.idle:
+        session.step()
+    assert events[:3] == [("first token", 0), ("first token", 1), ("draft prefill", None)]
+    assert events[3] == ("first token", 2) and events[4][0] == "draft prefill" and len(events[4][1]) == 1, events  # (its batch row)
+    assert [r.token_ids for r in requests] == alone
+    for r in requests:
+        assert 0 < r.stats.ttft_s < r.stats.prefill_s
