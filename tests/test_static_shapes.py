@@ -21,7 +21,7 @@ from specdec.errors import SpecDecError
 from specdec.methods import make_policy
 from specdec.models.graphs import resolve_cuda_graphs
 from specdec.models.runner import ModelRunner
-from specdec.models.static import BUCKETS, node_bucket
+from specdec.models.static import BUCKETS, MAX_OVERSIZE, OVERSIZE_SLACK, StoragePool, node_bucket
 from specdec.sources import ModelDraftSource
 from specdec.verification import GreedyRule
 
@@ -265,6 +265,49 @@ def test_cpu_runners_reuse_released_storage_and_its_stale_values_stay_hidden():
     fresh.prefill(prompt, torch.ones_like(prompt))
     assert fresh.cache.storage.data_ptr() != address
     assert torch.equal(first.forward(*step), fresh.forward(*step))
+
+
+def test_cpu_storage_is_reused_after_the_batch_shrank_and_at_another_width():
+    """A batch that shrank (`keep_rows` narrows the storage to its first rows as rows finish) gives
+    back its whole storage, and the next call's cache, of more rows and another prompt width (no
+    exact shape in common), takes it: the old pool matched shapes exactly, so a grouped call at
+    B = 16 zeroed fresh storage for each cache. The stale values stay hidden: the logits equal a
+    runner's on fresh storage."""
+    model = tiny_model("llama", seed=0)
+    first = ModelRunner(model)
+    first._pool = StoragePool(max_bytes=2**30, by_bytes=True)  # this test's own, as `cpu_pool` makes them
+    ids = torch.randint(3, 60, (4, 9))
+    first.prefill(ids, torch.ones_like(ids))
+    address = first.cache.storage.data_ptr()
+    first.keep_rows([0, 1])  # two rows finished: the storage is a view of the first two rows now
+    assert first.cache.storage.shape[2] == 2 and first.cache.storage.data_ptr() == address
+    first.reset(3)  # the call ended; a new batch of 3 rows, 5-token prompts
+    prompt = torch.randint(3, 60, (3, 5))
+    first.prefill(prompt, torch.ones_like(prompt))
+    assert first.cache.storage.data_ptr() == address and first.cache.storage.shape[2] == 3
+    fresh = ModelRunner(model)
+    fresh._pool = None  # zeroed storage of its own
+    fresh.prefill(prompt, torch.ones_like(prompt))
+    step = torch.randint(3, 60, (3, 2)), torch.tensor([[5, 6]] * 3), torch.ones(3, 2, 2, dtype=torch.bool).tril()
+    assert torch.equal(first.forward(*step), fresh.forward(*step))
+
+
+def test_a_pool_by_bytes_serves_the_smallest_fitting_storage_of_the_same_dtype():
+    pool = StoragePool(max_bytes=10**6, by_bytes=True)
+    small, large, halves = torch.zeros(2, 50), torch.zeros(4, 100), torch.zeros(300, dtype=torch.float16)
+    pool.give([(large.narrow(0, 0, 1), 0, 1), (small, 0, 1), (large, 0, 1), (halves, 0, 0)])  # `large` twice: kept once
+    assert sorted(t.numel() for t, _, _ in pool.free) == [100, 300, 400]
+    cpu = torch.device("cpu")
+    taken = pool.take((3, 30), torch.float32, cpu)  # 90 elements: `small` is the smallest that holds them
+    assert taken is not None and taken.shape == (3, 30) and taken.is_contiguous() and taken.data_ptr() == small.data_ptr()
+    assert pool.take((2, 150), torch.float32, cpu).data_ptr() == large.data_ptr()  # 300 of 400
+    assert pool.take((2, 150), torch.float32, cpu) is None  # the float16 storage is not lent as float32
+    assert pool.take((10, 30), torch.float16, cpu).data_ptr() == halves.data_ptr()
+    assert pool.capacity_for(2, 64) is None  # any width fits some storage: the asked one stands
+    huge = torch.zeros(MAX_OVERSIZE * 1000 + OVERSIZE_SLACK + 1)
+    pool.give([(huge, 0, 0)])
+    assert pool.take((1000,), torch.float32, cpu) is None  # a small cache would hold it from a large one
+    assert pool.take((1001,), torch.float32, cpu).data_ptr() == huge.data_ptr()
 
 
 def test_storage_pool_keeps_its_byte_budget():

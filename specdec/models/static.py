@@ -16,6 +16,7 @@ the addresses a graph captured repeat across runs and engines.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -46,6 +47,10 @@ MAX_BUFFERS = 32
 
 MAX_POOLED = 8
 """released storage tensors kept per model for reuse"""
+
+MAX_OVERSIZE = 4
+OVERSIZE_SLACK = 2**16
+"""a pool by bytes lends a storage of at most MAX_OVERSIZE times the asked elements plus OVERSIZE_SLACK"""
 
 CPU_POOL_BYTES = 2 * 2**30
 """released storage kept per model on a CPU without static shapes (`cpu_pool`)"""
@@ -177,8 +182,9 @@ class StaticInputs:
 
 @dataclass(eq=False)
 class StoragePool:
-    """Released KV storage tensors of one model. A new cache of the same rows takes its storage
-    from here (stale values, hidden by the mask until overwritten), so storage addresses repeat
+    """Released KV storage tensors of one model. A new cache takes its storage from here (of the
+    same shape with static shapes, any that holds it on a CPU: `by_bytes`; stale values, hidden by
+    the mask until overwritten), so storage addresses repeat
     across runs (CUDA graphs capture them) and, on a CPU, a new cache does not pay for fresh
     pages (zeroing 150 MB of new storage took 38 ms to 340 ms per call on the AMD EPYC, page
     faults included). Entries: (tensor, batch dim, slot dim), most recently released last; at
@@ -188,9 +194,19 @@ class StoragePool:
     max_tensors: int = MAX_POOLED
     max_bytes: int | None = None
     """None: no limit (static shapes, whose storage CUDA graphs hold on to anyway)"""
+    by_bytes: bool = False
+    """False (static shapes): `take` hands out a released tensor of exactly the asked shape (a
+    captured graph's addresses belong to one shape). True (a CPU without static shapes): a
+    released tensor is kept as its whole storage, flat ([N], batch and slot dims 0), and `take`
+    serves any shape that fits in one, from the smallest that does. A batch's cache ends its call
+    cut to its last rows (`ModelRunner.keep_rows` narrows the storage), and the next call's prompts
+    set another width, so exact shapes almost never met again: at B = 16 on the bundled pair the
+    zeroed storage of each call's target and draft caches took 0.15-0.4 s of a 5-6 s call."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def give(self, entries: list[tuple[torch.Tensor, int, int]]) -> None:
+        if self.by_bytes:
+            entries = self._whole_storages(entries)
         with self.lock:
             self.free.extend(entries)
             del self.free[: max(0, len(self.free) - self.max_tensors)]
@@ -201,11 +217,16 @@ class StoragePool:
     def capacity_for(self, rows: int, needed: int) -> int | None:
         """The capacity of a pooled storage for `rows` rows that fits `needed` slots without
         being much wider (attention in static mode spans the whole capacity): the smallest such."""
+        if self.by_bytes:  # any width fits some storage: the asked capacity stands
+            return None
         with self.lock:
             fits = [t.shape[slot_dim] for t, batch_dim, slot_dim in self.free if t.shape[batch_dim] == rows and needed <= t.shape[slot_dim] <= 2 * needed + 256]
         return min(fits) if fits else None
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A released tensor of `shape` (stale values), or None when none fits."""
+        if self.by_bytes:
+            return self._take_fitting(shape, dtype, device)
         with self.lock:
             for i in range(len(self.free) - 1, -1, -1):
                 t = self.free[i][0]
@@ -213,6 +234,37 @@ class StoragePool:
                     del self.free[i]
                     return t
         return None
+
+    def _take_fitting(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """`take` of a `by_bytes` pool: the first elements of the smallest flat storage of this
+        dtype and device that holds `shape`, viewed as `shape` (contiguous); none much larger
+        (`MAX_OVERSIZE`): a small cache (one prompt group's prefill, a batch of 1 after one of 16)
+        would hold it while the large cache that follows zeroes fresh storage."""
+        needed = math.prod(shape)
+        with self.lock:
+            fits = [
+                i for i, (t, _, _) in enumerate(self.free) if t.dtype == dtype and t.device == device and needed <= t.numel() <= MAX_OVERSIZE * needed + OVERSIZE_SLACK
+            ]
+            if not fits:
+                return None
+            best = min(fits, key=lambda i: self.free[i][0].numel())
+            flat = self.free.pop(best)[0]
+        return flat[:needed].view(shape)
+
+    @staticmethod
+    def _whole_storages(entries: list[tuple[torch.Tensor, int, int]]) -> list[tuple[torch.Tensor, int, int]]:
+        """Each entry's whole storage as a flat tensor of its dtype (a narrowed view gives back the
+        rows it no longer shows too), each storage once."""
+        flats: list[tuple[torch.Tensor, int, int]] = []
+        seen: set[int] = set()
+        for t, _, _ in entries:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() < t.element_size():
+                continue
+            seen.add(storage.data_ptr())
+            n = storage.nbytes() // t.element_size()
+            flats.append((torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,)), 0, 0))
+        return flats
 
 
 @dataclass(eq=False)
@@ -316,7 +368,7 @@ def cpu_pool(model: torch.nn.Module) -> StoragePool:
     (at most `CPU_POOL_BYTES`): a later cache of the same rows reuses pages already mapped."""
     pool = _CPU_POOLS.get(model)
     if pool is None:
-        pool = _CPU_POOLS[model] = StoragePool(max_bytes=CPU_POOL_BYTES)
+        pool = _CPU_POOLS[model] = StoragePool(max_bytes=CPU_POOL_BYTES, by_bytes=True)
     return pool
 
 
