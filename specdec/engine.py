@@ -950,7 +950,7 @@ class DecodeSession:
             else:
                 old = len(self.rows)
                 order = list(range(old)) + [0] * len(incoming)
-                self.engine.target.keep_rows(torch.tensor(order, dtype=torch.long))
+                self.engine.target.keep_rows(order)  # a host list: the rows a cut left behind are reused when there are enough
                 if self.engine.source is not None:
                     self.engine.source.keep_rows(order)
                 self.rows = self.rows + incoming

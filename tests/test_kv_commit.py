@@ -498,3 +498,47 @@ def test_when_every_row_finishes_at_once_the_waiting_prompts_start_a_new_batch(m
     assert [o.token_ids for o in out] == alone
     assert calls == {"prefill": 2, "replace_rows": 0}
     assert widths == [12, 3]  # the second batch's cache is as wide as its own prompts
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "deepseek_v3"])
+def test_a_batch_that_shrank_grows_back_in_its_own_storage(arch):
+    """Rows finishing cut the storage to a view of its first rows; prompts joining later (an order
+    that keeps every row and appends rows, as `DecodeSession._fill_rows` asks) widen the view over
+    the rows left behind, copying only the appended rows: no new storage (the full gather copied
+    the whole cache, 35-120 ms a join on the CPU for the bundled target), and the same caches,
+    logits and commits as a full gather. Growth past the rows the storage was laid out for falls
+    back to the full gather. DeepSeek-V3: keys and values of different shapes in one storage."""
+    from conftest import tiny_any_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = tiny_model(arch, seed=0) if arch != "deepseek_v3" else AutoModelForCausalLM.from_config(tiny_any_config(arch)).eval()
+    ids = torch.tensor([[3 + r, 4, 5 + r, 6, 7 + 2 * r] for r in range(6)])
+    runners = []
+    for how in ("list", "tensor"):
+        runner = ModelRunner(model)
+        runner.prefill(ids, torch.ones_like(ids))
+        runner.keep_rows(hole_filling_order([False, True, False, True, False, False]))  # 4 rows: [0, 4, 2, 5]
+        address = runner.cache.storage.data_ptr()
+        grow = [0, 1, 2, 3, 1, 0]  # two rows join (copies of rows 1 and 0 until their prefill)
+        runner.keep_rows(grow if how == "list" else torch.tensor(grow))
+        assert runner.cache.rows == 6 and runner.slot_valid.shape[0] == 6
+        assert (runner.cache.storage.data_ptr() == address) == (how == "list")  # the list grows in place
+        runners.append(runner)
+    fast, full = runners
+    for r in range(6):
+        for got, ref in zip(committed_keys(fast, r), committed_keys(full, r), strict=True):
+            assert torch.equal(got, ref)
+    step = torch.tensor([[11], [12], [13], [14], [15], [16]])
+    outs = [runner.forward(step, runner.committed_len()[:, None], torch.ones(6, 1, 1, dtype=torch.bool)) for runner in runners]
+    assert torch.equal(outs[0], outs[1])
+    for runner in runners:
+        runner.commit(torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1, dtype=torch.bool))
+    for r in range(6):
+        for got, ref in zip(committed_keys(fast, r), committed_keys(full, r), strict=True):
+            assert torch.equal(got, ref)
+    # past the 6 rows the storage was laid out for: a new storage, the same contents
+    fast.keep_rows([0, 1, 2, 3, 4, 5, 2])
+    assert fast.cache.rows == 7 and fast.cache.storage.data_ptr() != address
+    for got, ref in zip(committed_keys(fast, 6), committed_keys(full, 2), strict=True):
+        assert torch.equal(got, ref)
