@@ -2,7 +2,8 @@
 # One device-tool call per stage, each well inside the 10-minute limit of one command:
 #
 #   bash benchmarks/gpu/run.sh next    # first call of a 15-minute lease (2026-12-01): pair, CAST and DynaTree levels on / off, the issue-18 bench
-#   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included)
+#   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included), then bundled-t1
+#   bash benchmarks/gpu/run.sh bundled-t1  # the bundled pair at T = 1, B = 1: issue 19's bar (eagle2, dynatree against the chain) on a GPU
 #   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
 #   bash benchmarks/gpu/run.sh sweep   # the same pair; ar, hf (batched generate), chain, static, eagle2, dynatree (measured / 64-token free width), cast (break-even / paper rules) at B = 1-16
 #   bash benchmarks/gpu/run.sh ab      # the same bench with this tree and with an older package copy (OLD_PKG), in one call
@@ -24,7 +25,7 @@
 # Locally (no GPU) `SHAPE=tiny-llama DEVICE=cpu OUT=/tmp/gpu bash benchmarks/gpu/run.sh b1` checks
 # the commands run; figures from it mean nothing.
 set -uo pipefail
-stage=${1:?usage: run.sh next|tests|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|unmeasured|unmeasured-t1|depth-t1|compile|pair|costs}
+stage=${1:?usage: run.sh next|tests|bundled-t1|smoke|b1|sweep|sampling|profile|host|trace|ab|levels|levels-t1|unmeasured|unmeasured-t1|depth-t1|compile|pair|costs}
 OUT=${OUT:?set OUT to the folder for results}
 SHAPE=${SHAPE:-llama-3.2-3b}
 DEVICE=${DEVICE:-cuda}
@@ -60,6 +61,12 @@ levels_t1() {  # captured levels on / off at T = 1, B = 1 (levels_ab.py, seeded)
   $PY benchmarks/gpu/levels_ab.py --target "$PAIR/target" --draft "$PAIR/draft" --prompts "$PAIR/prompts.jsonl" --device "$DEVICE" \
     --methods "${LEVELS_T1_METHODS:-chain,eagle2,static,dynatree,cast}" --temperature 1 --out "$OUT/levels-t1" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/levels.log"
   tar -czf "$OUT/levels-t1.tar.gz" -C "$OUT" levels-t1 && rm -rf "${OUT:?}/levels-t1"
+}
+
+bundled_t1() {  # the bundled pair (no synthetic pair needed) at T = 1, B = 1: issue 19's methods and the chain, with AR and HF beside them
+  timeout "${BUNDLED_T1_S:-150}" specdec bench --prompts stdlib-heldout --device "$DEVICE" --methods "${BUNDLED_T1_METHODS:-ar,hf,chain,eagle2,dynatree,cast}" \
+    --temperature 1 --seed 0 --num-prompts 16 --max-new-tokens 96 --repeats 1 --no-progress --out "$OUT/bundled-t1" 2>&1 | grep -v "Loading weights" | tee "$OUT/bundled-t1.log"
+  tar -czf "$OUT/bundled-t1.tar.gz" -C "$OUT" bundled-t1 && rm -rf "${OUT:?}/bundled-t1"
 }
 
 case "$stage" in
@@ -108,6 +115,12 @@ case "$stage" in
     OMP_NUM_THREADS=1 timeout "${TESTS_LIMIT_S:-420}" $PY -m pytest -q --maxfail=30 -p no:cacheprovider "${xdist[@]}" tests "${ignore[@]}" -rs --durations=15 2>&1 | tee "$OUT/tests.log"
     wait
     cat "$OUT/pair-bg.log"
+    # issue 19's bar on its own terms: the bundled pair at T = 1 (eagle2 and dynatree against the K = 5 chain's
+    # τ and tokens/s), on the GPU, where verifying 32 tokens costs about one token's (BUNDLED_T1_S=0 skips it)
+    [ "${BUNDLED_T1_S:-150}" -gt 0 ] && bundled_t1
+    ;;
+  bundled-t1)  # the same on its own
+    bundled_t1
     ;;
   smoke)  # a few prompts of the main methods on the pair: does every path run at this size, and what it costs
     pair
