@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call per stage, each well inside the 10-minute limit of one command:
 #
-#   bash benchmarks/gpu/run.sh next    # first call of a 15-minute lease (2026-12-01): pair, CAST and DynaTree levels on / off, the issue-18 bench
+#   bash benchmarks/gpu/run.sh next    # second call of a 15-minute lease, at once after tests (which builds the pair): CAST and DynaTree levels on / off, the issue-18 bench
 #   bash benchmarks/gpu/run.sh tests   # the test suite on the GPU machine (CUDA tests included), then bundled-t1
 #   bash benchmarks/gpu/run.sh bundled-t1  # the bundled pair at T = 1, B = 1: issue 19's bar (eagle2, dynatree against the chain) on a GPU
 #   bash benchmarks/gpu/run.sh b1      # synthetic 3B pair; every method and the HF peers at B = 1
