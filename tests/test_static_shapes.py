@@ -297,6 +297,8 @@ def test_a_pool_by_bytes_serves_the_smallest_fitting_storage_of_the_same_dtype()
     small, large, halves = torch.zeros(2, 50), torch.zeros(4, 100), torch.zeros(300, dtype=torch.float16)
     pool.give([(large.narrow(0, 0, 1), 0, 1), (small, 0, 1), (large, 0, 1), (halves, 0, 0)])  # `large` twice: kept once
     assert sorted(t.numel() for t, _, _ in pool.free) == [100, 300, 400]
+    pool.give([(small, 0, 1)])  # given again while pooled: still one entry, never lent twice
+    assert sorted(t.numel() for t, _, _ in pool.free) == [100, 300, 400]
     cpu = torch.device("cpu")
     taken = pool.take((3, 30), torch.float32, cpu)  # 90 elements: `small` is the smallest that holds them
     assert taken is not None and taken.shape == (3, 30) and taken.is_contiguous() and taken.data_ptr() == small.data_ptr()

@@ -968,8 +968,8 @@ class ModelRunner:
         `appended`: when every storage tensor is a cut of one laid out for enough rows (a batch
         that shrank as rows finished, then grows as prompts join, as a server's does), widen the
         views and copy only the appended rows. A full copy of the cache (the other way) took
-        35-120 ms a joining prompt for the bundled target at B = 4-15 on the CPU. False when a
-        tensor lacks the room (nothing changed then)."""
+        29-359 ms a joining prompt for the bundled target at B = 4-16 on the CPU, this 2.6-3.5 ms
+        (benchmarks/cpu-grow-in-place). False when a tensor lacks the room (nothing changed then)."""
         cache = self._cache()
         rows = cache.rows + len(appended)
         widened = [(_widened(t, batch_dim, rows), batch_dim) for t, batch_dim, _ in cache.tensors()]

@@ -208,6 +208,9 @@ class StoragePool:
         if self.by_bytes:
             entries = self._whole_storages(entries)
         with self.lock:
+            if self.by_bytes:  # a storage is lent to one cache at a time: never pooled twice
+                pooled = {t.untyped_storage().data_ptr() for t, _, _ in self.free}
+                entries = [e for e in entries if e[0].untyped_storage().data_ptr() not in pooled]
             self.free.extend(entries)
             del self.free[: max(0, len(self.free) - self.max_tensors)]
             if self.max_bytes is not None:
