@@ -544,3 +544,19 @@ def test_a_batch_that_shrank_grows_back_in_its_own_storage(arch):
     assert fast.cache.rows == 7 and fast.cache.storage.data_ptr() != old_storage.data_ptr() == addresses[0]
     for got, ref in zip(committed_keys(fast, 6), committed_keys(full, 2), strict=True):
         assert torch.equal(got, ref)
+
+
+def test_a_cut_view_widens_only_over_rows_its_storage_lays_out():
+    """`_widened` widens a cut of the batch dimension within the rows the storage holds in that
+    layout, and refuses a widening that would address an element twice (another dimension's data
+    interleaved after the rows) or reach past the storage."""
+    from specdec.models.runner import _widened
+
+    base = torch.arange(3 * 2 * 8 * 4 * 5, dtype=torch.float32).reshape(3, 2, 8, 4, 5)  # [L, 2, B, H, D], laid out for 8 rows
+    wide = _widened(base.narrow(2, 0, 5), 2, 8)
+    assert wide is not None and torch.equal(wide, base)  # the rows the cut left behind, in place
+    assert _widened(base.narrow(2, 0, 5), 2, 9) is None  # past the layout's 8 rows
+    heads_outside = torch.zeros(3, 2, 4, 8, 5).permute(0, 1, 3, 2, 4)  # rows inside the heads' stride: stride(1) / stride(2) = 32
+    assert _widened(heads_outside.narrow(2, 0, 5), 2, 8) is not None
+    assert _widened(heads_outside.narrow(2, 0, 5), 2, 9) is None  # row 8 would be the next head's row 0
+    assert _widened(torch.zeros(8, 3)[:5], 0, 6) is None  # a batch dimension first: no layout to read

@@ -310,6 +310,11 @@ def _widened(t: torch.Tensor, batch_dim: int, rows: int) -> torch.Tensor | None:
     last = t.storage_offset() + sum((n - 1) * st for n, st in zip(size, t.stride(), strict=True))
     if any(n == 0 for n in size) or last >= t.untyped_storage().nbytes() // t.element_size():
         return None
+    span = -1  # the widened view must not address one element twice (a layout where other dims interleave with rows)
+    for st, n in sorted((st, n) for n, st in zip(size, t.stride(), strict=True) if n > 1):
+        if st <= span:
+            return None
+        span += (n - 1) * st
     return t.as_strided(size, t.stride(), t.storage_offset())
 
 
