@@ -418,3 +418,26 @@ def test_first_tokens_stream_before_the_drafts_prefill(pair):
     assert [r.token_ids for r in requests] == alone
     for r in requests:
         assert 0 < r.stats.ttft_s < r.stats.prefill_s
+
+
+def test_a_prompt_joining_a_shrunken_batch_grows_it_in_its_own_storage(pair):
+    """Rows finish and leave (the storage is cut to a view), then a prompt joins: the batch grows
+    back inside the target's and the draft's storage, not into new storage (a full copy of both
+    caches per join), and every prompt still decodes as it does alone."""
+    alone = [engine(pair).generate([p], n)[0].token_ids for p, n in ((PROMPTS[0], 3), (PROMPTS[1], 3), (PROMPTS[2], 20), (PROMPTS[3], 6))]
+    eng = engine(pair)
+    session = eng.session(max_rows=3)
+    requests = [session.submit(PROMPTS[0], 3), session.submit(PROMPTS[1], 3), session.submit(PROMPTS[2], 20)]
+    session.step()
+    addresses = (eng.target.cache.storage.data_ptr(), eng.source.runner.cache.storage.data_ptr())
+    while len(session.rows) == 3:
+        session.step()
+    left = len(session.rows)  # a short row (or both) left, the storage cut to the rows still running
+    assert left < 3 and not any(r.done for r in session.rows)
+    requests.append(session.submit(PROMPTS[3], 6))
+    session.step()  # it joins: the batch grows by one row (6 tokens: it cannot finish in this step)
+    assert any(r is requests[3] for r in session.rows)
+    assert (eng.target.cache.storage.data_ptr(), eng.source.runner.cache.storage.data_ptr()) == addresses
+    while not session.idle:
+        session.step()
+    assert [r.token_ids for r in requests] == alone
