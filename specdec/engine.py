@@ -950,9 +950,11 @@ class DecodeSession:
             else:
                 old = len(self.rows)
                 order = list(range(old)) + [0] * len(incoming)
-                self.engine.target.keep_rows(order)  # a host list: the rows a cut left behind are reused when there are enough
+                # a host list: the rows a cut left behind are reused when there are enough, and a
+                # batch growing past them moves into storage with room to grow on (on a CPU)
+                self.engine.target.keep_rows(order, room=self.max_rows)
                 if self.engine.source is not None:
-                    self.engine.source.keep_rows(order)
+                    self.engine.source.keep_rows(order, room=self.max_rows)
                 self.rows = self.rows + incoming
                 first = self._admit(incoming, list(range(old, old + len(incoming))))
                 self.roots = torch.cat([self.roots, first.to(self.roots.device)])

@@ -441,3 +441,28 @@ def test_a_prompt_joining_a_shrunken_batch_grows_it_in_its_own_storage(pair):
     while not session.idle:
         session.step()
     assert [r.token_ids for r in requests] == alone
+
+
+def test_a_batch_ramping_up_one_prompt_at_a_time_copies_its_caches_a_few_times(pair):
+    """A server's ramp-up: prompts join one a step until `max_rows` run. The batch outgrows its
+    storage at 2 rows and moves into storage laid out for 4 (twice its rows, at most max_rows), so
+    the 4th prompt joins inside it, in both models' caches; every prompt decodes as it does alone."""
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[4]]  # (PROMPTS[1] ends at its second token)
+    alone = [engine(pair).generate([p], 40)[0].token_ids for p in prompts]
+    eng = engine(pair)
+    session = eng.session(max_rows=4)
+    requests = [session.submit(prompts[0], 40)]
+    moves = {"target": 0, "draft": 0}
+    for prompt in prompts[1:]:
+        session.step()
+        before = {"target": eng.target.cache.storage, "draft": eng.source.runner.cache.storage}
+        requests.append(session.submit(prompt, 40))
+        session.step()  # the prompt joins (40 tokens: nobody finishes this early)
+        assert not any(r.done for r in requests)
+        moves["target"] += eng.target.cache.storage.data_ptr() != before["target"].data_ptr()
+        moves["draft"] += eng.source.runner.cache.storage.data_ptr() != before["draft"].data_ptr()
+    assert len(session.rows) == 4
+    assert moves == {"target": 2, "draft": 2}  # at 2 and 3 rows (into room for 4); the 4th joined in place
+    while not session.idle:
+        session.step()
+    assert [r.token_ids for r in requests] == alone

@@ -546,6 +546,49 @@ def test_a_batch_that_shrank_grows_back_in_its_own_storage(arch):
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_a_batch_growing_past_its_storage_moves_into_storage_with_room(arch):
+    """A batch that grows past every size it had (a server ramping up, one prompt joining at a
+    time), given the most rows it may reach (`room`), moves into storage laid out for twice its
+    rows, at most `room`: the next joins grow in place, and caches, logits and commits equal those
+    of full gathers. Without `room` every such growth gathers (the rows exactly)."""
+    from conftest import tiny_any_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = tiny_model(arch, seed=0) if arch != "deepseek_v3" else AutoModelForCausalLM.from_config(tiny_any_config(arch)).eval()
+    ids = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]])
+    roomy, exact, full = ModelRunner(model), ModelRunner(model), ModelRunner(model)
+    for runner in (roomy, exact, full):
+        runner.prefill(ids, torch.ones_like(ids))
+    layouts, moves = [], 0
+    for rows in range(3, 8):  # 2 -> 7 rows, one joining at a time (a copy of row 1 until its prefill)
+        order = [*range(rows - 1), 1]
+        before = roomy.cache.storage
+        roomy.keep_rows(order, room=7)
+        exact.keep_rows(order)
+        full.keep_rows(torch.tensor(order))  # a tensor order: always the full gather
+        moves += roomy.cache.storage.data_ptr() != before.data_ptr()
+        storage = roomy.cache.storage  # [L, 2, B, H, capacity, D], a view of the first B rows of its layout
+        layouts.append(storage.stride(1) // storage.stride(2))
+        assert roomy.cache.rows == exact.cache.rows == rows
+        del before
+    assert layouts == [4, 4, 7, 7, 7]  # laid out for 2 x 2 rows, then for min(7, 2 x 4)
+    assert moves == 2  # at 3 and 5 rows; 4, 6 and 7 grew in place
+    assert exact.cache.storage.shape[2] == 7  # no room: exactly the rows
+    for r in range(7):
+        for got, ref in zip(committed_keys(roomy, r), committed_keys(full, r), strict=True):
+            assert torch.equal(got, ref)
+    step = torch.arange(11, 18)[:, None]
+    outs = [runner.forward(step, runner.committed_len()[:, None], torch.ones(7, 1, 1, dtype=torch.bool)) for runner in (roomy, full)]
+    assert torch.equal(outs[0], outs[1])
+    for runner in (roomy, full):
+        runner.commit(torch.zeros(7, 1, dtype=torch.long), torch.ones(7, 1, dtype=torch.bool))
+    for r in range(7):
+        for got, ref in zip(committed_keys(roomy, r), committed_keys(full, r), strict=True):
+            assert torch.equal(got, ref)
+
+
 def test_a_cut_view_widens_only_over_rows_its_storage_lays_out():
     """`_widened` widens a cut of the batch dimension within the rows the storage holds in that
     layout, and refuses a widening that would address an element twice (another dimension's data

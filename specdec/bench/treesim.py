@@ -97,7 +97,7 @@ class SimSource:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int] | None = None, prompts: Any = None) -> None:
         return None
 
-    def keep_rows(self, rows: list[int]) -> None:
+    def keep_rows(self, rows: list[int], room: int | None = None) -> None:
         return None
 
     def _base(self, b: int) -> torch.Tensor:

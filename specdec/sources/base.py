@@ -116,8 +116,11 @@ class DraftSource(Protocol):
         `MultimodalPrompt` carries images and text, from which a source builds its own view)."""
         ...
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Shrink the batch to `rows` (finished rows retire)."""
+    def keep_rows(self, rows: list[int], room: int | None = None) -> None:
+        """Shrink the batch to `rows` (finished rows retire), or grow it (an order that keeps
+        every row and appends rows, later overwritten by prompts joining). room: the most rows the
+        batch may reach (a session's `max_rows`; None: unknown), for sources that lay out storage
+        ahead (`ModelRunner.keep_rows`)."""
         ...
 
     always_proposes: bool

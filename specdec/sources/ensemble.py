@@ -245,8 +245,8 @@ class EnsembleDraftSource:
         for r in rows:
             self._cand_err[r], self._view_err[r], self.traces[r] = [], [], []
 
-    def keep_rows(self, rows: list[int]) -> None:
-        self.inner.keep_rows(self._rows(rows))
+    def keep_rows(self, rows: list[int], room: int | None = None) -> None:
+        self.inner.keep_rows(self._rows(rows), room=None if room is None else room * self.m)  # (the inner source runs m views a row)
         self._cand_err = [self._cand_err[r] for r in rows]
         self._view_err = [self._view_err[r] for r in rows]
         self.traces = [self.traces[r] for r in rows]

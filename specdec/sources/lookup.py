@@ -64,7 +64,7 @@ class LookupDraftSource:
             for row, prompt in zip(rows, prompts, strict=True):
                 self.history[row] = prompt
 
-    def keep_rows(self, rows: list[int]) -> None:
+    def keep_rows(self, rows: list[int], room: int | None = None) -> None:
         self.history = [self.history[r] for r in rows]
 
     def _propose(self, contexts: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -108,9 +108,9 @@ class ModelDraftSource:
         index = torch.tensor(rows, dtype=torch.long, device=dev)
         self.pending_valid[index] = False
 
-    def keep_rows(self, rows: list[int]) -> None:
+    def keep_rows(self, rows: list[int], room: int | None = None) -> None:
         index = torch.tensor(rows, dtype=torch.long, device=self.runner.device)
-        self.runner.keep_rows(rows)  # a host list: hole-filling orders copy only the moved rows
+        self.runner.keep_rows(rows, room=room)  # a host list: hole-filling orders copy only the moved rows
         self.pending_token = self.pending_token[index]
         self.pending_valid = self.pending_valid[index]
 
