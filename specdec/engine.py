@@ -34,7 +34,7 @@ from specdec.models.vocab import output_width
 from specdec.multimodal.inputs import MultimodalPrompt, is_multimodal, prefill_inputs
 from specdec.parsing import check_callback, check_max_draft_rows, check_seed
 from specdec.sampling import SamplingParams, choose_tokens
-from specdec.sources.base import DraftSource, TargetPath
+from specdec.sources.base import DraftSource, TargetPath, keep_source_rows
 from specdec.sources.lookup import LookupDraftSource
 from specdec.sources.model import ModelDraftSource
 from specdec.stats import GenerationStats, StepRecord
@@ -954,7 +954,7 @@ class DecodeSession:
                 # batch growing past them moves into storage with room to grow on (on a CPU)
                 self.engine.target.keep_rows(order, room=self.max_rows)
                 if self.engine.source is not None:
-                    self.engine.source.keep_rows(order, room=self.max_rows)
+                    keep_source_rows(self.engine.source, order, self.max_rows)
                 self.rows = self.rows + incoming
                 first = self._admit(incoming, list(range(old, old + len(incoming))))
                 self.roots = torch.cat([self.roots, first.to(self.roots.device)])

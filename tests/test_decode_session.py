@@ -466,3 +466,27 @@ def test_a_batch_ramping_up_one_prompt_at_a_time_copies_its_caches_a_few_times(p
     while not session.idle:
         session.step()
     assert [r.token_ids for r in requests] == alone
+
+
+class _SourceWithoutRoom(ModelDraftSource):
+    """A draft source written before `keep_rows` took `room`."""
+
+    def keep_rows(self, rows: list[int]) -> None:  # type: ignore[override]
+        super().keep_rows(rows)
+
+
+def test_a_source_whose_keep_rows_takes_no_room_still_joins_prompts(pair):
+    """`DecodeSession` passes `room` only to sources that take it (`keep_source_rows`): a source
+    written before the parameter grows its batch as before, and prompts decode as alone."""
+    target, draft = pair
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    alone = [engine(pair).generate([p], 30)[0].token_ids for p in prompts]
+    eng = SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), _SourceWithoutRoom(draft), eos_token_ids=[EOS], max_context=256)
+    session = eng.session(max_rows=3)
+    requests = []
+    for prompt in prompts:
+        requests.append(session.submit(prompt, 30))
+        session.step()
+    while not session.idle:
+        session.step()
+    assert [r.token_ids for r in requests] == alone

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -120,7 +122,7 @@ class DraftSource(Protocol):
         """Shrink the batch to `rows` (finished rows retire), or grow it (an order that keeps
         every row and appends rows, later overwritten by prompts joining). room: the most rows the
         batch may reach (a session's `max_rows`; None: unknown), for sources that lay out storage
-        ahead (`ModelRunner.keep_rows`)."""
+        ahead (`ModelRunner.keep_rows`); a source may leave the parameter out (`keep_source_rows`)."""
         ...
 
     always_proposes: bool
@@ -160,3 +162,20 @@ class DraftSource(Protocol):
     def forward_s(self) -> float:
         """Cumulative wall time inside model forwards (0 for sources without a model)."""
         ...
+
+
+def keep_source_rows(source: DraftSource, rows: list[int], room: int | None) -> None:
+    """`source.keep_rows(rows, room=room)`; without `room` for a source whose `keep_rows` does not
+    take it (one written before the parameter existed)."""
+    if room is not None and _keep_rows_takes_room(type(source)):
+        source.keep_rows(rows, room=room)
+    else:
+        source.keep_rows(rows)
+
+
+@functools.cache
+def _keep_rows_takes_room(cls: type) -> bool:
+    try:
+        return "room" in inspect.signature(cls.keep_rows).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):  # (no signature to read: call it the old way)
+        return False
