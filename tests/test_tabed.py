@@ -213,6 +213,31 @@ def test_text_pair_views_greedy():
     assert TruncatedView(3).encode([1, 2, 3, 4, 5]) == ([3, 4, 5], {})
 
 
+def test_text_pair_views_in_a_session_ramping_up():
+    """Prompts joining a running TABED batch one a step: the ensemble's draft runner holds m rows a
+    prompt, so its storage grows with room for m x max_rows (`keep_source_rows`); greedy output is
+    still the target's, and the draft's storage moves less often than once a join."""
+    target = tiny_model("llama", seed=0)
+    draft = tiny_model("llama", seed=5, layers=1)
+    prompts = [[12, 13, 14], [15, 16, 17, 18], [19, 20, 21, 22, 23], [30, 31, 32]]  # (none ends early)
+    expected = SpeculativeEngine(target, make_policy("ar"), GreedyRule(), None, eos_token_ids=[2]).generate(prompts, 16)
+    source = EnsembleDraftSource(draft, [PassThroughView(), TruncatedView(3)], EnsembleConfig(policy="softmax"))
+    engine = SpeculativeEngine(target, make_policy("chain", k=3), GreedyRule(), source, eos_token_ids=[2])
+    session = engine.session(max_rows=4)
+    requests, moves = [], 0
+    for prompt in prompts:
+        before = source.inner.runner.cache.storage if requests else None
+        requests.append(session.submit(prompt, 16))
+        session.step()
+        moves += before is not None and source.inner.runner.cache.storage.data_ptr() != before.data_ptr()
+        del before
+    assert source.inner.runner.cache.rows == 2 * len(prompts)  # m = 2 views a prompt
+    assert moves == 2  # at 2 and 3 prompts (room for 4 x 2 rows); the 4th joined in place
+    while not session.idle:
+        session.step()
+    assert [r.token_ids for r in requests] == [o.token_ids for o in expected]
+
+
 def test_sampling_with_the_ensemble_is_lossless():
     """Chi-square on the first three tokens (6-token vocabulary) against the exact target
     distribution, with the ensemble of a full and a truncated view as the proposal."""
