@@ -28,7 +28,7 @@ from specdec.errors import SpecDecError
 from specdec.hostwork import uncounted
 from specdec.models.loading import context_length, embedding_rows
 from specdec.models.runner import ModelRunner, hole_filling_order
-from specdec.models.static import WARM_UP_TOKENS, row_bucket
+from specdec.models.static import WARM_UP_TOKENS
 from specdec.models.support import image_prompt_problem
 from specdec.models.vocab import output_width
 from specdec.multimodal.inputs import MultimodalPrompt, is_multimodal, prefill_inputs
@@ -679,8 +679,6 @@ class DecodeSession:
             )
         self._retire_and_admit()
         self._fill_rows()
-        if self.rows:
-            self._pad_rows()
         if not self.rows:
             self._raise_callback_error()
             return None
@@ -962,34 +960,6 @@ class DecodeSession:
                 self.roots = torch.cat([self.roots, first.to(self.roots.device)])
             self._retire_and_admit()
 
-    def _pad_rows(self) -> None:
-        """Static shapes (CUDA graphs): lay a batch that grew (or started) out for its row bucket
-        (`models.static.row_bucket`, at most `max_rows`), the rows past the running ones padding
-        rows that ride along inactive, as finished rows do, until waiting prompts take their
-        places (`_retire_and_admit`). Every batch size is a graph key of its own: a server ramping
-        up from idle then meets 1, 2, 4, 8 and 16 rows instead of every size from 1 to 16, each
-        captured inside a request. A padding row starts as a copy of row 0 (caches, root, length),
-        so it rides within the models' context as row 0 does; not when rows cannot ride
-        (`_riders_fit`: prompts with images, rows near the end of a model's positions)."""
-        n = len(self.rows)
-        size = row_bucket(n, self.max_rows)
-        if not self.engine.target.static_shapes or size <= n or all(r.done for r in self.rows):
-            return
-        first = self.rows[0]
-        if not self._riders_fit([len(first.prompt) + len(first.token_ids)] * (size - n)):
-            return
-        order = list(range(n)) + [0] * (size - n)
-        self.engine.target.keep_rows(order)
-        if self.engine.source is not None:
-            keep_source_rows(self.engine.source, order, self.max_rows)
-        self.rows = self.rows + [
-            DecodeRequest(
-                index=-1, prompt=first.prompt, max_new_tokens=first.max_new_tokens, token_ids=list(first.token_ids), finish_reason="padding", finished_step=self.steps
-            )
-            for _ in range(size - n)
-        ]
-        self.roots = torch.cat([self.roots, self.roots[:1].expand(size - n)])
-
     def _retire_and_admit(self) -> None:
         """Between steps: finished rows take the next waiting prompts, or leave the batch (with
         static shapes they stay, inactive, until every row has finished).
@@ -1030,14 +1000,13 @@ class DecodeSession:
             self.rows = [self.rows[r] for r in keep]
             self.roots = self.roots[torch.tensor(keep, dtype=torch.long, device=self.roots.device)] if keep else self.roots[:0]
 
-    def _riders_fit(self, more: Sequence[int] = ()) -> bool:
+    def _riders_fit(self) -> bool:
         """Whether the finished rows can ride along to the end of the batch inside the models'
         context: a riding row's caches grow by its root each step (one slot, at the next
         position), for at most as many steps as the longest unfinished row has tokens left (each
         step commits at least one). A row near the end of a model's learned positions would index
         past them, so then the rows leave as without static shapes. Prompts with images (whose
-        length the model may expand) always leave. more: the lengths of rows about to ride too
-        (`_pad_rows`)."""
+        length the model may expand) always leave."""
         limits = [n for n in (self.engine.max_context, *self.engine.context_lengths()) if n is not None]
         if not limits:
             return True
@@ -1045,8 +1014,7 @@ class DecodeSession:
             return False
         left = max(r.max_new_tokens - len(r.token_ids) for r in self.rows if not r.done)
         ridden = [len(r.prompt) + len(r.token_ids) + self.steps - (self.steps if r.finished_step is None else r.finished_step) for r in self.rows if r.done]
-        ridden += more
-        return not ridden or max(ridden) + left + 1 <= min(limits)
+        return max(ridden) + left + 1 <= min(limits)
 
     def _append(self, request: DecodeRequest, new: list[int]) -> int:
         """Append `new` to a request's output, cutting at EOS and at its budget; returns the

@@ -967,28 +967,3 @@ def test_walk_buffers_share_one_tensor_and_growing_drops_the_walk_graphs():
     assert larger.data_ptr() != first.data_ptr() and not graphs.traces
     runner.walk_graphs = None
     assert CapturedWalks.for_step(runner) is None
-
-
-@pytest.mark.parametrize("method", ["chain", "eagle2"])
-def test_a_static_session_ramping_up_lays_its_batch_out_for_row_buckets(method):
-    """Prompts joining one a step, static shapes, graphs replayed (emulated): the batch is laid
-    out for 1, 2, 4 and then 8 rows (`models.static.row_bucket`, max_rows 8), padding rows riding
-    along inactive until prompts take their places, so the forwards meet 4 batch sizes, not 6
-    (each size its own graphs); every prompt decodes as generate() does, and the padding rows
-    produce nothing."""
-    target, draft = close_pair("llama")
-    prompts = [*PROMPTS, [30, 31, 32], [50, 51, 52, 53]]
-    refs = [reference(target, p, 24) for p in prompts]
-    engine, emulators = emulated_engine(target, draft, method)
-    session = engine.session(max_rows=8, keep_steps=True)
-    requests = []
-    for prompt in prompts:
-        requests.append(session.submit(prompt, 24))
-        session.step()
-    while not session.idle:
-        session.step()
-    assert [r.token_ids for r in requests] == refs
-    sizes = [len(record.active) for record in session.records]
-    assert set(sizes) == {1, 2, 4, 8}  # without the row buckets: 1, 2, 3, 4, 5 (the 2nd prompt ends at its 2nd token)
-    assert all(sum(record.active) <= len(prompts) for record in session.records)
-    assert emulators[0].replays > 0

@@ -561,13 +561,3 @@ def test_capture_failure_falls_back_once(caplog):
     warnings = [r for r in caplog.records if r.name == "specdec.graphs"]
     assert len(warnings) == 1 and "LlamaForCausalLM" in warnings[0].getMessage()
     assert graphed.graphs is not None and graphed.graphs.failed
-
-
-def test_row_buckets():
-    """A static-shape batch of n running rows is laid out for 1, 2, 4, 8, 16, then multiples of 16
-    rows, at most the session's max_rows, never fewer than n."""
-    from specdec.models.static import row_bucket
-
-    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 8, 8, 16, 16, 32, 48]
-    assert [row_bucket(n, 12) for n in (3, 5, 9, 12)] == [4, 8, 12, 12]
-    assert row_bucket(7, 5) == 7  # (never fewer than the running rows)

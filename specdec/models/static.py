@@ -33,12 +33,6 @@ if TYPE_CHECKING:
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256)
 """node-count buckets: a forward of n tokens runs as one of the smallest bucket >= n"""
 
-ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
-"""batch sizes a static-shape session lays its batch out for (`row_bucket`)"""
-
-ROW_STEP_BEYOND = 16
-"""past the last row bucket, batches are padded to a multiple of this"""
-
 WARM_UP_TOKENS = 128
 """tokens a row up to which `warm_up` runs (captures) every bucket by default: the widest
 verification of the default trees (CAST's 72 draft tokens and the root, bucket 96; DynaTree's
@@ -68,16 +62,6 @@ def node_bucket(n: int) -> int:
         if n <= bucket:
             return bucket
     return -(-n // BUCKET_STEP_BEYOND) * BUCKET_STEP_BEYOND
-
-
-def row_bucket(rows: int, limit: int | None = None) -> int:
-    """The rows a static-shape batch of `rows` running rows is laid out for (the rest ride along
-    inactive, `DecodeSession._pad_rows`): the smallest row bucket that holds them, at most `limit`
-    (the session's `max_rows`) and at least `rows`. Every batch size is a graph key of its own
-    (each forward's node-count buckets, captured per size), so a server whose load moves between
-    1 and 16 rows meets 5 sizes, not 16."""
-    bucket = next((b for b in ROW_BUCKETS if rows <= b), -(-rows // ROW_STEP_BEYOND) * ROW_STEP_BEYOND)
-    return max(rows, bucket if limit is None else min(bucket, limit))
 
 
 @dataclass
