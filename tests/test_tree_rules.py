@@ -354,3 +354,21 @@ def test_dynatree_free_width_predicts_from_the_verified_nodes():
     for got, kept, nodes in predicted:
         assert torch.allclose(got, kept), (got, kept)
         assert bool((nodes <= 24 // 2).all())  # the root and at most 11 draft tokens a row
+
+
+def test_cast_goes_plain_in_the_simulation_where_drafting_cannot_pay():
+    """A CPU-like table whose draft forward costs more than a target one, and a draft the target
+    rarely agrees with: CAST's plain-steps check (the simulated source defers the root) must run
+    most steps plain, at about AR's rate, where drafting every step loses a fifth of it."""
+    table = cpu_like_table(draft_ms=8.0, draft_per_token=0.5)
+    runs = {}
+    for name, options in (("plain", {}), ("always", {"plain_steps": False})):
+        sim = Simulation(SyntheticDraft(lo=0.02, hi=0.1), Truth(1.0), table, batch=1)
+        runs[name] = sim.run(make_policy("cast", cost_table=table, **options), 80)[20:]
+    ar_rate = 1.0 / table.target_cost(1, 300, 1)  # one token per one-token forward (the simulation's context, 300)
+    plain_steps = sum(1 for s in runs["plain"] if s.draft_ms == 0.0 and s.levels == 0)
+    assert plain_steps >= 0.8 * len(runs["plain"]), plain_steps
+    assert not any(s.draft_ms == 0.0 for s in runs["always"])
+    plain, always = summary(runs["plain"])["rate"], summary(runs["always"])["rate"]
+    assert plain >= 0.95 * ar_rate, (plain, ar_rate)
+    assert plain > 1.1 * always, (plain, always)

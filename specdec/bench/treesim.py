@@ -111,6 +111,13 @@ class SimSource:
         self.widths = [1]
         return self.draft.logprobs(self._conf(self._base(roots.shape[0])))
 
+    def defer(self, roots: torch.Tensor) -> bool:
+        """A plain step (CAST's plain-steps check): no draft forward, so nothing to charge.
+        A real source forwards the deferred roots with the next drafted step's root; that
+        catch-up is not simulated (its forward's width is the root's anyway)."""
+        self.widths = []
+        return True
+
     def path_hash(self, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
         """[B, N] a hash of each node's path (its ancestors' tokens and depths) and the step."""
         w = ((tokens + 1) * self._pw[depths.clamp(max=255)]) % _MOD  # [B, N]
@@ -291,7 +298,7 @@ class Simulation:
             state = StepState(
                 nodes=float(valid.sum(dim=1).float().mean()),
                 depth=float(depth.mean()),
-                levels=len(widths) - 1,
+                levels=max(len(widths) - 1, 0),  # a plain step (`defer`) drafts nothing
                 widths=widths,
                 expected=float(exp.mean()),
                 draft_ms=draft_ms,
