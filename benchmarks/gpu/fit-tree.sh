@@ -9,7 +9,7 @@
 # the device tool sends (tracked files plus untracked files git does not ignore). With `on`, the
 # tests that read benchmarks/ reports, tests/test_docs.py and tests/test_bundled_lvlm.py cannot pass
 # on the device (run.sh's `tests` stage leaves the last two out). docs/ left with session 46: the tree
-# had grown to 64.01 MiB without it (the bundled pair's weights alone are 60.3 MiB).
+# had grown to 64.01 MiB without it (the bundled pair's weights alone are 60.1 MiB).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude="$(git rev-parse --git-dir)/info/exclude"
@@ -22,7 +22,7 @@ case "${1:-}" in
     git rm -r -q --cached --ignore-unmatch specdec/assets/lvlm docs
     for line in "${lines[@]}"; do grep -qxF -- "$line" "$exclude" 2>/dev/null || echo "$line" >>"$exclude"; done
     bytes=$({ git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb | tail -1 | cut -f1)
-    echo "the device tool would send $((bytes / 1048576)).$(((bytes % 1048576) * 100 / 1048576)) MiB (limit 64)"
+    printf "the device tool would send %d.%02d MiB (limit 64)\n" $((bytes / 1048576)) $(((bytes % 1048576) * 100 / 1048576))
     if [ "$bytes" -gt $((64 * 1048576)) ]; then echo "over the limit: take more out of the index (the bundled target's weights if the tests stage is not needed)" >&2; fi
     ;;
   off)
