@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu/fit-tree.sh on    # benchmarks/ (all but benchmarks/gpu's own files), docs/ and the bundled LVLM leave the index
 #   ... device-tool calls ...
 #   bash benchmarks/gpu/fit-tree.sh off   # the index is HEAD's again; commit only after this
+#   bash benchmarks/gpu/fit-tree.sh size  # the bytes `on` would send, touching nothing (tests/test_gpu_tree.py)
 #
 # The files stay on disk; only git's index and .git/info/exclude change, which is what decides what
 # the device tool sends (tracked files plus untracked files git does not ignore). With `on`, the
@@ -15,20 +16,37 @@ cd "$(git rev-parse --show-toplevel)"
 exclude="$(git rev-parse --git-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
 lines=('/benchmarks/*' '!/benchmarks/gpu/' '/benchmarks/gpu/*/' '/specdec/assets/lvlm/' '/docs/')
+LIMIT=$((64 * 1048576))
+kept() {  # NUL-separated paths in, the ones `on` sends out (the same rules as `lines`)
+  while IFS= read -r -d '' f; do
+    case "$f" in
+      benchmarks/gpu/*/*) ;;
+      benchmarks/gpu/*) printf '%s\0' "$f" ;;
+      benchmarks/* | docs/* | specdec/assets/lvlm/*) ;;
+      *) printf '%s\0' "$f" ;;
+    esac
+  done
+}
+sent_bytes() {  # what the device tool would send: tracked files and untracked ones git does not ignore
+  { git ls-files -z; git ls-files -z --others --exclude-standard; } | kept | xargs -0 -r du -b 2>/dev/null | awk '{s += $1} END {print s + 0}'
+}
 case "${1:-}" in
   on)
     if ! git diff --cached --quiet; then echo "the index has staged changes: commit or unstage them first" >&2; exit 1; fi
     git ls-files -z benchmarks | grep -zv '^benchmarks/gpu/[^/]*$' | xargs -0 -r git rm -q --cached  # the runner stays, reports go
     git rm -r -q --cached --ignore-unmatch specdec/assets/lvlm docs
     for line in "${lines[@]}"; do grep -qxF -- "$line" "$exclude" 2>/dev/null || echo "$line" >>"$exclude"; done
-    bytes=$({ git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb | tail -1 | cut -f1)
+    bytes=$(sent_bytes)
     printf "the device tool would send %d.%02d MiB (limit 64)\n" $((bytes / 1048576)) $(((bytes % 1048576) * 100 / 1048576))
-    if [ "$bytes" -gt $((64 * 1048576)) ]; then echo "over the limit: take more out of the index (the bundled target's weights if the tests stage is not needed)" >&2; fi
+    if [ "$bytes" -gt "$LIMIT" ]; then echo "over the limit: take more out of the index (the bundled target's weights if the tests stage is not needed)" >&2; fi
+    ;;
+  size)
+    sent_bytes
     ;;
   off)
     git reset -q
     for line in "${lines[@]}"; do grep -vxF -- "$line" "$exclude" >"$exclude.tmp" || true; mv "$exclude.tmp" "$exclude"; done
     git status --short | head
     ;;
-  *) echo "usage: fit-tree.sh on|off" >&2; exit 2 ;;
+  *) echo "usage: fit-tree.sh on|off|size" >&2; exit 2 ;;
 esac
