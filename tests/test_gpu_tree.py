@@ -37,5 +37,5 @@ def test_the_tree_sent_to_the_gpu_fits_the_device_tool():
     assert sent > weights > 0, (sent, weights)  # the count includes the bundled pair, which the tests stage needs
     assert sent <= LIMIT, (
         f"a GPU call would send {sent / 2**20:.2f} MiB, over the device tool's 64 MiB: take more out of the index in "
-        "benchmarks/gpu/fit-tree.sh (its `kept` and `lines`), e.g. the bundled target's weights for calls that skip the tests stage"
+        "benchmarks/gpu/fit-tree.sh (its `select_paths` and `lines`), e.g. the bundled target's weights for calls that skip the tests stage"
     )

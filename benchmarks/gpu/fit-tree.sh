@@ -17,24 +17,25 @@ exclude="$(git rev-parse --git-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
 lines=('/benchmarks/*' '!/benchmarks/gpu/' '/benchmarks/gpu/*/' '/specdec/assets/lvlm/' '/docs/')
 LIMIT=$((64 * 1048576))
-kept() {  # NUL-separated paths in, the ones `on` sends out (the same rules as `lines`)
+select_paths() {  # NUL-separated paths in; out, those `on` sends (`select_paths sent`) or takes out of the index (`select_paths dropped`); the same rules as `lines`
+  local f kind
   while IFS= read -r -d '' f; do
     case "$f" in
-      benchmarks/gpu/*/*) ;;
-      benchmarks/gpu/*) printf '%s\0' "$f" ;;
-      benchmarks/* | docs/* | specdec/assets/lvlm/*) ;;
-      *) printf '%s\0' "$f" ;;
+      benchmarks/gpu/*/*) kind=dropped ;;
+      benchmarks/gpu/*) kind=sent ;;
+      benchmarks/* | docs/* | specdec/assets/lvlm/*) kind=dropped ;;
+      *) kind=sent ;;
     esac
+    if [ "$kind" = "$1" ]; then printf '%s\0' "$f"; fi
   done
 }
 sent_bytes() {  # what the device tool would send: tracked files and untracked ones git does not ignore
-  { git ls-files -z; git ls-files -z --others --exclude-standard; } | kept | xargs -0 -r du -b 2>/dev/null | awk '{s += $1} END {print s + 0}'
+  { git ls-files -z; git ls-files -z --others --exclude-standard; } | select_paths sent | xargs -0 -r du -b 2>/dev/null | awk '{s += $1} END {print s + 0}'
 }
 case "${1:-}" in
   on)
     if ! git diff --cached --quiet; then echo "the index has staged changes: commit or unstage them first" >&2; exit 1; fi
-    git ls-files -z benchmarks | grep -zv '^benchmarks/gpu/[^/]*$' | xargs -0 -r git rm -q --cached  # the runner stays, reports go
-    git rm -r -q --cached --ignore-unmatch specdec/assets/lvlm docs
+    git ls-files -z | select_paths dropped | xargs -0 -r git rm -q --cached  # the runner stays; reports, docs and the LVLM go
     for line in "${lines[@]}"; do grep -qxF -- "$line" "$exclude" 2>/dev/null || echo "$line" >>"$exclude"; done
     bytes=$(sent_bytes)
     printf "the device tool would send %d.%02d MiB (limit 64)\n" $((bytes / 1048576)) $(((bytes % 1048576) * 100 / 1048576))
