@@ -980,6 +980,47 @@ def test_plain_check_divides_sums_not_per_step_ratios():
     assert check.plain_next(1) == (times.since_plain >= 16)  # drafting ahead by more than clear_lead: a plain step every 4 * 4
 
 
+def test_plain_check_scales_steps_to_their_buckets_size():
+    """A rolling batch of 16 rows drains through 15 ... 9 rows, one bucket. Drafted steps timed
+    there (where fewer rows cost less) against plain steps timed at 16 rows: unscaled, drafting
+    looks faster per token though at any one size it is 10% slower; scaled by each step's cost
+    against the bucket's size (what the cost model says), plain steps are ahead."""
+    rng = random.Random(0)
+    cost = {b: 10.0 + 1.25 * b for b in range(1, 17)}  # a plain step's ms at b rows; 30 ms at 16
+
+    def check_after(scaled: bool) -> PlainDecodingCheck:
+        check = PlainDecodingCheck(cold_steps=0)
+        for _ in range(60):
+            rows = rng.choice((9, 10, 12, 14))  # drafted steps while the batch drains
+            check.observe(rows, False, 2.2 * cost[rows] * rng.gauss(1.0, 0.02), 2.0, relative_cost=cost[rows] / cost[16] if scaled else 1.0)
+            check.observe(16, True, cost[16] * rng.gauss(1.0, 0.02), 1.0)  # plain steps at the full batch
+        return check
+
+    scaled, unscaled = check_after(True), check_after(False)
+    assert scaled.plain_ahead(scaled.times(16)) and scaled.times(16).drafted == pytest.approx(33.0, rel=0.03)
+    assert not unscaled.plain_ahead(unscaled.times(16)) and unscaled.times(16).drafted < 25.0
+    check = PlainDecodingCheck(cold_steps=0, warm_up=16, margin=0.1)
+    check.observe(12, False, 40.0, 2.0, relative_cost=0.8)  # 25 ms per token at the bucket's size (16 rows)
+    assert check.times(12).drafted == pytest.approx(25.0)
+    assert check.plain_next(12, lambda: 18.0, relative_cost=0.8) is True  # 22.5 at the bucket's size * 1.1 < 25
+    assert check.plain_next(12, lambda: 18.0, relative_cost=0.7) is False  # 25.7 at the bucket's size: not faster
+
+
+def test_cast_scales_a_steps_time_to_its_bucket_by_the_cost_table():
+    table = CostTable.synthetic(lambda b, c, n: 10.0 + 2.0 * b * n, lambda b, c, n: 1.0 + 0.1 * b * n)
+    policy = CastPolicy(cost_table=table)
+
+    def ctx(rows: int, host: bool = True) -> DraftContext:
+        return DraftContext(
+            SamplingParams(), None, max_depth=4, active=torch.ones(rows, dtype=torch.bool), host_active=[True] * rows, host_context_len=[100] * rows if host else None
+        )
+
+    assert policy._relative_cost(16, ctx(16)) == 1.0
+    assert policy._relative_cost(12, ctx(12)) == pytest.approx((10.0 + 24.0) / (10.0 + 32.0))
+    assert policy._relative_cost(3, ctx(3)) == pytest.approx(16.0 / 18.0)
+    assert policy._relative_cost(12, ctx(12, host=False)) == 1.0  # the context is not known on the host: unscaled
+
+
 def test_mode_times_standard_error_is_the_ratio_estimators():
     """Without decay the standard error is the delta method's for R = sum ms / sum tokens:
     sqrt(sum (ms - R * tokens)^2 / (n - 1)) * sqrt(n) / sum tokens; zero when every step has the
@@ -1116,7 +1157,7 @@ def test_plain_check_buckets_and_stalls():
 class _AlternatingCheck(PlainDecodingCheck):
     """Plain at every other step, whatever the times."""
 
-    def plain_next(self, batch: int, predicted_plain=None) -> bool:
+    def plain_next(self, batch: int, predicted_plain=None, relative_cost: float = 1.0) -> bool:
         self.calls = getattr(self, "calls", 0) + 1
         return self.calls % 2 == 0
 

@@ -629,7 +629,12 @@ class PlainDecodingCheck:
       second is timed).
 
     Times are kept per batch bucket (`batch_bucket`): a step of 8 rows says little about a
-    step of 2. How many tokens a drafted step commits per expected one is pooled across the
+    step of 2. Within a bucket a step's time is scaled to the bucket's own size by the cost
+    model (`relative_cost`: f_T(B, 1) / f_T(bucket, 1)), so modes timed at different sizes of
+    one bucket compare fairly: a rolling batch of 16 rows drains through 15 ... 9 at its end,
+    and on the bundled pair (AMD EPYC CPU, 2026-12-02) its drafted steps there, cheaper for
+    having fewer rows, set the bucket's drafted speed at 26.0 ms a token against 26.2 for plain
+    steps, while at 16 rows they took 33.2 against 26.0: the next call drafted at 16 rows. How many tokens a drafted step commits per expected one is pooled across the
     buckets (`prior_tokens`, `_ModeTimes.factor`): it does not depend on the batch size. A
     mode's speed is its steps' wall time (drafting, verification, commits, bookkeeping and
     the policy's feedback) over the tokens they committed per active row, both
@@ -680,8 +685,11 @@ class PlainDecodingCheck:
             self._buckets[bucket] = _ModeTimes(siblings=self._buckets, prior_tokens=self.prior_tokens)
         return self._buckets[bucket]
 
-    def plain_next(self, batch: int, predicted_plain: Callable[[], float | None] | None = None) -> bool:
+    def plain_next(self, batch: int, predicted_plain: Callable[[], float | None] | None = None, relative_cost: float = 1.0) -> bool:
         """Whether the next step at this batch size should draft nothing.
+
+        relative_cost: what a step at `batch` rows costs against one at its bucket's size (the
+        cost model's; 1: the same), by which the prediction is scaled as timed steps are (`observe`).
 
         predicted_plain: the cost model's ms per token of a plain step at this batch size (None:
         no prediction), asked only while the bucket has drafted steps timed but no plain one: a
@@ -697,7 +705,7 @@ class PlainDecodingCheck:
             if t.since_plain >= self.warm_up:
                 return True
             predicted = predicted_plain() if predicted_plain is not None else None
-            return predicted is not None and predicted * (1 + self.unknown_noise_margin) < t.drafted
+            return predicted is not None and predicted / relative_cost * (1 + self.unknown_noise_margin) < t.drafted
         if self.plain_ahead(t):  # plain steps are ahead: probe drafting now and then, two steps in a row
             if t.since_drafted == 0 and t.last_drafted_beat_plain:  # the probe just timed beat plain steps: draft on until the means agree
                 return False
@@ -719,10 +727,14 @@ class PlainDecodingCheck:
         lead = drafted - plain
         return lead > plain * self.margin and lead > self.z * math.hypot(se_drafted, se_plain)
 
-    def observe(self, batch: int, plain: bool, step_ms: float, tokens_per_row: float, expected_tokens: float | None = None) -> None:
+    def observe(self, batch: int, plain: bool, step_ms: float, tokens_per_row: float, expected_tokens: float | None = None, relative_cost: float = 1.0) -> None:
         """One step's wall time (ms) and the tokens it committed per active row (and expected to
-        commit, when the policy says: `_ModeTimes`)."""
+        commit, when the policy says: `_ModeTimes`). relative_cost: what a step at `batch` rows
+        costs against one at its bucket's size (the cost model's, > 0; 1: the same): the step's
+        time is divided by it, so each bucket's times are at its own size (see the class)."""
         t = self.times(batch)
+        if relative_cost > 0:
+            step_ms /= relative_cost
         if plain:
             t.since_drafted += 1
             t.since_plain = 0
@@ -943,6 +955,8 @@ class CastPolicy:
     """tokens per active row the step just drafted was expected to commit (`_verify_count`), for the plain check"""
     _step_plain: bool | None = field(default=None, init=False, repr=False)
     """whether the step just drafted was plain (None: not timed, e.g. a row's last token)"""
+    _step_relative_cost: float = field(default=1.0, init=False, repr=False)
+    """the step's cost against one at its batch bucket's size (`_relative_cost`), for the plain check"""
     _owed: bool = field(default=False, init=False, repr=False)
     """the draft owes tokens of plain steps: the next drafted step forwards them (a catch-up
     whose draft time is not an overhead of drafting, so `StepOverheads` does not learn from it)"""
@@ -1047,6 +1061,21 @@ class CastPolicy:
             "or build the decoder with SpeculativeDecoder, which finds or measures them"
         )
 
+    def _relative_cost(self, batch: int, ctx: DraftContext) -> float:
+        """What a plain step of `batch` rows costs against one at its bucket's size, by the cost
+        table (`PlainDecodingCheck`: f_T(B, n0, 1) / f_T(bucket, n0, 1)); 1 at the bucket's own
+        size, when the context length is not known on the host, or without a table."""
+        bucket = batch_bucket(batch)
+        if bucket == batch or ctx.host_context_len is None or not ctx.host_context_len:
+            return 1.0
+        n0 = max(ctx.host_context_len)
+        try:
+            table = self.table_for(batch)
+        except SpecDecError:
+            return 1.0
+        at_bucket = table.target_cost(bucket, n0, 1)
+        return table.target_cost(batch, n0, 1) / at_bucket if at_bucket > 0 else 1.0
+
     def _predicted_plain_ms(self, batch: int, ctx: DraftContext) -> float | None:
         """The cost model's ms per committed token of a plain step (the root alone: one target
         forward of one token per row, the verification and step overheads learned so far); None
@@ -1071,7 +1100,8 @@ class CastPolicy:
         self._step_plain = None
         self._expected_tokens = None
         if self._plain_steps_on:
-            plain = self.plain_check.plain_next(b, lambda: self._predicted_plain_ms(b, ctx))
+            self._step_relative_cost = self._relative_cost(b, ctx)
+            plain = self.plain_check.plain_next(b, lambda: self._predicted_plain_ms(b, ctx), self._step_relative_cost)
             if (plain or depth == 0) and source.defer(roots):  # no draft forward at all
                 self._step_plain = plain if depth > 0 else None  # a last token is not a timing of plain steps
                 self._owed = True
@@ -1617,7 +1647,7 @@ class CastPolicy:
             if active and not one_off:
                 tokens = sum(c for c, a in zip(record.committed, record.active, strict=True) if a) / active
                 expected = None if self._step_plain else self._expected_tokens
-                self.plain_check.observe(len(record.active), self._step_plain, record.step_s * 1e3 + self._feedback_ms, tokens, expected)
+                self.plain_check.observe(len(record.active), self._step_plain, record.step_s * 1e3 + self._feedback_ms, tokens, expected, self._step_relative_cost)
             self._step_plain = None
         if self._catching_up or one_off:  # this step's draft forwarded the tokens owed by plain steps, or it captured graphs: not an overhead
             self.overheads.skip()
