@@ -1191,7 +1191,11 @@ def _add_profile(sub) -> None:
     prof.add_argument("--contexts", type=int, default=4, help="M: number of context buckets (4)")
     prof.add_argument("--n-grid", default="1,2,4,8,16,32,64,128", help="new-token counts n measured; others are interpolated (default 1,2,4,...,128)")
     prof.add_argument("--warmup", type=int, default=1, help="untimed forwards before each point (1)")
-    prof.add_argument("--repeats", type=int, default=3, help="timed forwards per point at least; the median is kept (3)")
+    prof.add_argument("--repeats", type=int, default=1, help="timed forwards per point and round at least, more while they add up to under 100 ms/3; the median is kept (1)")
+    prof.add_argument(
+        "--passes", type=int, default=3,
+        help="rounds over the whole grid; a point's cost is the median of its rounds' medians, so a slow spell of a shared machine lands in one round, not in all of a point's timings (3)",
+    )
     prof.add_argument("--out", required=True, help="output JSON file (the bundled pair's: specdec/assets/pair/cost_profile.json)")
     prof.set_defaults(func=_cmd_profile)
 
@@ -1201,7 +1205,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from specdec.cost.profile import ProfileGrid, describe, profile_models
     from specdec.models.loading import bundled_draft, bundled_target, context_length, load_model, pair_load_options
 
-    for flag, value, least in (("--context-step", args.context_step, 1), ("--contexts", args.contexts, 1), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1)):
+    for flag, value, least in (("--context-step", args.context_step, 1), ("--contexts", args.contexts, 1), ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1), ("--passes", args.passes, 1)):
         if value < least:
             raise SpecDecError(f"{flag}={value} must be {'a positive integer' if least else 'an integer >= 0'}")
     grid = ProfileGrid(
@@ -1211,6 +1215,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         n_grid=sorted(parse_int_list(args.n_grid, "--n-grid")),  # points, in any order
         warmup=args.warmup,
         repeats=args.repeats,
+        min_time_ms=100.0 / args.passes,
+        max_repeats=max(1, 25 // args.passes),
+        passes=args.passes,
     )
     target_name = args.target or bundled_target()
     draft_name = args.draft or (bundled_draft() if args.target is None else None)
@@ -1231,7 +1238,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             f"--context-step {grid.context_step} x --contexts {grid.num_contexts} + {grid.n_grid[-1]} new tokens = {longest} positions, "
             f"beyond the models' context of {min(limits)}; use --context-step {step} or less (or fewer --contexts, a smaller --n-grid)"
         )
-    print(f"profiling {grid.points()} points per model (batch sizes {list(grid.batch_sizes)}, contexts up to {grid.context_step * grid.num_contexts})", file=sys.stderr)
+    print(f"profiling {grid.points()} points per model, {grid.passes} round(s) (batch sizes {list(grid.batch_sizes)}, contexts up to {grid.context_step * grid.num_contexts})", file=sys.stderr)
     try:
         table = profile_models(target, draft, grid, progress=lambda line: print(line, file=sys.stderr), cuda_graphs=graphs)
     except (MemoryError, RuntimeError) as err:  # torch.OutOfMemoryError is a RuntimeError; so is the CPU allocator's refusal

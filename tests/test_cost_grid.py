@@ -136,6 +136,33 @@ def test_full_profile_is_extrapolated_not_extended(tmp_path, monkeypatch, caplog
     assert resolver.source.kind == "file" and "extrapolated" in resolver.source.describe()
 
 
+def test_profile_keeps_each_points_median_over_rounds(monkeypatch):
+    """A slow spell lands in one round of a point: its median over three rounds ignores it (one
+    round would keep it). Warm-up forwards run in the first round only; a tick per point and round."""
+    target, draft = pair()
+    calls: list[tuple[int, int, int]] = []  # (round, n, warmup)
+    state = {"round": -1}
+
+    def fake_measure(runner, context, n, warmup, repeats, generator, min_time_ms=0.0, max_repeats=25):
+        if runner.model is target and n == 1 and context == 16 and runner.batch_size == 1:
+            state["round"] += 1
+            calls.append((state["round"], n, warmup))
+            return (10.0, 30.0, 11.0)[state["round"]] if state["round"] < 3 else 99.0  # round 2 was slow
+        return 100.0 * n
+
+    monkeypatch.setattr(profile, "measure_forward_ms", fake_measure)
+    ticks = []
+    grid = profile.ProfileGrid(batch_sizes=(1, 2), context_step=16, num_contexts=2, n_grid=(1, 4), warmup=1, repeats=1, min_time_ms=0.0, passes=3)
+    table = profile.profile_models(target, draft, grid, on_point=lambda: ticks.append(1))
+    assert table.target_ms[1][0] == [11.0, 400.0]  # median of 10, 30, 11 (one round: 10 or 30)
+    assert [w for _, _, w in calls] == [1, 0, 0]
+    assert len(ticks) == 2 * grid.points() * 3
+    assert table.meta["grid"]["passes"] == 3
+    with pytest.raises(SpecDecError, match="passes=0 must be a positive integer"):
+        profile.ProfileGrid(passes=0)
+    assert profile.quick_grid(4).passes == 3
+
+
 def test_measurements_are_shared_in_process(monkeypatch):
     forget_measured()
     target, draft = pair()

@@ -77,12 +77,20 @@ class ProfileGrid:
     min_time_ms: float = 100.0
     """cheap points repeat until their timed forwards add up to this (at most `max_repeats`)"""
     max_repeats: int = 25
+    passes: int = 1
+    """rounds over the whole grid; a point's cost is the median of its rounds' medians. A slow
+    period of a shared machine lasts seconds, so it lands in every forward of a point timed at
+    once, but in one round of several: on a 2-core AMD EPYC (2026-12-02) a quick profile of the
+    bundled pair timed in one round put the target's one-token forward at B = 16 at 36.0 ms
+    where eight later timings gave 24.8-30.5 (median 26.6), and CAST, seeing a second token
+    verified for free, drafted at every step where plain steps were as fast. Warm-up forwards
+    run in the first round only."""
     quick: bool = False
     """a measurement taken because no profile fitted (coarse; extended with larger batch sizes
     before a session that needs them)"""
 
     def __post_init__(self) -> None:
-        for name in ("context_step", "num_contexts", "repeats", "max_repeats"):
+        for name in ("context_step", "num_contexts", "repeats", "max_repeats", "passes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise SpecDecError(f"{name}={value!r} must be a positive integer")
@@ -103,16 +111,18 @@ class ProfileGrid:
 
 def quick_grid(max_batch: int = 1, batch_sizes: Sequence[int] | None = None) -> ProfileGrid:
     """The grid measured when no profile fits: `batch_sizes`, else `batch_grid(max_batch)`;
-    2 contexts (256, 512), n up to 96, >= 3 timed forwards per point."""
+    2 contexts (256, 512), n up to 96, 3 rounds (`ProfileGrid.passes`) of >= 1 timed forward
+    per point (as many forwards as 3 in one round were, spread over the measurement)."""
     return ProfileGrid(
         batch_sizes=tuple(batch_sizes) if batch_sizes is not None else batch_grid(max_batch),
         context_step=256,
         num_contexts=2,
         n_grid=(1, 2, 4, 8, 16, 32, 64, 96),
         warmup=1,
-        repeats=3,
-        min_time_ms=30.0,
-        max_repeats=9,
+        repeats=1,
+        min_time_ms=10.0,
+        max_repeats=3,
+        passes=3,
         quick=True,
     )
 
@@ -174,39 +184,41 @@ def profile_models(
     on_point: Callable[[], None] | None = None,
     cuda_graphs: bool = False,
 ) -> CostTable:
-    """Measure f_T and f_D on `grid`; returns a CostTable with its provenance in `meta`.
+    """Measure f_T and f_D on `grid` (`grid.passes` rounds over it, a point's median over the
+    rounds kept); returns a CostTable with its provenance in `meta`.
 
-    progress: gets a line per batch size and model; on_point: called after every grid point
-    (2 * grid.points() calls: target and draft). cuda_graphs: measure the forwards as the
-    engine runs them with CUDA graphs (bucketed, replayed)."""
+    progress: gets a line per batch size and model in the last round; on_point: called after
+    every grid point of every round (2 * grid.points() * grid.passes calls: target and draft).
+    cuda_graphs: measure the forwards as the engine runs them with CUDA graphs (bucketed, replayed)."""
     grid = grid or ProfileGrid()
     generator_dev = next(target.parameters()).device
     generator = torch.Generator(device=generator_dev).manual_seed(0)
     runners = {"target": ModelRunner(target, cuda_graphs=cuda_graphs), "draft": ModelRunner(draft, cuda_graphs=cuda_graphs)}
-    tables: dict[str, dict[int, list[list[float]]]] = {"target": {}, "draft": {}}
+    # rounds[which][batch][context index][n index]: the point's median in each round
+    rounds: dict[str, dict[int, list[list[list[float]]]]] = {
+        which: {b: [[[] for _ in grid.n_grid] for _ in range(grid.num_contexts)] for b in grid.batch_sizes} for which in runners
+    }
     t_start = time.perf_counter()
     contexts = [(k + 1) * grid.context_step for k in range(grid.num_contexts)]
     with torch.inference_mode():
         for runner in runners.values():  # warm up threads and allocator once before any timing
             _fill_context(runner, grid.batch_sizes[0], contexts[0], generator)
             measure_forward_ms(runner, contexts[0], grid.n_grid[-1], 0, 3, generator)
-        for batch in grid.batch_sizes:
-            for which, runner in runners.items():
-                rows = []
-                for context in contexts:
-                    _fill_context(runner, batch, context, generator)
-                    row = []
-                    for n in grid.n_grid:
-                        row.append(measure_forward_ms(runner, context, n, grid.warmup, grid.repeats, generator, grid.min_time_ms, grid.max_repeats))
-                        if on_point is not None:
-                            on_point()
-                    rows.append(row)
-                tables[which][batch] = rows
-                if progress is not None:
-                    progress(
-                        f"{which} B={batch}: {time.perf_counter() - t_start:.0f}s; "
-                        + ", ".join(f"n={n} {ms:.1f}ms" for n, ms in zip(grid.n_grid, rows[0], strict=True))
-                    )
+        for round_ in range(grid.passes):
+            warmup = grid.warmup if round_ == 0 else 0  # (later rounds run shapes the first one ran)
+            for batch in grid.batch_sizes:
+                for which, runner in runners.items():
+                    for c, context in enumerate(contexts):
+                        _fill_context(runner, batch, context, generator)
+                        for i, n in enumerate(grid.n_grid):
+                            ms = measure_forward_ms(runner, context, n, warmup, grid.repeats, generator, grid.min_time_ms, grid.max_repeats)
+                            rounds[which][batch][c][i].append(ms)
+                            if on_point is not None:
+                                on_point()
+                    if progress is not None and round_ == grid.passes - 1:
+                        first = [statistics.median(times) for times in rounds[which][batch][0]]
+                        progress(f"{which} B={batch}: {time.perf_counter() - t_start:.0f}s; " + ", ".join(f"n={n} {ms:.1f}ms" for n, ms in zip(grid.n_grid, first, strict=True)))
+    tables = {which: {b: [[statistics.median(times) for times in row] for row in per_batch] for b, per_batch in by_batch.items()} for which, by_batch in rounds.items()}
     for runner in runners.values():
         runner.reset(0)
     param = next(target.parameters())
@@ -245,7 +257,7 @@ def measure_with_progress(
     except LiveError:
         return profile_models(target, draft, grid, cuda_graphs=cuda_graphs)
     try:
-        task = bar.add_task(description, total=2 * grid.points())
+        task = bar.add_task(description, total=2 * grid.points() * grid.passes)
         return profile_models(target, draft, grid, on_point=lambda: bar.advance(task), cuda_graphs=cuda_graphs)
     finally:
         bar.stop()
