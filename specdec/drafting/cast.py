@@ -634,9 +634,9 @@ class PlainDecodingCheck:
     one bucket compare fairly: a rolling batch of 16 rows drains through 15 ... 9 at its end,
     and on the bundled pair (AMD EPYC CPU, 2026-12-02) its drafted steps there, cheaper for
     having fewer rows, set the bucket's drafted speed at 26.0 ms a token against 26.2 for plain
-    steps, while at 16 rows they took 33.2 against 26.0: the next call drafted at 16 rows. How many tokens a drafted step commits per expected one is pooled across the
-    buckets (`prior_tokens`, `_ModeTimes.factor`): it does not depend on the batch size. A
-    mode's speed is its steps' wall time (drafting, verification, commits, bookkeeping and
+    steps, while at 16 rows they took 33.2 against 26.0: the next call drafted at 16 rows.
+    How many tokens a drafted step commits per expected one is pooled across the buckets
+    (`prior_tokens`, `_ModeTimes.factor`): it does not depend on the batch size. A mode's speed is its steps' wall time (drafting, verification, commits, bookkeeping and
     the policy's feedback) over the tokens they committed per active row, both
     summed with exponential decay (`decay`, `_ModeTimes`), each step's time clipped to 3x the
     mode's mean so one stalled step cannot flip the decision. Until both modes are timed at a
