@@ -163,6 +163,35 @@ def test_profile_keeps_each_points_median_over_rounds(monkeypatch):
     assert profile.quick_grid(4).passes == 3
 
 
+def test_a_forward_that_captures_graphs_is_not_timed(monkeypatch):
+    """A later round of a profile runs no warm-up: if its cache is new storage, the first forward
+    captures CUDA graphs, and that time is not a step's cost (emulated: the first forward
+    'captures' and takes 10x as long)."""
+    from specdec.models.runner import ModelRunner
+
+    target, _ = pair()
+    runner = ModelRunner(target)
+    profile._fill_context(runner, 1, 16, torch.Generator().manual_seed(0))
+    counter = {"captures": 0, "calls": 0}
+    clock = {"now": 0.0}
+    real_forward = runner.forward
+
+    def forward(*args, **kwargs):
+        counter["calls"] += 1
+        if counter["calls"] == 1:
+            counter["captures"] += 1
+            clock["now"] += 0.05
+        else:
+            clock["now"] += 0.005
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "graph_captures", property(lambda self: counter["captures"]))
+    monkeypatch.setattr(runner, "forward", forward)
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: clock["now"])
+    ms = profile.measure_forward_ms(runner, 16, 1, 0, 1, torch.Generator().manual_seed(0))  # one timed forward, as a quick profile's later round
+    assert ms == pytest.approx(5.0) and counter["calls"] == 2  # the capture, then the timed forward
+
+
 def test_measurements_are_shared_in_process(monkeypatch):
     forget_measured()
     target, draft = pair()

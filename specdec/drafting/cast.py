@@ -636,9 +636,9 @@ class PlainDecodingCheck:
     having fewer rows, set the bucket's drafted speed at 26.0 ms a token against 26.2 for plain
     steps, while at 16 rows they took 33.2 against 26.0: the next call drafted at 16 rows.
     How many tokens a drafted step commits per expected one is pooled across the buckets
-    (`prior_tokens`, `_ModeTimes.factor`): it does not depend on the batch size. A mode's speed is its steps' wall time (drafting, verification, commits, bookkeeping and
-    the policy's feedback) over the tokens they committed per active row, both
-    summed with exponential decay (`decay`, `_ModeTimes`), each step's time clipped to 3x the
+    (`prior_tokens`, `_ModeTimes.factor`): it does not depend on the batch size. A mode's speed
+    is its steps' wall time (drafting, verification, commits, bookkeeping and the policy's
+    feedback) over the tokens they committed per active row, both summed with exponential decay (`decay`, `_ModeTimes`), each step's time clipped to 3x the
     mode's mean so one stalled step cannot flip the decision. Until both modes are timed at a
     bucket, steps draft (after `warm_up` drafted steps, one plain step is timed)."""
 
