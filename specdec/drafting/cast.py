@@ -638,9 +638,9 @@ class PlainDecodingCheck:
     How many tokens a drafted step commits per expected one is pooled across the buckets
     (`prior_tokens`, `_ModeTimes.factor`): it does not depend on the batch size. A mode's speed
     is its steps' wall time (drafting, verification, commits, bookkeeping and the policy's
-    feedback) over the tokens they committed per active row, both summed with exponential decay (`decay`, `_ModeTimes`), each step's time clipped to 3x the
-    mode's mean so one stalled step cannot flip the decision. Until both modes are timed at a
-    bucket, steps draft (after `warm_up` drafted steps, one plain step is timed)."""
+    feedback) over the tokens they committed per active row, both summed with exponential
+    decay (`decay`, `_ModeTimes`), each step's time clipped to 3x the mode's mean so one
+    stalled step cannot flip the decision. Until both modes are timed at a bucket, steps draft (after `warm_up` drafted steps, one plain step is timed)."""
 
     probe_every: int = 16
     clear_lead: float = 1.15
